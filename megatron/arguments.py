@@ -1,0 +1,632 @@
+"""Command-line flags (Megatron's names), their validation, and translation to configs.
+
+This is the only module that knows about argparse.  Entry points call
+``parse_and_validate()`` once; it returns the raw namespace (for entry-point specific
+flags) and a typed ``MegatronConfig`` that core code receives explicitly.
+
+Validation runs before ``torch.distributed`` is initialised, identically on every rank,
+so a bad command line makes every rank exit at once with the same one-line message
+instead of leaving some ranks waiting in a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.config import (
+    PIPELINE_SCHEDULES,
+    DataConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "NullTokenizer",
+    "CharTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+)
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+class ArgumentError(ValueError):
+    """An inconsistent or incomplete command line; the message names the flag(s)."""
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model", "size and initialisation of the transformer")
+    g.add_argument("--num-layers", type=int, default=None, help="Transformer blocks in the whole model.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Width of the residual stream.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Width of the MLP (default: 4 x --hidden-size).")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Attention heads per block.")
+    g.add_argument("--seq-length", type=int, default=None, help="Tokens per sample.")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Size of the position-embedding table (default: --seq-length).")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this x tensor-parallel size.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on residual branches.")
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="Dropout on attention probabilities.")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal initialiser.")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+
+
+def _add_batch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("batches", "batch sizes and length of training")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="Samples per microbatch on one pipeline (b).")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step over all pipelines "
+                        "(default: --micro-batch-size x data-parallel size).")
+    g.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train for.")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Samples to train on (alternative to --train-iters).")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism", "how ranks split into tensor x pipeline x data")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="Ranks that split each layer's matrices (t).")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Pipeline depth d: number of stages.  The data-parallel width w "
+                        "(parallel pipelines) is world size / (t x d).")
+    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
+                   help="torch.distributed backend (default: nccl with CUDA, else gloo).")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="How long a collective may wait before the run fails.")
+
+
+def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pipeline", "pipeline schedule (PipeDream-2BW paper)")
+    g.add_argument(
+        "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="flush",
+        help="none: inter-layer model parallelism without pipelining, one microbatch in "
+             "flight at a time (the paper's baseline).  gpipe: GPipe, all m forwards then "
+             "all m backwards, then a flush and one update; stashes activations of all m "
+             "microbatches.  flush: PipeDream-Flush (1F1B with a flush per batch, "
+             "Megatron's schedule): same semantics as gpipe, at most d microbatches "
+             "stashed.  2bw: PipeDream-2BW, 1F1B without flushes and two weight versions "
+             "per stage; updates use a 1-stale gradient, W(t+1) = W(t) - lr * grad f(W(t-1)); "
+             "needs m >= d microbatches per batch.  With --pipeline-model-parallel-size 1 "
+             "every schedule runs without a pipeline.")
+
+
+def _add_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("precision", "mixed precision and loss scaling")
+    g.add_argument("--fp16", action="store_true", help="Run the model in float16 with loss scaling.")
+    g.add_argument("--bf16", action="store_true", help="Run the model in bfloat16.")
+    g.add_argument("--fp64", action="store_true",
+                   help="float64 everywhere (exactness tests and debugging).")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static loss scale (fp16); default: dynamic scaling.")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="Starting value of the dynamic loss scale.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="Floor of the dynamic loss scale.")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="Steps without overflow before the dynamic scale doubles.")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="Overflows tolerated before the dynamic scale halves.")
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="Optimizer.")
+    g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required to train).")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decayed learning rate.")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
+                   help="Learning-rate decay after warmup.")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Iterations over which the LR decays (default: --train-iters).")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples over which the LR decays (alternative to --lr-decay-iters).")
+    g.add_argument("--lr-warmup-iters", type=int, default=None, help="Linear warmup iterations.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warmup as a fraction of the LR decay iterations.")
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="Linear warmup in samples.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="Clip the global gradient norm to this value (0 disables).")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed.")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    g.add_argument("--load", type=str, default=None, help="Directory to load a checkpoint from.")
+    g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoints.")
+    g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
+    g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load only model weights and restart the iteration count at 0.")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    g.add_argument("--eval-iters", type=int, default=100, help="Batches per evaluation.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Exit after an iteration divisible by this (drains the pipeline first).")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs here.")
+    g.add_argument("--timeline-file", type=str, default=None,
+                   help="Write traced pipeline actions as JSON (one file per rank) for "
+                        "tools/draw_timeline.py.")
+    g.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Dataset prefixes (prefix.bin + prefix.idx), optionally weighted: "
+                        "'0.3 a 0.7 b'.")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Train on synthetic random tokens (no data files).")
+    g.add_argument("--split", type=str, default="969, 30, 1",
+                   help="Train, validation, test proportions, comma separated.")
+    g.add_argument("--data-cache-path", type=str, default=None, help="Where to cache dataset indices.")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
+    g.add_argument("--vocab-file", type=str, default=None, help="Tokenizer vocabulary file.")
+    g.add_argument("--merge-file", type=str, default=None, help="BPE merges file.")
+    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None, help="Tokenizer.")
+    g.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece model file.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="Do not train on end-of-document tokens.")
+
+
+def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("activation recomputation")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="The paper's activation recomputation: each pipeline stage stashes only "
+                        "its input and recomputes its whole forward pass before the backward "
+                        "(same as --recompute-granularity full without --recompute-method).")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers/stages; selective: only attention internals.")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="Layer-level checkpointing inside a stage (needs --recompute-granularity "
+                        "full): uniform chunks, or the first N layers of each stage.")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="Layers per chunk (uniform) or checkpointed layers per stage (block).")
+
+
+def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> argparse.ArgumentParser:
+    """The full parser; ``extra_args_provider(parser) -> parser`` adds entry-point groups."""
+    parser = argparse.ArgumentParser(description="Megatron-style GPT/BERT training with "
+                                                 "PipeDream-2BW pipelines", allow_abbrev=False)
+    for add in (_add_model_args, _add_batch_args, _add_parallel_args, _add_pipeline_args,
+                _add_precision_args, _add_optimizer_args, _add_checkpoint_args,
+                _add_logging_args, _add_data_args, _add_recompute_args):
+        add(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None,
+               extra_args_provider: Optional[ExtraArgsProvider] = None,
+               ignore_unknown_args: bool = False) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``); no validation (see ``validate_args``)."""
+    parser = build_parser(extra_args_provider)
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args(argv)
+        return args
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------ validation
+# Each validator checks one concern, fills the derived values it owns, and raises
+# ArgumentError on the first problem.  Their order matters: later ones use values
+# derived by earlier ones (data-parallel size, global batch, train iterations).
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ArgumentError(message)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _require_positive(args: argparse.Namespace, *dests: str, allow_none: bool = True) -> None:
+    for dest in dests:
+        value = getattr(args, dest)
+        if value is None and allow_none:
+            continue
+        _require(value is not None and value > 0,
+                 f"{_flag(dest)} must be a positive number, got {value}")
+
+
+def _check_required(args: argparse.Namespace) -> None:
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+        _require(getattr(args, dest) is not None, f"{_flag(dest)} is required")
+    _require_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                      "micro_batch_size", "global_batch_size", "ffn_hidden_size",
+                      "max_position_embeddings", "make_vocab_size_divisible_by",
+                      "init_method_std", "layernorm_epsilon", "train_iters", "train_samples")
+    _require(not (args.train_iters is not None and args.train_samples is not None),
+             "--train-iters and --train-samples are mutually exclusive; give one")
+    if not args.skip_train:
+        _require(args.train_iters is not None or args.train_samples is not None,
+                 "exactly one of --train-iters or --train-samples is required (or --skip-train)")
+        _require(args.lr is not None, "--lr is required for training (or --skip-train)")
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _require(args.seq_length <= args.max_position_embeddings,
+             f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
+             f"({args.max_position_embeddings})")
+    _require(args.hidden_size % args.num_attention_heads == 0,
+             f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+             f"({args.num_attention_heads})")
+    for dest in ("hidden_dropout", "attention_dropout"):
+        p = getattr(args, dest)
+        _require(0.0 <= p < 1.0, f"{_flag(dest)} must be in [0, 1), got {p}")
+
+
+def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
+    _require(isinstance(world_size, int) and world_size >= 1,
+             f"world size (WORLD_SIZE) must be a positive integer, got {world_size!r}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(tp >= 1, f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    _require(pp >= 1, f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    _require(world_size % (tp * pp) == 0,
+             f"world size ({world_size}) must be divisible by --tensor-model-parallel-size ({tp}) "
+             f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    _require(args.num_layers % pp == 0,
+             f"--num-layers ({args.num_layers}) must be divisible by "
+             f"--pipeline-model-parallel-size ({pp})")
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+             f"--tensor-model-parallel-size ({tp})")
+    _require(args.distributed_timeout_minutes > 0,
+             f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+    if args.distributed_backend == "nccl":
+        _require(torch.cuda.is_available(),
+                 "--distributed-backend nccl needs CUDA, but no CUDA device is available; "
+                 "use --distributed-backend gloo (or leave it unset)")
+
+
+def _check_batches(args: argparse.Namespace) -> None:
+    mbs, dp, pp = args.micro_batch_size, args.data_parallel_size, args.pipeline_model_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    _require(gbs % (mbs * dp) == 0,
+             f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size ({mbs}) "
+             f"x data-parallel size ({dp}) = {mbs * dp}")
+    args.num_microbatches = gbs // (mbs * dp)
+    m = args.num_microbatches
+    if args.pipeline_schedule == "2bw":
+        _require(m >= pp,
+                 f"PipeDream-2BW needs m >= d: --global-batch-size ({gbs}) / (--micro-batch-size "
+                 f"({mbs}) x data-parallel size ({dp})) = {m} microbatches, fewer than "
+                 f"--pipeline-model-parallel-size ({pp}); raise --global-batch-size to at least "
+                 f"{pp * mbs * dp}")
+    if args.train_samples is not None:
+        _require(args.train_samples >= gbs,
+                 f"--train-samples ({args.train_samples}) must be >= --global-batch-size ({gbs})")
+        args.train_iters = args.train_samples // gbs
+
+
+def _samples_to_iters(args: argparse.Namespace, samples_dest: str) -> int:
+    return math.ceil(getattr(args, samples_dest) / args.global_batch_size)
+
+
+def _check_precision(args: argparse.Namespace) -> None:
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
+    _require(not (args.fp64 and (args.fp16 or args.bf16)),
+             "--fp64 cannot be combined with --fp16 or --bf16")
+    if args.loss_scale is not None:
+        _require(args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")
+    _require_positive(args, "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                      "hysteresis", allow_none=False)
+    _require(args.min_loss_scale <= args.initial_loss_scale,
+             f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
+             f"({args.initial_loss_scale})")
+    if args.fp16:
+        args.params_dtype = torch.float16
+    elif args.bf16:
+        args.params_dtype = torch.bfloat16
+    elif args.fp64:
+        args.params_dtype = torch.float64
+    else:
+        args.params_dtype = torch.float32
+
+
+def _check_lr_schedule(args: argparse.Namespace) -> None:
+    """Fill lr_decay_iters and lr_warmup_iters, converting sample counts to iterations."""
+    _require(not (args.lr_decay_iters is not None and args.lr_decay_samples is not None),
+             "--lr-decay-iters and --lr-decay-samples are mutually exclusive")
+    _require_positive(args, "lr_decay_iters", "lr_decay_samples")
+    if args.lr_decay_samples is not None:
+        args.lr_decay_iters = _samples_to_iters(args, "lr_decay_samples")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    given = [f for f in ("lr_warmup_iters", "lr_warmup_fraction", "lr_warmup_samples")
+             if getattr(args, f) is not None]
+    _require(len(given) <= 1,
+             f"{' and '.join(_flag(f) for f in given)} are mutually exclusive; give one warmup flag")
+    if args.lr_warmup_fraction is not None:
+        frac = args.lr_warmup_fraction
+        _require(0.0 <= frac <= 1.0, f"--lr-warmup-fraction must be in [0, 1], got {frac}")
+        _require(args.lr_decay_iters is not None,
+                 "--lr-warmup-fraction needs the LR decay length: give --lr-decay-iters "
+                 "(or --train-iters/--train-samples)")
+        args.lr_warmup_iters = int(round(frac * args.lr_decay_iters))
+    elif args.lr_warmup_samples is not None:
+        _require(args.lr_warmup_samples >= 0,
+                 f"--lr-warmup-samples must be >= 0, got {args.lr_warmup_samples}")
+        args.lr_warmup_iters = _samples_to_iters(args, "lr_warmup_samples")
+    elif args.lr_warmup_iters is None:
+        args.lr_warmup_iters = 0
+    _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_decay_iters is not None and args.lr_decay_style != "constant":
+        _require(args.lr_warmup_iters <= args.lr_decay_iters,
+                 f"LR warmup ({args.lr_warmup_iters} iterations) must not exceed the LR decay "
+                 f"length ({args.lr_decay_iters} iterations, --lr-decay-iters)")
+
+
+def _check_optimizer(args: argparse.Namespace) -> None:
+    if args.lr is None:  # only reachable with --skip-train: no step is ever taken
+        args.lr = 0.0
+    _require(args.lr >= 0, f"--lr must be >= 0, got {args.lr}")
+    _require(args.min_lr >= 0, f"--min-lr must be >= 0, got {args.min_lr}")
+    _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    _require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
+    _require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
+    for dest in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+        v = getattr(args, dest)
+        _require(0.0 <= v < 1.0, f"{_flag(dest)} must be in [0, 1), got {v}")
+    _require(args.adam_eps > 0, f"--adam-eps must be positive, got {args.adam_eps}")
+    _check_lr_schedule(args)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _data_prefixes(data_path: Sequence[str]) -> List[str]:
+    """Prefixes named by --data-path, checking the weighted 'w1 p1 w2 p2' form."""
+    if not any(_is_number(item) for item in data_path):
+        return list(data_path)
+    _require(len(data_path) % 2 == 0,
+             f"--data-path in weighted form must alternate weight and prefix "
+             f"('0.3 a 0.7 b'), got {len(data_path)} entries: {' '.join(data_path)}")
+    prefixes = []
+    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
+        _require(_is_number(weight) and not _is_number(prefix),
+                 f"--data-path in weighted form must alternate weight and prefix "
+                 f"('0.3 a 0.7 b'), got '{weight} {prefix}'")
+        _require(float(weight) > 0 and math.isfinite(float(weight)),
+                 f"--data-path weights must be positive, got {weight} for {prefix}")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def _parse_split(split: str) -> List[float]:
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    _require(1 <= len(parts) <= 3 and all(_is_number(p) for p in parts),
+             f"--split must be up to three numbers 'train, valid, test' (e.g. '969, 30, 1'), "
+             f"got '{split}'")
+    values = [float(p) for p in parts]
+    _require(all(v >= 0 for v in values) and sum(values) > 0,
+             f"--split parts must be >= 0 with a positive sum, got '{split}'")
+    return values
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    _parse_split(args.split)
+    _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
+    _require(args.data_path != [], "--data-path was given without any prefix")
+    has_paths = bool(args.data_path)
+    _require(not (has_paths and args.mock_data), "--data-path and --mock-data are mutually exclusive")
+    if not args.skip_train:
+        _require(has_paths or args.mock_data,
+                 "training needs data: give --data-path PREFIX (prefix.bin/.idx made by "
+                 "tools/preprocess_data.py) or --mock-data")
+    for prefix in _data_prefixes(args.data_path or []):
+        for suffix in (".bin", ".idx"):
+            path = Path(prefix + suffix)
+            _require(path.is_file(), f"--data-path prefix '{prefix}': file {path} does not exist")
+
+
+def _require_file(flag: str, path: Optional[str], tokenizer: str) -> None:
+    _require(path is not None, f"--tokenizer-type {tokenizer} needs {flag}")
+    _require(Path(path).is_file(), f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer})")
+
+
+def _check_tokenizer(args: argparse.Namespace) -> None:
+    # A bare --vocab-size means the synthetic NullTokenizer (handy with --mock-data).
+    if args.tokenizer_type is None and args.vocab_size is not None:
+        args.tokenizer_type = "NullTokenizer"
+    kind = args.tokenizer_type
+    if kind is None:
+        _require(args.skip_train, "--tokenizer-type is required for training (e.g. "
+                 "GPT2BPETokenizer with --vocab-file and --merge-file, or NullTokenizer with "
+                 "--vocab-size for --mock-data)")
+    elif kind == "GPT2BPETokenizer":
+        _require_file("--vocab-file", args.vocab_file, kind)
+        _require_file("--merge-file", args.merge_file, kind)
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        _require_file("--tokenizer-model", args.tokenizer_model, kind)
+    elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        _require_file("--vocab-file", args.vocab_file, kind)
+    elif kind == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    elif kind == "CharTokenizer" and args.vocab_file is not None:
+        _require_file("--vocab-file", args.vocab_file, kind)
+    if args.vocab_size is not None:
+        _require(args.vocab_size > 0, f"--vocab-size must be positive, got {args.vocab_size}")
+
+
+def _check_recompute(args: argparse.Namespace) -> None:
+    if args.recompute_activations:
+        _require(args.recompute_granularity in (None, "full"),
+                 "--recompute-activations means --recompute-granularity full; it conflicts "
+                 f"with --recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "full"
+    method, n = args.recompute_method, args.recompute_num_layers
+    if args.recompute_granularity == "selective":
+        _require(method is None, "--recompute-granularity selective cannot be combined with "
+                 "--recompute-method (layer checkpointing needs --recompute-granularity full)")
+    if method is not None:
+        _require(args.recompute_granularity == "full",
+                 f"--recompute-method {method} needs --recompute-granularity full")
+        _require(n is not None, f"--recompute-method {method} needs --recompute-num-layers")
+    if n is not None:
+        _require(method is not None, "--recompute-num-layers needs --recompute-method (uniform or block)")
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        _require(1 <= n <= per_stage,
+                 f"--recompute-num-layers ({n}) must be between 1 and the layers per pipeline "
+                 f"stage ({per_stage} = --num-layers / --pipeline-model-parallel-size)")
+
+
+def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
+    if args.save_interval is not None:
+        _require(args.save is not None, "--save-interval needs --save (a checkpoint directory)")
+        _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
+    for dest in ("log_interval", "eval_interval"):
+        v = getattr(args, dest)
+        _require(v > 0, f"{_flag(dest)} must be positive, got {v}")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check ``args`` for a run on ``world_size`` ranks and fill the derived values.
+
+    Derived (set on ``args``): world_size, data_parallel_size, num_microbatches,
+    ffn_hidden_size, max_position_embeddings, global_batch_size, train_iters (from
+    --train-samples), lr_decay_iters, lr_warmup_iters, recompute_granularity,
+    tokenizer_type (NullTokenizer for a bare --vocab-size), params_dtype.
+    Raises ``ArgumentError`` naming the flag(s) on the first inconsistency.
+    """
+    _check_required(args)
+    _check_model(args)
+    _check_parallel(args, world_size)
+    _check_batches(args)
+    _check_precision(args)
+    _check_optimizer(args)
+    _check_data(args)
+    _check_tokenizer(args)
+    _check_recompute(args)
+    _check_checkpoint_and_logging(args)
+    return args
+
+
+# ----------------------------------------------------------------------- translation
+
+def build_config(args: argparse.Namespace) -> MegatronConfig:
+    """Translate validated ``args`` into typed configs.
+
+    ``model.padded_vocab_size`` stays 0: the trainer fills it once the tokenizer exists.
+    Entry-point flags (e.g. BERT's ``num_tokentypes``) are picked up when present.
+    """
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        padded_vocab_size=0, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon, params_dtype=args.params_dtype,
+        num_tokentypes=getattr(args, "num_tokentypes", 0) or 0,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers)
+    parallel = ParallelConfig(
+        world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        pipeline_schedule=args.pipeline_schedule, distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    precision = PrecisionConfig(
+        fp16=args.fp16, bf16=args.bf16, fp64=args.fp64, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        fp32_master_weights=args.fp16 or args.bf16)
+    optimizer = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
+        lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum)
+    data = DataConfig(
+        data_path=list(args.data_path or []), split=args.split,
+        data_cache_path=args.data_cache_path, num_workers=args.num_workers,
+        tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        eod_mask_loss=args.eod_mask_loss, mock_data=args.mock_data)
+    training = TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, train_samples=args.train_samples, seed=args.seed,
+        log_interval=args.log_interval, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, exit_interval=args.exit_interval,
+        tensorboard_dir=args.tensorboard_dir, save=args.save, load=args.load,
+        save_interval=args.save_interval, no_save_optim=args.no_save_optim,
+        no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+        finetune=args.finetune, skip_train=args.skip_train, timeline_file=args.timeline_file)
+    return MegatronConfig(model=model, parallel=parallel, precision=precision,
+                          optimizer=optimizer, data=data, training=training)
+
+
+def _world_size_from_env() -> int:
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ArgumentError(f"environment variable WORLD_SIZE must be an integer, got '{raw}'") from None
+
+
+def parse_and_validate(argv: Optional[List[str]] = None,
+                       extra_args_provider: Optional[ExtraArgsProvider] = None,
+                       world_size: Optional[int] = None,
+                       ) -> Tuple[argparse.Namespace, MegatronConfig]:
+    """Parse, validate and translate; on a bad command line print one line and exit(2).
+
+    Runs before any process group exists, identically on every rank, so every rank
+    of a bad launch stops at once.  ``world_size`` defaults to torchrun's WORLD_SIZE.
+    """
+    args = parse_args(argv, extra_args_provider)
+    try:
+        if world_size is None:
+            world_size = _world_size_from_env()
+        validate_args(args, world_size)
+        config = build_config(args)
+    except ArgumentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return args, config

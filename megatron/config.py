@@ -1,0 +1,214 @@
+"""Typed configuration objects.
+
+``megatron/arguments.py`` parses Megatron's command-line flags once and turns them into
+these dataclasses.  Core code (model, optimizer, pipeline, training loop) receives the
+config objects it needs explicitly and never reads global arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+PIPELINE_SCHEDULES = ("none", "gpipe", "flush", "2bw")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape of a GPT/BERT transformer (the whole model, not one pipeline stage)."""
+
+    num_layers: int
+    """Number of transformer blocks in the whole model."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Attention heads per block (must divide hidden_size and be divisible by TP size)."""
+    ffn_hidden_size: Optional[int] = None
+    """Width of the MLP; defaults to 4 * hidden_size."""
+    seq_length: int = 1024
+    """Tokens per sample."""
+    max_position_embeddings: Optional[int] = None
+    """Size of the learned position table; defaults to seq_length."""
+    padded_vocab_size: int = 0
+    """Vocabulary size after padding to a multiple of make_vocab_size_divisible_by * TP."""
+    hidden_dropout: float = 0.1
+    """Dropout on the residual branches."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Std of the normal initialiser; output projections use std / sqrt(2 * num_layers)."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype of the model's (compute) weights: fp32, fp16, bf16 or float64 (tests)."""
+    num_tokentypes: int = 0
+    """Token-type embeddings (2 for BERT, 0 for GPT)."""
+    recompute_granularity: Optional[str] = None
+    """None, 'full' or 'selective'.  'full' without recompute_method means the pipeline
+    stage recomputes its whole forward from the stashed stage input (the paper's scheme)."""
+    recompute_method: Optional[str] = None
+    """'uniform' or 'block': layer-level checkpointing inside a stage (Megatron's)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per checkpointed chunk (uniform) or number of checkpointed layers (block)."""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def stage_recompute(self) -> bool:
+        """True when the pipeline executor should recompute whole stages."""
+        return self.recompute_granularity == "full" and self.recompute_method is None
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the world is split into tensor x pipeline x data parallel ranks."""
+
+    world_size: int = 1
+    """Total number of ranks."""
+    tensor_model_parallel_size: int = 1
+    """t: ranks that split each layer's matrices."""
+    pipeline_model_parallel_size: int = 1
+    """d: pipeline depth (stages)."""
+    pipeline_schedule: str = "flush"
+    """One of none, gpipe, flush, 2bw."""
+    distributed_backend: Optional[str] = None
+    """'gloo' or 'nccl'; None picks nccl when CUDA is available, else gloo."""
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective or p2p op may wait before the run fails with an error."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """w: number of parallel pipelines (derived from the world size)."""
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Mixed precision and loss scaling."""
+
+    fp16: bool = False
+    bf16: bool = False
+    fp64: bool = False
+    """Everything in float64 (exactness tests and debugging)."""
+    loss_scale: Optional[float] = None
+    """Static loss scale; None means dynamic scaling (fp16 only)."""
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves."""
+    fp32_master_weights: bool = True
+    """Keep an fp32 copy for the optimizer when the model runs in fp16/bf16."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp64:
+            return torch.float64
+        return torch.float32
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule and gradient clipping."""
+
+    optimizer: str = "adam"
+    """'adam' (decoupled weight decay, as Megatron) or 'sgd'."""
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    """constant, linear or cosine."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which the LR decays; defaults to train_iters."""
+    lr_warmup_iters: int = 0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where training data and the tokenizer come from."""
+
+    data_path: List[str] = field(default_factory=list)
+    """Dataset prefixes, optionally preceded by weights: ['0.3', 'a', '0.7', 'b']."""
+    split: str = "969, 30, 1"
+    data_cache_path: Optional[str] = None
+    num_workers: int = 2
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    """Vocabulary size for NullTokenizer (no vocabulary file)."""
+    make_vocab_size_divisible_by: int = 128
+    eod_mask_loss: bool = False
+    mock_data: bool = False
+    """Use a synthetic dataset of random tokens (tests, benchmarks)."""
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Batches, length of training, logging, evaluation and checkpoints."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: Optional[int] = None
+    tensorboard_dir: Optional[str] = None
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    skip_train: bool = False
+    timeline_file: Optional[str] = None
+    """Write every rank's traced pipeline actions to this JSON file (rank suffix added)."""
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    """Everything, grouped; built once by arguments.py."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    training: TrainingConfig
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            out[f.name] = {k: (str(v) if isinstance(v, torch.dtype) else v)
+                           for k, v in dataclasses.asdict(sub).items()}
+        return out

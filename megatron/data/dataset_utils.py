@@ -1,0 +1,164 @@
+"""Shared pieces of the dataset builders: flag parsing, index caching, Python references.
+
+``build_sample_idx_py`` and ``build_blending_indices_py`` define what the C++ helpers
+in ``helpers.cpp`` compute; tests compare the two on random inputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+
+
+def parse_split(split: str) -> List[float]:
+    """``--split`` ("969,30,1", "98, 2, 0", "90/10") -> three fractions summing to 1.
+
+    Missing trailing parts are zero.
+    """
+    text = str(split).strip()
+    parts = [p.strip() for p in text.replace("/", ",").split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to three comma-separated "
+                         f"non-negative numbers such as '969,30,1'") from None
+    if len(values) > 3 or any(v < 0 or not np.isfinite(v) for v in values):
+        raise ValueError(f"--split {split!r}: expected up to three comma-separated "
+                         f"non-negative numbers (train, valid, test) such as '969,30,1'")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"--split {split!r}: the weights must not all be zero")
+    return [v / total for v in values]
+
+
+def split_boundaries(split: str, size: int) -> List[int]:
+    """Document boundaries [0, a, b, size] of the train/valid/test ranges."""
+    fractions = parse_split(split)
+    cumulative = np.cumsum(fractions)
+    # Rounding the cumulative (not each part) keeps the ranges contiguous, ordered and
+    # ending exactly at `size`.
+    bounds = [0] + [int(round(c * size)) for c in cumulative[:-1]] + [size]
+    return [min(max(b, 0), size) for b in bounds]
+
+
+def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
+    """``--data-path`` ("p" or "w1 p1 w2 p2 ...") -> (prefixes, normalised weights)."""
+    items = [str(p) for p in data_path]
+    if not items:
+        raise ValueError("--data-path: no dataset prefix given")
+    if len(items) == 1:
+        return items, [1.0]
+    if len(items) % 2:
+        raise ValueError(f"--data-path {' '.join(items)}: expected a single prefix or "
+                         f"'weight prefix' pairs such as '0.3 a 0.7 b'")
+    weights, prefixes = [], []
+    for w, p in zip(items[0::2], items[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"--data-path: {w!r} should be a weight before prefix {p!r} "
+                             f"(pairs such as '0.3 a 0.7 b')") from None
+        if weight < 0 or not np.isfinite(weight):
+            raise ValueError(f"--data-path: weight {w} of {p} must be a non-negative number")
+        weights.append(weight)
+        prefixes.append(p.strip())
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError("--data-path: the weights must not all be zero")
+    return prefixes, [w / total for w in weights]
+
+
+def open_prefix(prefix: str) -> IndexedDataset:
+    """Open a dataset named on --data-path, with a flag-level message when it is missing."""
+    if not IndexedDataset.exists(prefix):
+        raise FileNotFoundError(
+            f"--data-path: dataset prefix {prefix!r} not found; expected both "
+            f"{data_file_path(prefix)} and {index_file_path(prefix)} "
+            f"(create them with tools/preprocess_data.py)")
+    return IndexedDataset(prefix)
+
+
+def build_sample_idx_py(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,
+                        num_epochs: int, tokens_per_epoch: int) -> np.ndarray:
+    """Pure-Python reference of ``helpers.build_sample_idx`` (same values and dtype).
+
+    Row k is (position in doc_idx, offset) of token k * seq_length of the stream made
+    by concatenating documents doc_idx[0], doc_idx[1], ...; it is where sample k
+    starts (samples are seq_length + 1 tokens, so neighbours share one token).
+    """
+    if seq_length <= 0 or num_epochs <= 0 or tokens_per_epoch <= 0:
+        raise ValueError("build_sample_idx: seq_length, num_epochs and tokens_per_epoch must "
+                         "be positive")
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    dtype = np.int32 if len(doc_idx) < 2 ** 31 - 1 else np.int64
+    out = np.zeros((num_samples + 1, 2), dtype=dtype)
+    pos, offset = 0, 0
+    for k in range(1, num_samples + 1):
+        advance = seq_length
+        while True:
+            if pos >= len(doc_idx):
+                raise RuntimeError("build_sample_idx: ran out of documents")
+            left = int(sizes[doc_idx[pos]]) - offset
+            if left > advance:
+                offset += advance
+                break
+            advance -= left
+            pos += 1
+            offset = 0
+        out[k] = (pos, offset)
+    return out
+
+
+def build_blending_indices_py(weights: Sequence[float], size: int
+                              ) -> Tuple[np.ndarray, np.ndarray]:
+    """Pure-Python reference of ``helpers.build_blending_indices``."""
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.any(w > 0):
+        raise ValueError("build_blending_indices: at least one weight must be positive")
+    dataset_index = np.zeros(size, dtype=np.uint8 if w.size <= 255 else np.int32)
+    sample_index = np.zeros(size, dtype=np.int64)
+    taken = np.zeros(w.size, dtype=np.int64)
+    for i in range(size):
+        errors = w * max(i, 1) - taken
+        errors[w <= 0] = -np.inf  # never draw from a zero-weight dataset
+        best = int(np.argmax(errors))  # first maximum, as the C++ loop's strict '>'
+        dataset_index[i] = best
+        sample_index[i] = taken[best]
+        taken[best] += 1
+    return dataset_index, sample_index
+
+
+def index_cache_dir(prefix: str, data_cache_path: Optional[str]) -> Path:
+    """Directory for cached sample indices: --data-cache-path or ``<prefix dir>/cache``."""
+    if data_cache_path:
+        return Path(data_cache_path)
+    return Path(prefix).resolve().parent / "cache"
+
+
+def cache_key(description: Dict) -> str:
+    """Stable short hash of the parameters that determine an index."""
+    text = json.dumps(description, sort_keys=True)
+    return hashlib.md5(text.encode("utf-8")).hexdigest()
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """np.save to a temporary name then rename, so readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,229 @@
+"""GPT pretraining samples: fixed-length token windows over shuffled documents.
+
+For one split (a contiguous range of document ids) three index arrays are built once
+and cached as ``.npy`` files:
+
+* ``doc_idx``: the split's documents, repeated for as many epochs as the requested
+  number of samples needs, each epoch shuffled with ``RandomState(seed)``;
+* ``sample_idx``: [n + 1, 2] (position in doc_idx, token offset) where sample k starts,
+  from the C++ helper ``build_sample_idx``; a sample is the ``seq_length + 1`` tokens
+  from its start to the next sample's start inclusive, crossing document boundaries;
+* ``shuffle_idx``: the sample order; the samples of all complete epochs come first
+  (shuffled together), then those of the last, partial epoch, so a run never sees the
+  partial epoch before it has seen every document of the complete ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megatron.data import helpers
+from megatron.data.dataset_utils import (cache_key, index_cache_dir, open_prefix,
+                                         parse_data_path, save_npy_atomic, split_boundaries,
+                                         write_text_atomic)
+from megatron.data.indexed_dataset import IndexedDataset
+
+_SPLIT_NAMES = ("train", "valid", "test")
+_INDEX_VERSION = 1
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """``num_samples`` samples of ``seq_length + 1`` tokens from ``documents``."""
+
+    def __init__(self, name: str, indexed_dataset: IndexedDataset, documents: np.ndarray,
+                 num_samples: int, seq_length: int, seed: int,
+                 data_cache_path: Optional[str] = None) -> None:
+        documents = np.asarray(documents, dtype=np.int64)
+        if documents.size == 0:
+            raise ValueError(f"{indexed_dataset.prefix}: the {name} split has no documents")
+        if documents.min() < 0 or documents.max() >= len(indexed_dataset):
+            raise ValueError(f"{indexed_dataset.prefix}: {name} documents outside "
+                             f"[0, {len(indexed_dataset)})")
+        if num_samples <= 0 or seq_length <= 0:
+            raise ValueError(f"{name}: num_samples ({num_samples}) and seq_length "
+                             f"({seq_length}) must be positive")
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        self.num_samples = int(num_samples)
+        self.seq_length = int(seq_length)
+        self.doc_idx, self.sample_idx, self.shuffle_idx, self.index_cache_hit = \
+            _index_mappings(name, indexed_dataset, documents, self.num_samples,
+                            self.seq_length, seed, data_cache_path)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"{self.name}: sample {idx} out of range [0, {self.num_samples})")
+        i = int(self.shuffle_idx[idx])
+        p0, o0 = (int(v) for v in self.sample_idx[i])
+        p1, o1 = (int(v) for v in self.sample_idx[i + 1])
+        ds, docs = self.indexed_dataset, self.doc_idx
+        if p0 == p1:
+            tokens = ds.get(int(docs[p0]), offset=o0, length=o1 - o0 + 1)
+        else:
+            parts = [ds.get(int(docs[p0]), offset=o0)]
+            parts += [ds.get(int(docs[p])) for p in range(p0 + 1, p1)]
+            parts.append(ds.get(int(docs[p1]), length=o1 + 1))
+            tokens = np.concatenate(parts)
+        if tokens.size != self.seq_length + 1:
+            raise RuntimeError(f"{self.name}: sample {idx} has {tokens.size} tokens, expected "
+                               f"{self.seq_length + 1}; the cached index does not match "
+                               f"{ds.prefix} (delete the cache directory)")
+        return {"text": tokens.astype(np.int64)}
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Deterministic random tokens: sample i depends only on (seed, i)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234
+                 ) -> None:
+        if num_samples < 0 or seq_length <= 0 or vocab_size <= 0:
+            raise ValueError("MockGPTDataset: num_samples >= 0, seq_length > 0 and "
+                             "vocab_size > 0 required")
+        self.num_samples, self.seq_length = int(num_samples), int(seq_length)
+        self.vocab_size, self.seed = int(vocab_size), int(seed)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"MockGPTDataset: sample {idx} out of range")
+        rng = np.random.default_rng([self.seed, int(idx)])
+        return {"text": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest number of epochs whose tokens yield ``num_samples`` samples."""
+    # Each sample consumes seq_length new tokens; the +1 shared token is the first one.
+    needed_tokens = num_samples * seq_length + 1
+    return max(1, -(-needed_tokens // tokens_per_epoch))
+
+
+def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_samples: int,
+                    seq_length: int, seed: int, data_cache_path: Optional[str]
+                    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    sizes = ds.sizes
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    if tokens_per_epoch <= 0:
+        raise ValueError(f"{ds.prefix}: the {name} split's documents hold no tokens")
+    description = {
+        "class": "GPTDataset", "version": _INDEX_VERSION, "name": name,
+        "prefix": os.path.abspath(ds.prefix), "num_sequences": len(ds),
+        "tokens_per_epoch": tokens_per_epoch, "num_samples": num_samples,
+        "seq_length": seq_length, "seed": int(seed),
+        "documents": hashlib.md5(documents.tobytes()).hexdigest(),
+    }
+    key = cache_key(description)
+    cache = index_cache_dir(ds.prefix, data_cache_path)
+    paths = {k: cache / f"{key}-{name}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
+    if all(p.exists() for p in paths.values()):
+        loaded = [np.load(paths[k], mmap_mode="r", allow_pickle=False)
+                  for k in ("doc", "sample", "shuffle")]
+        return loaded[0], loaded[1], loaded[2], True
+
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    rng = np.random.RandomState(seed)
+    doc_idx = _build_doc_idx(documents, num_epochs, rng)
+    sample_idx = helpers.build_sample_idx(sizes, doc_idx, seq_length, num_epochs,
+                                          tokens_per_epoch)
+    total = sample_idx.shape[0] - 1
+    full_epoch_samples = max(0, ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length)
+    shuffle_idx = _build_shuffle_idx(full_epoch_samples, total, rng)
+    try:
+        write_text_atomic(cache / f"{key}-{name}_description.json",
+                          json.dumps(description, indent=2, sort_keys=True))
+        save_npy_atomic(paths["doc"], doc_idx)
+        save_npy_atomic(paths["sample"], sample_idx)
+        save_npy_atomic(paths["shuffle"], shuffle_idx)
+    except OSError as exc:
+        warnings.warn(f"could not cache dataset indices in {cache} ({exc}); they will be "
+                      f"rebuilt next run. Point --data-cache-path at a writable directory.")
+    return doc_idx, sample_idx, shuffle_idx, False
+
+
+def _build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
+                   ) -> np.ndarray:
+    dtype = np.int32 if documents.max() < 2 ** 31 - 1 else np.int64
+    epochs = []
+    for _ in range(num_epochs):
+        epoch = documents.astype(dtype)
+        rng.shuffle(epoch)
+        epochs.append(epoch)
+    return np.concatenate(epochs)
+
+
+def _build_shuffle_idx(first: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    dtype = np.uint32 if total < 2 ** 32 - 1 else np.int64
+    head = np.arange(first, dtype=dtype)
+    tail = np.arange(first, total, dtype=dtype)
+    rng.shuffle(head)
+    rng.shuffle(tail)
+    return np.concatenate([head, tail])
+
+
+def _build_split_datasets(prefix: str, split: str, num_samples: Sequence[int],
+                          seq_length: int, seed: int, data_cache_path: Optional[str],
+                          require: bool) -> List[Optional[GPTDataset]]:
+    ds = open_prefix(prefix)
+    bounds = split_boundaries(split, len(ds))
+    out: List[Optional[GPTDataset]] = []
+    for i, name in enumerate(_SPLIT_NAMES):
+        documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int64)
+        n = int(num_samples[i])
+        if n <= 0:
+            out.append(None)
+        elif documents.size == 0:
+            if require:
+                raise ValueError(f"--split {split!r} gives the {name} split of {prefix} no "
+                                 f"documents ({len(ds)} in total), but the blend needs {n} "
+                                 f"samples from it")
+            out.append(None)
+        else:
+            out.append(GPTDataset(name, ds, documents, n, seq_length, seed, data_cache_path))
+    return out
+
+
+def build_train_valid_test_datasets(data_prefix: List[str], split: str,
+                                    train_valid_test_num_samples: Tuple[int, int, int],
+                                    seq_length: int, seed: int,
+                                    data_cache_path: Optional[str] = None):
+    """(train, valid, test) datasets from ``--data-path``, ``--split`` and sample counts.
+
+    A split gets None when it needs no samples or, for a single prefix, has no
+    documents.  Several weighted prefixes give ``BlendableDataset``s whose components
+    hold exactly the samples the blend draws from them.
+    """
+    from megatron.data.blendable_dataset import BlendableDataset
+
+    prefixes, weights = parse_data_path(data_prefix)
+    if len(train_valid_test_num_samples) != 3:
+        raise ValueError("train_valid_test_num_samples must have three entries")
+    if len(prefixes) == 1:
+        return tuple(_build_split_datasets(prefixes[0], split, train_valid_test_num_samples,
+                                           seq_length, seed, data_cache_path, require=False))
+    # Count how many samples the blend takes from each prefix in each split, so every
+    # component is built at exactly that size.
+    counts = np.zeros((len(prefixes), 3), dtype=np.int64)
+    for s, n in enumerate(train_valid_test_num_samples):
+        if n > 0:
+            index, _ = helpers.build_blending_indices(np.asarray(weights), int(n))
+            counts[:, s] = np.bincount(index, minlength=len(prefixes))
+    per_prefix = [_build_split_datasets(p, split, counts[j], seq_length, seed,
+                                        data_cache_path, require=True)
+                  for j, p in enumerate(prefixes)]
+    blends = []
+    for s, n in enumerate(train_valid_test_num_samples):
+        if n <= 0:
+            blends.append(None)
+        else:
+            blends.append(BlendableDataset([d[s] for d in per_prefix], weights, int(n)))
+    return tuple(blends)

@@ -1,0 +1,172 @@
+// Index builders for the GPT/BERT datasets, compiled with pybind11.
+//
+// These loops walk every token position of a training run once, which is far too
+// slow in Python for billion-token corpora; megatron/data/dataset_utils.py keeps
+// pure-Python references with identical results that the tests compare against.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using SizesArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using DocIdxArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using WeightsArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// Fills out[2 * k], out[2 * k + 1] with (position in doc_idx, token offset) of the
+// first token of sample k, i.e. of token k * seq_length of the stream formed by
+// concatenating the documents in doc_idx order.  Consecutive samples share one
+// token: a sample is seq_length + 1 tokens so inputs and shifted labels are one slice.
+// Sample 0 starts at (0, 0) even if that document is empty; later boundaries always
+// point inside a non-empty document (offset < its size).
+template <typename T>
+void fill_sample_idx(const int32_t* sizes, int64_t num_sizes, const int64_t* doc_idx,
+                     int64_t num_doc_idx, int64_t seq_length, int64_t num_samples, T* out) {
+  int64_t pos = 0;     // index into doc_idx of the document holding the boundary
+  int64_t offset = 0;  // token offset of the boundary inside that document
+  out[0] = 0;
+  out[1] = 0;
+  for (int64_t k = 1; k <= num_samples; ++k) {
+    int64_t advance = seq_length;
+    while (true) {
+      if (pos >= num_doc_idx) {
+        throw std::runtime_error(
+            "build_sample_idx: ran out of documents; num_epochs * tokens_per_epoch exceeds "
+            "the tokens that sizes[doc_idx] hold");
+      }
+      const int64_t doc = doc_idx[pos];
+      if (doc < 0 || doc >= num_sizes) {
+        throw std::runtime_error("build_sample_idx: doc_idx entry " + std::to_string(doc) +
+                                 " is outside sizes (length " + std::to_string(num_sizes) +
+                                 ")");
+      }
+      // Tokens from the boundary (inclusive) to the end of this document.
+      const int64_t left = static_cast<int64_t>(sizes[doc]) - offset;
+      if (left > advance) {
+        offset += advance;
+        break;
+      }
+      advance -= left;
+      ++pos;
+      offset = 0;
+    }
+    out[2 * k] = static_cast<T>(pos);
+    out[2 * k + 1] = static_cast<T>(offset);
+  }
+}
+
+py::array build_sample_idx(const SizesArray& sizes, const DocIdxArray& doc_idx,
+                           int64_t seq_length, int64_t num_epochs, int64_t tokens_per_epoch) {
+  if (sizes.ndim() != 1 || doc_idx.ndim() != 1) {
+    throw std::invalid_argument("build_sample_idx: sizes and doc_idx must be 1-D arrays");
+  }
+  if (seq_length <= 0 || num_epochs <= 0 || tokens_per_epoch <= 0) {
+    throw std::invalid_argument(
+        "build_sample_idx: seq_length, num_epochs and tokens_per_epoch must be positive");
+  }
+  const int64_t total_tokens = num_epochs * tokens_per_epoch;
+  const int64_t num_samples = (total_tokens - 1) / seq_length;
+  // Offsets are bounded by int32 document sizes, so only the position column can
+  // outgrow int32 (more than 2^31 documents over all epochs).
+  const bool small = doc_idx.shape(0) < std::numeric_limits<int32_t>::max();
+  const int32_t* s = sizes.data();
+  const int64_t* d = doc_idx.data();
+  if (small) {
+    py::array_t<int32_t> out({num_samples + 1, static_cast<int64_t>(2)});
+    int32_t* o = out.mutable_data();
+    {
+      py::gil_scoped_release release;
+      fill_sample_idx<int32_t>(s, sizes.shape(0), d, doc_idx.shape(0), seq_length,
+                               num_samples, o);
+    }
+    return out;
+  }
+  py::array_t<int64_t> out({num_samples + 1, static_cast<int64_t>(2)});
+  int64_t* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    fill_sample_idx<int64_t>(s, sizes.shape(0), d, doc_idx.shape(0), seq_length, num_samples,
+                             o);
+  }
+  return out;
+}
+
+// Greedy interleaving: sample i goes to the dataset that is furthest behind its
+// target share weight * i, so every prefix of the blend tracks the weights closely.
+template <typename T>
+void fill_blending(const double* weights, int64_t num_datasets, int64_t size, T* dataset_index,
+                   int64_t* dataset_sample_index) {
+  std::vector<int64_t> taken(num_datasets, 0);
+  for (int64_t i = 0; i < size; ++i) {
+    // max(i, 1) keeps the first choice on the heaviest dataset rather than dataset 0.
+    const double scale = static_cast<double>(i > 0 ? i : 1);
+    int64_t best = -1;
+    double best_err = 0.0;
+    for (int64_t j = 0; j < num_datasets; ++j) {
+      // Zero-weight datasets are skipped outright: their error 0 - 0 could otherwise
+      // win a tie against rounding-negative errors of the others.
+      if (!(weights[j] > 0.0)) continue;
+      const double err = weights[j] * scale - static_cast<double>(taken[j]);
+      if (best < 0 || err > best_err) {
+        best_err = err;
+        best = j;
+      }
+    }
+    dataset_index[i] = static_cast<T>(best);
+    dataset_sample_index[i] = taken[best];
+    ++taken[best];
+  }
+}
+
+py::tuple build_blending_indices(const WeightsArray& weights, int64_t size) {
+  if (weights.ndim() != 1 || weights.shape(0) == 0) {
+    throw std::invalid_argument("build_blending_indices: weights must be a non-empty 1-D array");
+  }
+  if (size < 0) {
+    throw std::invalid_argument("build_blending_indices: size must be >= 0");
+  }
+  const int64_t n = weights.shape(0);
+  bool any_positive = false;
+  for (int64_t j = 0; j < n; ++j) any_positive = any_positive || weights.data()[j] > 0.0;
+  if (!any_positive) {
+    throw std::invalid_argument("build_blending_indices: at least one weight must be positive");
+  }
+  py::array_t<int64_t> sample_index(size);
+  int64_t* si = sample_index.mutable_data();
+  const double* w = weights.data();
+  if (n <= 255) {
+    py::array_t<uint8_t> index(size);
+    uint8_t* di = index.mutable_data();
+    {
+      py::gil_scoped_release release;
+      fill_blending<uint8_t>(w, n, size, di, si);
+    }
+    return py::make_tuple(index, sample_index);
+  }
+  py::array_t<int32_t> index(size);
+  int32_t* di = index.mutable_data();
+  {
+    py::gil_scoped_release release;
+    fill_blending<int32_t>(w, n, size, di, si);
+  }
+  return py::make_tuple(index, sample_index);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(helpers_cpp, m) {
+  m.doc() = "C++ index builders for megatron.data (sample index, blending index).";
+  m.def("build_sample_idx", &build_sample_idx, py::arg("sizes"), py::arg("doc_idx"),
+        py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"),
+        "Return [num_samples + 1, 2] (doc_idx position, offset) of each sample start.");
+  m.def("build_blending_indices", &build_blending_indices, py::arg("weights"), py::arg("size"),
+        "Return (dataset_index, dataset_sample_index) of a weighted greedy interleave.");
+}

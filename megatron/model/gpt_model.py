@@ -1,0 +1,144 @@
+"""GPT: embeddings -> transformer layers -> final LN -> logits against the word embedding.
+
+One class serves every pipeline stage: ``pre_process`` (first stage) adds the
+embeddings, ``post_process`` (last stage) the final LayerNorm, output projection and
+loss, and ``layer_numbers`` picks the stage's global layers.  A stage that does not
+embed receives its input through ``set_input_tensor`` (Megatron's seam, called by the
+pipeline executor before ``forward``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
+from megatron.model.transformer import ParallelTransformer
+from megatron.tensor_parallel import (ColumnParallelLinear, TPInfo, VocabParallelEmbedding,
+                                      divide, init_method_normal, mark_replicated_parameters,
+                                      vocab_parallel_cross_entropy)
+
+
+def _check_config(config: ModelConfig, tp: TPInfo, layer_numbers: range,
+                  pre_process: bool, post_process: bool) -> None:
+    divide(config.hidden_size, config.num_attention_heads, "--hidden-size")
+    divide(config.num_attention_heads, tp.size, "--num-attention-heads")
+    divide(config.ffn_hidden_size, tp.size, "--ffn-hidden-size")
+    divide(config.padded_vocab_size, tp.size, "padded vocab size")
+    if pre_process != (layer_numbers.start == 0):
+        raise ValueError(f"pre_process={pre_process} but layer_numbers {layer_numbers} "
+                         f"{'does' if layer_numbers.start == 0 else 'does not'} start at layer 0")
+    if post_process != (layer_numbers.stop == config.num_layers):
+        raise ValueError(f"post_process={post_process} but layer_numbers {layer_numbers} "
+                         f"{'does' if layer_numbers.stop == config.num_layers else 'does not'} "
+                         f"end at the last layer ({config.num_layers})")
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage (or the whole model) of a GPT language model.
+
+    ``seed`` fixes the initial weights (see megatron/tensor_parallel/param_init.py);
+    models built with the same seed agree on every parameter whatever their TP size
+    and stage split.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPInfo, *, pre_process: bool = True,
+                 post_process: bool = True, layer_numbers: Optional[range] = None,
+                 share_embeddings_and_output_weights: bool = True, seed: int = 1234) -> None:
+        super().__init__()
+        if layer_numbers is None:
+            layer_numbers = range(config.num_layers)
+        _check_config(config, tp, layer_numbers, pre_process, post_process)
+        self.config = config
+        self.tp = tp
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.layer_numbers = layer_numbers
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.input_tensor: Optional[torch.Tensor] = None
+
+        self.embedding = Embedding(config, tp, seed=seed) if pre_process else None
+        self.encoder = ParallelTransformer(config, tp, layer_numbers, seed=seed,
+                                           post_layer_norm=post_process)
+        self.output_word_embeddings = None
+        self.output_layer = None
+        if post_process and share_embeddings_and_output_weights and not pre_process:
+            # The last stage's copy of the tied weight, drawn by the same rule (same key)
+            # as the first stage's word embedding so the copies start identical; the
+            # trainer keeps them identical by all-reducing their gradients.
+            self.output_word_embeddings = VocabParallelEmbedding(
+                config.padded_vocab_size, config.hidden_size, tp=tp,
+                init_method=init_method_normal(config.init_method_std),
+                params_dtype=config.params_dtype,
+                init_key=embedding_init_key(seed).child("word_embeddings"))
+            self.output_word_embeddings.weight.shared = True
+            self.output_word_embeddings.weight.shared_embedding = True
+        elif post_process and not share_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, tp=tp, bias=False,
+                init_method=init_method_normal(config.init_method_std),
+                params_dtype=config.params_dtype,
+                init_key=embedding_init_key(seed).child("output_layer"))
+        if pre_process and share_embeddings_and_output_weights:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        mark_replicated_parameters(self)
+
+    # -- pipeline seams -----------------------------------------------------------------
+    def set_input_tensor(self, tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
+        """Input of a non-first stage: the previous stage's [s, b, h] output."""
+        if isinstance(tensor, (list, tuple)):
+            if len(tensor) != 1:
+                raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(tensor)}")
+            tensor = tensor[0]
+        self.input_tensor = tensor
+
+    def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:
+        """Shape of the activation a non-first stage receives: [s, b, h]."""
+        return (self.config.seq_length, micro_batch_size, self.config.hidden_size)
+
+    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
+        """The tied word-embedding parameter held by this stage (first or last), if any."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_word_embeddings.weight
+        return None
+
+    def _output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.output_layer is not None:
+            logits, _ = self.output_layer(hidden)
+            return logits
+        return parallel_lm_logits(hidden, self.shared_embedding_weight(), self.tp)
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor],
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token loss [b, s] (last stage, labels given), logits [b, s, V/t] (last
+        stage, no labels) or the hidden states [s, b, h] sent to the next stage.
+
+        ``attention_mask``: bool, True = masked, broadcastable to [b, heads, s, s]; None
+        means causal (and lets CUDA use the fused causal kernel).
+        """
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise ValueError(f"attention_mask must be a bool tensor (True = masked), "
+                             f"got {attention_mask.dtype}")
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("GPTModel stage without pre_process: call "
+                                   "set_input_tensor(previous stage output) before forward")
+            hidden = self.input_tensor
+        hidden = self.encoder(hidden, attention_mask)
+        if not self.post_process:
+            return hidden.contiguous()
+        logits = self._output_logits(hidden)  # [s, b, V/t]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp)
+        return loss.transpose(0, 1).contiguous()

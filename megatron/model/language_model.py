@@ -1,0 +1,74 @@
+"""Input embeddings and the tied output projection shared by GPT and BERT."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding,
+                                      copy_to_tp_region, init_method_normal)
+from megatron.tensor_parallel.param_init import EMBEDDING_LAYER, full_tensor
+from megatron.model.utils import position_ids_for
+
+
+def embedding_init_key(seed: int) -> InitKey:
+    """Init key of everything in the embedding layer (also the last stage's tied copy)."""
+    return InitKey(seed, EMBEDDING_LAYER)
+
+
+def _replicated_table(rows: int, cols: int, key: InitKey, std: float,
+                      dtype: torch.dtype) -> nn.Embedding:
+    table = nn.Embedding(rows, cols, dtype=dtype)
+    with torch.no_grad():
+        table.weight.copy_(full_tensor((rows, cols), key.child("weight"),
+                                       init_method_normal(std), dtype))
+    return table
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) + learned position (+ token-type) embeddings, then dropout.
+
+    Returns [seq, batch, hidden].  Dropout draws from the default stream, identical on all
+    TP ranks, because the embedding output is replicated across them.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPInfo, *, seed: int,
+                 num_tokentypes: int = 0) -> None:
+        super().__init__()
+        if config.padded_vocab_size <= 0:
+            raise ValueError("ModelConfig.padded_vocab_size must be set (> 0) before building "
+                             "the embedding; it comes from the tokenizer's padded vocab size")
+        key = embedding_init_key(seed)
+        std = config.init_method_std
+        h = config.hidden_size
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, h, tp=tp, init_method=init_method_normal(std),
+            params_dtype=config.params_dtype, init_key=key.child("word_embeddings"))
+        self.position_embeddings = _replicated_table(
+            config.max_position_embeddings, h, key.child("position_embeddings"), std,
+            config.params_dtype)
+        self.tokentype_embeddings = _replicated_table(
+            num_tokentypes, h, key.child("tokentype_embeddings"), std,
+            config.params_dtype) if num_tokentypes > 0 else None
+        self.dropout = config.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = position_ids_for(input_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        if self.tokentype_embeddings is not None:
+            if tokentype_ids is None:
+                raise ValueError("this model has token-type embeddings: pass tokentype_ids")
+            x = x + self.tokentype_embeddings(tokentype_ids)
+        x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        return F.dropout(x, p=self.dropout, training=self.training)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, word_weight: torch.Tensor,
+                       tp: TPInfo) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice: [s, b, h] x [V/t, h]^T -> [s, b, V/t]."""
+    return F.linear(copy_to_tp_region(hidden, tp), word_weight)

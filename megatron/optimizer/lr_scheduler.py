@@ -1,0 +1,106 @@
+"""Learning-rate schedule: linear warmup, then constant, linear or cosine decay.
+
+Step counting follows Megatron-LM: ``decay_steps`` is counted from step 0 (it includes
+the warmup), so after warmup the decay ratio is
+``(step - warmup_steps) / (decay_steps - warmup_steps)`` and the rate stays at
+``min_lr`` once ``step > decay_steps``.  During warmup the rate rises linearly from 0
+(at step 0) to ``max_lr`` (at ``step == warmup_steps``).
+
+The schedule is a pure function of the step (``get_lr(step)``), so the trainer can ask
+for the rate of any iteration; ``step()`` only advances the stored counter.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+# Hyper-parameters stored in a checkpoint and compared on load.
+_HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
+
+class OptimizerParamScheduler:
+    """Megatron-style learning-rate schedule over optimizer steps."""
+
+    def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+                 decay_style: str) -> None:
+        if decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, "
+                             f"got {decay_style!r}")
+        if max_lr < 0.0 or min_lr < 0.0 or min_lr > max_lr:
+            raise ValueError(f"learning rates need 0 <= --min-lr <= --lr, got min_lr={min_lr}, "
+                             f"lr={max_lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {warmup_steps}")
+        if decay_style != "constant" and decay_steps <= warmup_steps:
+            raise ValueError(f"--lr-decay-iters ({decay_steps}) must exceed --lr-warmup-iters "
+                             f"({warmup_steps}) for decay style {decay_style!r}")
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.decay_steps = int(decay_steps)
+        self.decay_style = decay_style
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, opt_cfg: Any, train_iters: Optional[int]) -> "OptimizerParamScheduler":
+        """Build from an ``OptimizerConfig``; decay defaults to the whole run."""
+        decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
+        if decay is None:
+            if opt_cfg.lr_decay_style != "constant":
+                raise ValueError("--lr-decay-iters (or --train-iters) is required for "
+                                 f"--lr-decay-style {opt_cfg.lr_decay_style}")
+            decay = opt_cfg.lr_warmup_iters
+        return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_iters, decay,
+                   opt_cfg.lr_decay_style)
+
+    def get_lr(self, step: Optional[int] = None) -> float:
+        """Learning rate at ``step`` (default: the current step counter)."""
+        step = self.num_steps if step is None else step
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return self.max_lr * step / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if step > self.decay_steps:
+            return self.min_lr
+        ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance the counter and return the new learning rate."""
+        self.num_steps += increment
+        return self.get_lr()
+
+    def state_dict(self) -> Dict[str, Any]:
+        sd = {name: getattr(self, name) for name in _HPARAMS}
+        sd["num_steps"] = self.num_steps
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any], *, override: bool = False,
+                        use_checkpoint: bool = False) -> None:
+        """Restore the step counter, checking the schedule's hyper-parameters.
+
+        ``override``: keep this run's hyper-parameters whatever the checkpoint says.
+        ``use_checkpoint``: adopt the checkpoint's hyper-parameters.
+        Otherwise any difference is an error naming the field.
+        """
+        if override and use_checkpoint:
+            raise ValueError("lr scheduler: override and use_checkpoint are mutually exclusive")
+        missing = [k for k in _HPARAMS + ("num_steps",) if k not in sd]
+        if missing:
+            raise ValueError(f"lr scheduler checkpoint state lacks {missing}")
+        for name in _HPARAMS:
+            ours, theirs = getattr(self, name), sd[name]
+            if use_checkpoint:
+                setattr(self, name, theirs)
+            elif not override and ours != theirs:
+                raise ValueError(
+                    f"lr scheduler: checkpoint has {name}={theirs!r} but this run has "
+                    f"{name}={ours!r}; pass --override-opt_param-scheduler to keep this run's "
+                    f"value or --use-checkpoint-opt_param-scheduler to take the checkpoint's")
+        self.num_steps = int(sd["num_steps"])

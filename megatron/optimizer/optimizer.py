@@ -1,0 +1,307 @@
+"""One optimizer for every pipeline schedule, including PipeDream-2BW's double buffer.
+
+A stage may hold two weight buffers with identical shapes (paper section 3.1): X, used by
+batch b, and Y, used by batch b+1 which is still in flight.  When batch b's gradients
+are complete (in ``X[i].grad``) the new weights are computed from the LATEST weights Y
+and written INTO X, leaving Y untouched:
+
+    X := Y - lr * update(grad X)         step(grads_from=X, write_to=X, base=Y, lr)
+
+With one buffer (flush, gpipe, no pipelining) all three arguments are that buffer and
+the update is in place.
+
+The torch optimizer runs on stable "main" parameters, one per model parameter, so its
+state (Adam moments, SGD momentum) exists once per stage whatever buffer is written:
+
+* mixed precision (fp16/bf16 weights with fp32 masters): the main parameters are fp32
+  master copies that always hold the latest weights; after the update they are cast
+  into ``write_to``;
+* otherwise (fp32/float64, or half precision without masters): the main parameters
+  own no storage of their own; before each update their ``.data`` is pointed at the
+  buffer being written (first refreshed from ``base``) and their ``.grad`` at the
+  gradient, so no third copy of the weights exists.
+
+Everything the update decides is agreed by all ranks of the model replica with ONE
+all-reduce: the global gradient norm (for clipping), whether any gradient overflowed
+(so every stage skips the same batch and weight versions stay aligned), and the
+optional zero count.
+
+Non-finite gradients: they are detected for every precision and reported in
+``StepInfo.num_nonfinite``; only fp16 skips the step for them (and backs off the loss
+scale).  bf16/fp32 runs take the step, as Megatron-LM does, and leave it to the trainer
+to stop on the report.  ``extra_found_inf=True`` on any rank skips the step everywhere.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.optimizer.clip_grads import clip_coefficient, local_grad_stats, norm_mask, scale_grads_
+from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+
+OPTIMIZERS = ("adam", "sgd")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one call of ``MegatronOptimizer.step`` did (identical on all model ranks)."""
+
+    skipped: bool
+    """True when the weights were not updated (``write_to`` holds a copy of ``base``)."""
+    grad_norm: float
+    """Global L2 norm of the unscaled gradients, before clipping (inf/nan on overflow)."""
+    loss_scale: float
+    """Loss scale after this step's scaler update (use it for the next batch)."""
+    num_zeros: Optional[int] = None
+    """Zero gradient elements over the model replica (only with ``log_num_zeros``)."""
+    num_nonfinite: int = 0
+    """Gradient tensors holding inf/nan, summed over the model replica's ranks."""
+
+
+class MegatronOptimizer:
+    """Adam(W)/SGD over stable main parameters; see the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, main_params: List[nn.Parameter],
+                 params: Sequence[nn.Parameter], *, scaler: GradScaler, use_masters: bool,
+                 skip_on_nonfinite: bool, clip_grad: float, model_groups: Any = None,
+                 tp_rank: int = 0, log_num_zeros: bool = False, grads_to_none: bool = True,
+                 name: str = "adam") -> None:
+        self.optimizer = optimizer
+        self.main_params = main_params
+        self.scaler = scaler
+        self.use_masters = use_masters
+        self.skip_on_nonfinite = skip_on_nonfinite
+        self.clip_grad = float(clip_grad)
+        self.model_groups = model_groups
+        self.log_num_zeros = log_num_zeros
+        self.grads_to_none = grads_to_none
+        self.name = name
+        self._shapes = [tuple(p.shape) for p in params]
+        self._dtypes = [p.dtype for p in params]
+        self._device = params[0].device
+        # Attributes (shared, tensor_model_parallel) are read once, from the first buffer.
+        self._mask = norm_mask(params, tp_rank)
+
+    # -- loss scaling ------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on (multiplied by the fp16 loss scale)."""
+        scale = self.scaler.scale
+        return loss if scale == 1.0 else loss * scale
+
+    def zero_grad(self, params: Sequence[nn.Parameter]) -> None:
+        """Drop (or zero, with ``grads_to_none=False``) the gradients of ``params``."""
+        for p in params:
+            if p.grad is None:
+                continue
+            if self.grads_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    # -- the update --------------------------------------------------------------------
+    def step(self, grads_from: Sequence[nn.Parameter], write_to: Sequence[nn.Parameter],
+             base: Sequence[nn.Parameter], lr: float, *,
+             extra_found_inf: bool = False) -> StepInfo:
+        """Compute W(t+1) from ``base`` (= W(t)) and ``grads_from[i].grad``; write it into
+        ``write_to``.  Collective over ``model_groups``: every rank of the replica must call
+        it once per batch."""
+        self._check_buffers("grads_from", grads_from)
+        self._check_buffers("write_to", write_to)
+        self._check_buffers("base", base)
+        with torch.no_grad():
+            grads = self._unscaled_grads(grads_from)
+            stats = torch.zeros(4, dtype=torch.float64, device=self._device)
+            stats[:3] = local_grad_stats(grads, self._mask, self._device, self.log_num_zeros)
+            stats[3] = 1.0 if extra_found_inf else 0.0
+            if self.model_groups is not None:
+                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.model_groups)
+            sq_norm, nonfinite, zeros, extra = stats.tolist()
+            grad_norm = math.sqrt(sq_norm) if sq_norm >= 0.0 else float("nan")
+            found_inf = nonfinite > 0 or not math.isfinite(sq_norm)
+            self.scaler.update(found_inf and self.skip_on_nonfinite)
+            info = dict(grad_norm=grad_norm, loss_scale=self.scaler.scale,
+                        num_zeros=int(zeros) if self.log_num_zeros else None,
+                        num_nonfinite=int(nonfinite))
+            if extra > 0 or (found_inf and self.skip_on_nonfinite):
+                _copy_buffer(base, write_to)
+                self._release_grads(grads_from)
+                return StepInfo(skipped=True, **info)
+
+            scale_grads_(grads, clip_coefficient(grad_norm, self.clip_grad))
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.use_masters:
+                self._step_masters(grads, write_to)
+            else:
+                self._step_in_buffer(grads, write_to, base)
+            self._release_grads(grads_from)
+        return StepInfo(skipped=False, **info)
+
+    def _unscaled_grads(self, grads_from: Sequence[nn.Parameter]) -> List[Optional[torch.Tensor]]:
+        """Gradients divided by the loss scale: new fp32 tensors for masters, else in place."""
+        inv = self.scaler.inv_scale
+        if self.use_masters:
+            out: List[Optional[torch.Tensor]] = []
+            for p in grads_from:
+                g = None if p.grad is None else p.grad.to(torch.float32, copy=True)
+                out.append(g)
+            scale_grads_(out, inv)
+            return out
+        grads = [p.grad for p in grads_from]
+        scale_grads_(grads, inv)
+        return grads
+
+    def _step_masters(self, grads: List[Optional[torch.Tensor]],
+                      write_to: Sequence[nn.Parameter]) -> None:
+        for main, g in zip(self.main_params, grads):
+            main.grad = g
+        self.optimizer.step()
+        for main, p in zip(self.main_params, write_to):
+            main.grad = None
+            p.data.copy_(main.data)
+
+    def _step_in_buffer(self, grads: List[Optional[torch.Tensor]],
+                        write_to: Sequence[nn.Parameter], base: Sequence[nn.Parameter]) -> None:
+        _copy_buffer(base, write_to)
+        for main, p, g in zip(self.main_params, write_to, grads):
+            main.data = p.data
+            main.grad = g
+        self.optimizer.step()
+        for main in self.main_params:
+            main.grad = None
+
+    def _release_grads(self, grads_from: Sequence[nn.Parameter]) -> None:
+        self.zero_grad(grads_from)
+
+    def _check_buffers(self, what: str, buf: Sequence[nn.Parameter]) -> None:
+        if len(buf) != len(self._shapes):
+            raise ValueError(f"optimizer step: {what} has {len(buf)} parameters, the optimizer "
+                             f"was built for {len(self._shapes)}")
+        for i, (p, shape, dtype) in enumerate(zip(buf, self._shapes, self._dtypes)):
+            if tuple(p.shape) != shape or p.dtype != dtype:
+                raise ValueError(f"optimizer step: {what}[{i}] is {tuple(p.shape)} {p.dtype}, "
+                                 f"expected {shape} {dtype}")
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Moments, fp32 masters (if any), scaler state and a description to check on load."""
+        return {
+            "meta": {"optimizer": self.name, "num_params": len(self._shapes),
+                     "shapes": list(self._shapes), "fp32_masters": self.use_masters},
+            "optimizer": self.optimizer.state_dict(),
+            "fp32_masters": [m.data for m in self.main_params] if self.use_masters else None,
+            "grad_scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore ``state_dict()``; raises on a different optimizer or parameter layout."""
+        meta = sd.get("meta")
+        if meta is None:
+            raise ValueError("optimizer checkpoint state has no 'meta' entry (not written by "
+                             "MegatronOptimizer.state_dict)")
+        if meta["optimizer"] != self.name:
+            raise ValueError(f"optimizer checkpoint was saved with --optimizer "
+                             f"{meta['optimizer']}, this run uses {self.name}")
+        shapes = [tuple(s) for s in meta["shapes"]]
+        if shapes != self._shapes:
+            raise ValueError(f"optimizer checkpoint holds {len(shapes)} parameters "
+                             f"{_first_difference(shapes, self._shapes)}; this stage has "
+                             f"{len(self._shapes)}: is the parallel layout (tensor/pipeline "
+                             f"sizes) or model shape different?")
+        if self.use_masters and sd.get("fp32_masters") is None:
+            raise ValueError("optimizer checkpoint has no fp32 master weights (saved without "
+                             "mixed precision): load with --no-load-optim, or call "
+                             "reload_model_params after loading the model weights")
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.use_masters:
+            with torch.no_grad():
+                for main, saved in zip(self.main_params, sd["fp32_masters"]):
+                    main.data.copy_(saved)
+        self.scaler.load_state_dict(sd["grad_scaler"])
+
+    def reload_model_params(self, params: Sequence[nn.Parameter]) -> None:
+        """Make the main parameters match ``params`` (the buffer holding the latest weights)."""
+        self._check_buffers("params", params)
+        with torch.no_grad():
+            for main, p in zip(self.main_params, params):
+                if self.use_masters:
+                    main.data.copy_(p.data)
+                else:
+                    main.data = p.data
+
+
+def _copy_buffer(src: Sequence[nn.Parameter], dst: Sequence[nn.Parameter]) -> None:
+    for s, d in zip(src, dst):
+        if s is not d:
+            d.data.copy_(s.data)
+
+
+def _first_difference(saved: List[tuple], ours: List[tuple]) -> str:
+    for i, (a, b) in enumerate(zip(saved, ours)):
+        if a != b:
+            return f"(parameter {i}: saved {a}, here {b})"
+    return ""
+
+
+def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Parameter],
+                           model_groups: Any = None, tp_rank: int = 0, *,
+                           log_num_zeros: bool = False,
+                           grads_to_none: bool = True) -> MegatronOptimizer:
+    """Build the optimizer for one stage; ``params`` is the stage's (first) weight buffer.
+
+    ``model_groups``: process group over the tensor x pipeline ranks of one model replica
+    (None in a single process).  ``tp_rank`` decides who counts replicated parameters.
+    """
+    params = list(params)
+    if not params:
+        raise ValueError("get_megatron_optimizer: the stage has no parameters")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("get_megatron_optimizer: a parameter appears twice in params")
+    if opt_cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                         f"got {opt_cfg.optimizer!r}")
+    if prec_cfg.fp16 and prec_cfg.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive")
+    use_masters = prec_cfg.fp32_master_weights and any(p.dtype in _HALF for p in params)
+    if use_masters:
+        main = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
+    else:
+        main = [nn.Parameter(p.detach()) for p in params]
+
+    # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed.
+    decay = [m for m in main if m.ndim >= 2]
+    no_decay = [m for m in main if m.ndim < 2]
+    groups = [{"params": ps, "weight_decay": wd}
+              for ps, wd in ((decay, opt_cfg.weight_decay), (no_decay, 0.0)) if ps]
+    if opt_cfg.optimizer == "adam":
+        kwargs = {"fused": True} if main[0].is_cuda else {}
+        torch_opt: torch.optim.Optimizer = torch.optim.AdamW(
+            groups, lr=opt_cfg.lr, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
+            eps=opt_cfg.adam_eps, **kwargs)
+    else:
+        torch_opt = torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.sgd_momentum)
+
+    if prec_cfg.fp16 and prec_cfg.loss_scale is None:
+        scaler: GradScaler = DynamicGradScaler(
+            prec_cfg.initial_loss_scale, prec_cfg.min_loss_scale, growth_factor=2.0,
+            backoff_factor=0.5, growth_interval=prec_cfg.loss_scale_window,
+            hysteresis=prec_cfg.hysteresis)
+    elif prec_cfg.fp16:
+        scaler = ConstantGradScaler(prec_cfg.loss_scale)
+    else:
+        scaler = ConstantGradScaler(1.0)
+    return MegatronOptimizer(torch_opt, main, params, scaler=scaler, use_masters=use_masters,
+                             skip_on_nonfinite=bool(prec_cfg.fp16), clip_grad=opt_cfg.clip_grad,
+                             model_groups=model_groups, tp_rank=tp_rank,
+                             log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
+                             name=opt_cfg.optimizer)

@@ -1,0 +1,88 @@
+"""Counters of what a pipeline stage holds: stashed activations and weight versions.
+
+Activation bytes are measured, not estimated: while a microbatch's forward runs, a
+``saved_tensors_hooks`` pack hook sees every tensor autograd keeps for the backward
+pass; we add up the distinct storages among them, leaving out the weights (which are
+counted as weight versions).  With stage recomputation the forward runs without
+autograd and only the stage input (and the microbatch's data) is stashed.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Set
+
+import torch
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class StageMemoryStats:
+    """Peaks over a run, for one stage."""
+
+    peak_in_flight: int = 0
+    """Most microbatches whose forward ran and whose backward did not yet."""
+    peak_stashed_bytes: int = 0
+    """Most bytes of stashed activations (sum over in-flight microbatches)."""
+    peak_weight_versions: int = 0
+    """Most weight versions live at once (2BW: 2, others: 1)."""
+    weight_bytes_per_version: int = 0
+    per_microbatch_bytes: Dict[int, int] = field(default_factory=dict)
+
+    @property
+    def peak_weight_bytes(self) -> int:
+        return self.peak_weight_versions * self.weight_bytes_per_version
+
+    def as_dict(self) -> dict:
+        return {"peak_in_flight": self.peak_in_flight,
+                "peak_stashed_activation_bytes": self.peak_stashed_bytes,
+                "peak_weight_versions": self.peak_weight_versions,
+                "weight_bytes_per_version": self.weight_bytes_per_version,
+                "peak_weight_bytes": self.peak_weight_bytes}
+
+
+class StashTracker:
+    """Tracks in-flight microbatches and their stashed bytes on one stage."""
+
+    def __init__(self, weight_ptrs: Set[int]) -> None:
+        self.weight_ptrs = weight_ptrs
+        self.in_flight: Dict[int, int] = {}
+        self.stats = StageMemoryStats()
+
+    @contextmanager
+    def counting(self, microbatch: int) -> Iterator[None]:
+        """Count the bytes autograd saves during this block for ``microbatch``."""
+        seen: Set[int] = set()
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in seen and ptr not in self.weight_ptrs and ptr != 0:
+                    seen.add(ptr)
+                    total[0] += storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                total[0] += tensor_bytes(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.add(microbatch, total[0])
+
+    def add(self, microbatch: int, nbytes: int) -> None:
+        self.in_flight[microbatch] = self.in_flight.get(microbatch, 0) + nbytes
+        self.stats.per_microbatch_bytes.setdefault(microbatch, self.in_flight[microbatch])
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.in_flight))
+        self.stats.peak_stashed_bytes = max(self.stats.peak_stashed_bytes,
+                                            sum(self.in_flight.values()))
+
+    def release(self, microbatch: int) -> None:
+        self.in_flight.pop(microbatch, None)
+
+    def note_weight_versions(self, live: int, bytes_per_version: int) -> None:
+        self.stats.peak_weight_versions = max(self.stats.peak_weight_versions, live)
+        self.stats.weight_bytes_per_version = bytes_per_version

@@ -1,0 +1,286 @@
+"""Closed-form THROUGHPUT(.) and MEMORY(.) cost functions (paper, Appendix A).
+
+Per pipeline stage i of a configuration (w pipelines x d stages x t tensor ranks,
+microbatch b, m microbatches per pipeline per batch):
+
+* compute: forward FLOPs / (t x rate(b)) plus the elementwise work tensor parallelism
+  replicates (bytes / memory bandwidth), backward = 2 x forward; with activation
+  recomputation the stage's compute is multiplied by c_extra (default 4/3, Appendix A)
+  and the tensor-parallel all-reduces of the forward pass are repeated.
+* tensor parallelism (Megatron): per layer two all-reduces of s b h fp16 values in the
+  forward pass and two in the backward pass, inside the tensor group.
+* inter-stage traffic (Appendix A, T^comm_{i->j} = 2 |A^{inp.+out.}(b)| I(d > 1) /
+  bwdth_depth(d)): per microbatch, each boundary a stage touches carries one activation
+  and one gradient of s b h fp16 values over the link that boundary crosses.
+* data parallelism: ring all-reduce of the stage's fp16 gradients among its w replicas,
+  2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
+  gradient between first and last stage.
+
+Time of one batch (one optimizer step) per pipeline, with slot_i the per-microbatch
+time of stage i (compute + tensor-parallel + inter-stage communication), T = max slot_i:
+
+* 2bw:   max_i max(m slot_i, AR_i) -- Appendix A's pipelined THROUGHPUT expression
+         (max over stages of max(compute + comm, T^comm_i / m)) times m; no flush, so no
+         bubble in steady state and the weight all-reduce hides behind compute.
+* flush, gpipe: (m - 1) T + sum_i slot_i + exposed all-reduce.  For equal stages this is
+         (m + d - 1) T: Appendix A has no flush term, so we add the GPipe/1F1B fill and
+         drain explicitly.  The all-reduce after the flush is exposed, less the time by
+         which later stages finish their last backward before stage 0.
+* none:  m sum_i slot_i + exposed all-reduce (one microbatch at a time through all stages;
+         Appendix A's "without pipelining" expression).
+
+MEMORY(.) per GPU (Appendix A, "memory(.) cost function"), maximised over stages:
+    versions x |W_i| + |O_i| + activations
+where |W_i| is one fp16 copy of stage i's weights (2 versions for 2bw, 1 otherwise),
+|O_i| the optimizer state the paper folds into |W| (fp16 grads + fp32 master + Adam
+moments = 14 bytes/param by default: one version costs 16 bytes/param in all), and
+    no recompute: n_i (|A_i(b)| + |A_input(b)|)      recompute: |A_i(b)| + n_i |A_input(b)|
+with n_i microbatches in flight on stage i: 1 (none), m (gpipe), min(d - i, m) (flush,
+2bw).  For 2bw with recompute on a middle stage this is the paper's
+2|W|/d + |A_total(b)|/d + d |A_input(b)| (plus the optimizer state we make explicit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import List, Tuple
+
+from .hardware import HardwareSpec, Links, links_for, ring_allreduce_time
+from .model_spec import ModelSpec
+
+__all__ = ["SCHEDULES", "Config", "CostOptions", "StageCost", "Estimate", "CostModel",
+           "ModelSpec", "in_flight"]
+
+SCHEDULES = ("none", "gpipe", "flush", "2bw")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One candidate: w pipelines of d stages of t tensor ranks, microbatch b, m per batch."""
+
+    w: int
+    d: int
+    t: int = 1
+    b: int = 1
+    m: int = 1
+    """Microbatches per pipeline per batch (the paper's m = d g with g the degree of
+    gradient accumulation); the global batch is w b m."""
+    recompute: bool = False
+    schedule: str = "2bw"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule {self.schedule!r}: expected one of {SCHEDULES}")
+        for attr in ("w", "d", "t", "b", "m"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"config: {attr} must be >= 1, got {getattr(self, attr)}")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.w * self.d * self.t
+
+    @property
+    def global_batch(self) -> int:
+        return self.w * self.b * self.m
+
+    def describe(self) -> str:
+        rc = " +recompute" if self.recompute else ""
+        return (f"{self.schedule:5s} w={self.w} d={self.d} t={self.t} b={self.b} "
+                f"m={self.m}{rc}")
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model that are assumptions rather than facts."""
+
+    c_extra: float = 4.0 / 3.0
+    """Compute multiplier with activation recomputation (Appendix A)."""
+    weight_bytes_per_param: float = 2.0
+    """One weight version (fp16 copy): the paper's |W| per parameter."""
+    optimizer_bytes_per_param: float = 14.0
+    """fp16 grads (2) + fp32 master (4) + Adam moments (8); one version totals 16."""
+    grad_bytes_per_param: float = 2.0
+    """Bytes per parameter in the data-parallel all-reduce."""
+    overlap_grad_reduce_2bw: bool = True
+    """2bw hides the all-reduce behind the next batch's compute (Appendix A)."""
+
+
+def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
+    """Microbatches whose activations stage `stage` holds at its worst moment."""
+    if schedule == "none":
+        return 1
+    if schedule == "gpipe":
+        return m
+    return max(1, min(d - stage, m))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-microbatch times and per-GPU memory of one pipeline stage."""
+
+    stage: int
+    num_layers: int
+    params: float
+    """Parameters held per GPU (already divided by t)."""
+    forward_s: float
+    backward_s: float
+    """Includes recomputation when enabled."""
+    p2p_s: float
+    allreduce_s: float
+    """Once per batch: data-parallel + tied-embedding all-reduce."""
+    weights_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    stash_bytes: float
+    in_flight: int
+
+    @property
+    def slot_s(self) -> float:
+        return self.forward_s + self.backward_s + self.p2p_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.weights_bytes + self.optimizer_bytes + self.activation_bytes + self.stash_bytes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """THROUGHPUT(.) and MEMORY(.) of one configuration."""
+
+    config: Config
+    stages: Tuple[StageCost, ...]
+    batch_time_s: float
+    samples_per_s: float
+    memory_per_gpu_bytes: float
+    bubble_fraction: float
+    links: Links = field(repr=False)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Closed-form costs of ``model`` on ``hardware``."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    options: CostOptions = CostOptions()
+
+    def check(self, config: Config) -> None:
+        """Raise ValueError when the model cannot be split as the config says."""
+        if self.model.num_layers % config.d:
+            raise ValueError(f"--pipeline-model-parallel-size {config.d} must divide "
+                             f"--num-layers {self.model.num_layers}")
+        if self.model.num_attention_heads % config.t:
+            raise ValueError(f"--tensor-model-parallel-size {config.t} must divide "
+                             f"--num-attention-heads {self.model.num_attention_heads}")
+
+    def stage_params(self, stage: int, d: int) -> float:
+        """Logical parameters of a stage; the last stage keeps a tied embedding copy."""
+        mdl = self.model
+        p = (mdl.num_layers // d) * mdl.params_per_layer
+        if stage == 0:
+            p += mdl.embedding_params
+        if stage == d - 1:
+            p += mdl.head_params
+            if d > 1:
+                p += mdl.vocab_size * mdl.hidden_size
+        return float(p)
+
+    def stage_costs(self, config: Config) -> List[StageCost]:
+        self.check(config)
+        links = links_for(self.hardware, config.t, config.w, config.d)
+        d, m = config.d, config.m
+        # Middle stages differ only in their links and in-flight count: price each
+        # distinct kind once, so deep pipelines (d ~ 1000) stay cheap to evaluate.
+        cache: dict = {}
+        out = []
+        for i in range(d):
+            key = (i == 0, i == d - 1,
+                   links.boundary[i - 1] if i > 0 else None,
+                   links.boundary[i] if i < d - 1 else None,
+                   in_flight(config.schedule, i, d, m))
+            if key not in cache:
+                cache[key] = self._stage(config, i, links)
+            out.append(replace(cache[key], stage=i) if cache[key].stage != i else cache[key])
+        return out
+
+    def _stage(self, c: Config, i: int, links: Links) -> StageCost:
+        mdl, hw, opt = self.model, self.hardware, self.options
+        d, t, b = c.d, c.t, c.b
+        first, last = i == 0, i == d - 1
+        layers = mdl.num_layers // d
+        rate = hw.flops_rate(b * mdl.seq_length)
+        flops = layers * mdl.layer_forward_flops(b) + (mdl.head_forward_flops(b) if last else 0.0)
+        comp_f = flops / t / rate
+        if hw.memory_bandwidth > 0:
+            # LayerNorm/dropout/residual work is replicated on every tensor rank.
+            comp_f += layers * mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth
+        comp_b = 2.0 * comp_f
+        act = mdl.input_activation_bytes(b)
+        # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
+        # vocab-parallel embedding (forward) and the output layer's input grad (backward).
+        ar = ring_allreduce_time(act, t, links.tensor)
+        tp_f = (2 * layers + (1 if first else 0)) * ar
+        tp_b = (2 * layers + (1 if last else 0)) * ar
+        forward = comp_f + tp_f
+        backward = comp_b + tp_b
+        if c.recompute:
+            backward += (opt.c_extra - 1.0) * (comp_f + comp_b) + tp_f
+        p2p = 0.0
+        if not first:
+            p2p += 2.0 * act / links.boundary[i - 1]
+        if not last:
+            p2p += 2.0 * act / links.boundary[i]
+        params = self.stage_params(i, d) / t
+        allreduce = ring_allreduce_time(params * opt.grad_bytes_per_param, c.w, links.data)
+        if d > 1 and (first or last):
+            emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
+            allreduce += ring_allreduce_time(emb, 2, links.embedding)
+        n = in_flight(c.schedule, i, d, c.m)
+        versions = 2 if c.schedule == "2bw" else 1
+        act_stage = layers * mdl.layer_activation_bytes(b, t)
+        if last:
+            act_stage += mdl.head_activation_bytes(b, t)
+        stash_one = mdl.input_activation_bytes(b)
+        activations = act_stage if c.recompute else n * act_stage
+        return StageCost(
+            stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
+            p2p_s=p2p, allreduce_s=allreduce,
+            weights_bytes=versions * params * opt.weight_bytes_per_param,
+            optimizer_bytes=params * opt.optimizer_bytes_per_param,
+            activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n)
+
+    def estimate(self, config: Config) -> Estimate:
+        """Throughput, memory per GPU and bubble fraction of one configuration."""
+        stages = self.stage_costs(config)
+        m, d = config.m, config.d
+        slots = [s.slot_s for s in stages]
+        slowest = max(slots)
+        if config.schedule == "2bw" and self.options.overlap_grad_reduce_2bw:
+            batch = max(max(m * s.slot_s, s.allreduce_s) for s in stages)
+        else:
+            if config.schedule == "2bw":
+                pipe = m * slowest
+            elif config.schedule == "none":
+                pipe = m * sum(slots)
+            else:
+                pipe = (m - 1) * slowest + sum(slots)
+            batch = pipe + self.exposed_allreduce(stages)
+        busy = m * sum(slots)
+        links = links_for(self.hardware, config.t, config.w, config.d)
+        return Estimate(
+            config=config, stages=tuple(stages), batch_time_s=batch,
+            samples_per_s=config.global_batch / batch,
+            memory_per_gpu_bytes=max(s.memory_bytes for s in stages),
+            bubble_fraction=max(0.0, 1.0 - busy / (d * batch)), links=links)
+
+    @staticmethod
+    def exposed_allreduce(stages: List[StageCost]) -> float:
+        """All-reduce time left after the flush: stage i ends its last backward
+        sum_{j<i} backward_j before stage 0 does, which hides that much of its reduce."""
+        exposed, head_start = 0.0, 0.0
+        for s in stages:
+            exposed = max(exposed, s.allreduce_s - head_start)
+            head_start += s.backward_s
+        return exposed
+
+    def fits(self, estimate: Estimate) -> bool:
+        return estimate.memory_per_gpu_bytes <= self.hardware.usable_memory_bytes

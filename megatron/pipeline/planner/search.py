@@ -1,0 +1,224 @@
+"""Algorithm 1 of the paper (Appendix A): sweep parallel-pipeline shapes, keep the fastest
+configuration that fits in memory, and print the command that runs it.
+
+For every (w, d) with w d = N (and every t with t w d = N when tensor parallelism is
+searched too), every requested schedule, and activation recomputation off and on, the
+inner SEARCH(w, d, B) tries microbatch sizes b = 1, 2, 4, ... and, per b, the largest
+number of microbatches m with global batch w b m <= B (2bw also needs m >= d; GPipe,
+whose stash grows with m, backs off to the largest m that fits).  Of the b that fit it
+keeps the highest predicted throughput; the paper's "largest b that fits" is usually
+that b, but with a fixed batch a larger b also means fewer microbatches and a larger
+flush bubble, so we compare throughputs instead of assuming.
+"""
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import asdict, dataclass
+from typing import Iterable, List, Optional, Sequence, Union
+
+from .cost_model import SCHEDULES, Config, CostModel, CostOptions, Estimate
+from .hardware import GiB, HardwareSpec
+from .model_spec import ModelSpec
+
+
+class PlanningError(ValueError):
+    """No configuration can run (bad input, or the model fits nowhere)."""
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate (w, d, t, schedule, recompute) with its best b and m."""
+
+    config: Config
+    predicted_samples_per_s: float
+    memory_per_gpu_bytes: float
+    bubble_fraction: float
+    fits: bool
+    reason_rejected: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["global_batch"] = self.config.global_batch
+        return out
+
+
+def divisors(n: int) -> List[int]:
+    """Divisors of n in increasing order (O(sqrt n))."""
+    small, large = [], []
+    for i in range(1, math.isqrt(n) + 1):
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+    return small + large[::-1]
+
+
+def _shapes(model: ModelSpec, n: int, tensor_parallel: bool, max_tensor: Optional[int]):
+    """(t, w, d) triples, plus why a triple cannot split this model (or None)."""
+    for t in (divisors(n) if tensor_parallel else [1]):
+        if max_tensor is not None and t > max_tensor:
+            continue
+        for d in divisors(n // t):
+            w = n // (t * d)
+            why = None
+            if model.num_layers % d:
+                why = f"d={d} does not divide {model.num_layers} layers"
+            elif model.num_attention_heads % t:
+                why = f"t={t} does not divide {model.num_attention_heads} heads"
+            yield t, w, d, why
+
+
+def _gpipe_backoff(cm: CostModel, cfg: Config) -> Optional[Estimate]:
+    """Largest m (< cfg.m) whose GPipe stash fits; memory grows with m."""
+    lo, hi, best = 1, cfg.m - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        est = cm.estimate(Config(**{**asdict(cfg), "m": mid}))
+        if cm.fits(est):
+            best, lo = est, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _search_b(cm: CostModel, t: int, w: int, d: int, schedule: str, recompute: bool,
+              max_batch: int, max_microbatch: int, exact_batch: bool) -> PlanRow:
+    """SEARCH(w, d, B) for one schedule and recompute choice: the best (b, m)."""
+    best: Optional[Estimate] = None
+    reason, smallest = None, None
+    b = 1
+    while b <= max_microbatch:
+        m = max_batch // (w * b)
+        if m < 1:
+            reason = reason or f"w*b = {w * b} exceeds the batch size {max_batch}"
+            break
+        if exact_batch and w * b * m != max_batch:
+            reason = reason or f"batch {max_batch} is not a multiple of w*b = {w * b}"
+            b *= 2
+            continue
+        if schedule == "2bw" and m < d:
+            reason = reason or f"2bw needs m >= d: m = {m} < d = {d} at b = {b}"
+            break
+        cfg = Config(w=w, d=d, t=t, b=b, m=m, recompute=recompute, schedule=schedule)
+        est = cm.estimate(cfg)
+        if smallest is None:
+            smallest = est
+        if not cm.fits(est):
+            backed = _gpipe_backoff(cm, cfg) if schedule == "gpipe" and not exact_batch else None
+            if backed is None:
+                usable = cm.hardware.usable_memory_bytes / GiB
+                reason = reason if best else (
+                    f"out of memory: {est.memory_per_gpu_bytes / GiB:.1f} GiB at b={b} "
+                    f"> {usable:.1f} GiB usable")
+                break
+            est = backed
+        if best is None or est.samples_per_s > best.samples_per_s:
+            best = est
+        b *= 2
+    if best is not None:
+        return PlanRow(best.config, best.samples_per_s, best.memory_per_gpu_bytes,
+                       best.bubble_fraction, True, None)
+    cfg = smallest.config if smallest else Config(w=w, d=d, t=t, b=1, m=max(1, max_batch // w),
+                                                  recompute=recompute, schedule=schedule)
+    return PlanRow(cfg, 0.0, smallest.memory_per_gpu_bytes if smallest else 0.0,
+                   smallest.bubble_fraction if smallest else 0.0, False,
+                   reason or "no microbatch size fits")
+
+
+def _check_inputs(model: ModelSpec, num_gpus: int, max_batch_size: int,
+                  schedules: Sequence[str]) -> None:
+    if num_gpus < 1:
+        raise PlanningError(f"--num-gpus must be >= 1, got {num_gpus}")
+    if max_batch_size < 1:
+        raise PlanningError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise PlanningError(f"--schedules {','.join(schedules)!r}: expected a comma list "
+                            f"of {', '.join(SCHEDULES)}")
+
+
+def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_size: int, *,
+           schedules: Iterable[str] = SCHEDULES, tensor_parallel: bool = False,
+           max_tensor: Optional[int] = None, max_microbatch_size: int = 64,
+           recompute: Sequence[bool] = (False, True), exact_batch: bool = False,
+           options: CostOptions = CostOptions()) -> List[PlanRow]:
+    """Ranked candidates: those that fit by predicted throughput, then the rejected.
+
+    ``exact_batch`` keeps only (b, m) with w b m == B (the paper's fixed-batch
+    comparisons) instead of w b m <= B.
+    """
+    schedules = [s for s in SCHEDULES if s in set(schedules)] if schedules else []
+    _check_inputs(model, num_gpus, max_batch_size, list(schedules))
+    cm = CostModel(model, hardware, options)
+    rows: List[PlanRow] = []
+    for t, w, d, why in _shapes(model, num_gpus, tensor_parallel, max_tensor):
+        for schedule in schedules:
+            for rc in recompute:
+                if why:
+                    cfg = Config(w=w, d=d, t=t, b=1, m=1, recompute=rc, schedule=schedule)
+                    rows.append(PlanRow(cfg, 0.0, 0.0, 0.0, False, why))
+                    continue
+                rows.append(_search_b(cm, t, w, d, schedule, rc, max_batch_size,
+                                      max_microbatch_size, exact_batch))
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.predicted_samples_per_s)
+    rejected = [r for r in rows if not r.fits]
+    return fitting + rejected
+
+
+def best_plan(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_size: int,
+              **kwargs) -> PlanRow:
+    """Highest-throughput configuration that fits; PlanningError when none does."""
+    rows = search(model, hardware, num_gpus, max_batch_size, **kwargs)
+    if not rows or not rows[0].fits:
+        reasons = sorted({r.reason_rejected for r in rows if r.reason_rejected})
+        raise PlanningError(
+            f"no configuration of {model.describe()} fits on {num_gpus} x {hardware.name} "
+            f"GPUs with batch <= {max_batch_size}; reasons: " + "; ".join(reasons[:4]))
+    return rows[0]
+
+
+def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
+                 base_script: Optional[str] = None, gpus_per_server: int = 8,
+                 extra_args: Sequence[str] = ()) -> str:
+    """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags)."""
+    cfg = plan.config if isinstance(plan, PlanRow) else plan
+    script = base_script or f"pretrain_{model.kind}.py"
+    n = cfg.num_gpus
+    nproc = min(n, gpus_per_server)
+    if n % nproc:
+        raise PlanningError(f"{n} GPUs do not fill whole servers of {gpus_per_server}")
+    nnodes = n // nproc
+    launch = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}"]
+    if nnodes > 1:
+        launch += ["--node-rank=$NODE_RANK", "--master-addr=$MASTER_ADDR", "--master-port=6000"]
+    args = [
+        "--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
+        "--ffn-hidden-size", model.ffn, "--num-attention-heads", model.num_attention_heads,
+        "--seq-length", model.seq_length, "--max-position-embeddings", model.seq_length,
+        "--micro-batch-size", cfg.b, "--global-batch-size", cfg.global_batch,
+        "--tensor-model-parallel-size", cfg.t, "--pipeline-model-parallel-size", cfg.d,
+        "--pipeline-schedule", cfg.schedule,
+    ]
+    if cfg.recompute:
+        args.append("--recompute-activations")
+    args.append("--fp16")
+    args += list(extra_args)
+    # $VARS stay unquoted so the shell expands them on each node.
+    return " ".join(launch + [script] + [shlex.quote(str(a)) for a in args])
+
+
+def format_table(rows: Sequence[PlanRow], limit: Optional[int] = None) -> str:
+    """Fixed-width ranked table (rank, config, samples/s, memory GiB, bubble, status)."""
+    head = (f"{'#':>3}  {'schedule':8} {'w':>4} {'d':>4} {'t':>3} {'b':>3} {'m':>5} "
+            f"{'recomp':6} {'batch':>6} {'samples/s':>10} {'mem GiB':>7} {'bubble':>7}  status")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows[:limit] if limit else rows, 1):
+        c = r.config
+        status = "ok" if r.fits else f"rejected: {r.reason_rejected}"
+        tput = f"{r.predicted_samples_per_s:10.2f}" if r.fits else f"{'-':>10}"
+        mem = f"{r.memory_per_gpu_bytes / GiB:7.2f}" if r.memory_per_gpu_bytes else f"{'-':>7}"
+        lines.append(f"{i:>3}  {c.schedule:8} {c.w:>4} {c.d:>4} {c.t:>3} {c.b:>3} {c.m:>5} "
+                     f"{'yes' if c.recompute else 'no':6} {c.global_batch:>6} {tput} {mem} "
+                     f"{100 * r.bubble_fraction:6.1f}%  {status}")
+    return "\n".join(lines)

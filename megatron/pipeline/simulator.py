@@ -1,0 +1,290 @@
+"""Event-driven simulation of a pipeline schedule against a cost model.
+
+``simulate(schedule, cost)`` runs every stage's action list in order, with the same
+blocking rules as the real executor:
+
+* compute, REDUCE_GRADS and sends start as soon as the stage is free (sends are
+  non-blocking ``isend``; ``cost`` of a send is the time the stage spends posting it);
+* a receive starts when the stage is free *and* the matching send has been posted, plus
+  ``comm_latency``; point-to-point messages on one (sender, receiver) channel are
+  matched first-in first-out, as NCCL and gloo do;
+* ``STEP(b)`` is a barrier across all stages (it contains the all-reduces of the global
+  gradient norm, of the fp16 overflow flag and of tied embedding gradients): a stage
+  leaves it only when every stage has reached its ``STEP(b)``.
+
+If no stage can move and some are not finished, ``DeadlockError`` is raised with the
+stage-by-step grid of what ran and where each stage is stuck.
+
+Usage by the planner::
+
+    result = simulate(build_schedule("2bw", d, m, num_batches=8),
+                      cost=lambda a: t_fwd[a.stage] if a.op is Op.FORWARD else ...,
+                      comm_latency=activation_bytes / bandwidth)
+    result.throughput(samples_per_microbatch=b * w), result.bubble_fraction,
+    result.peak_in_flight, result.peak_weight_versions
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+from megatron.pipeline.actions import (Action, Op, RECV_OPS, ScheduleError, is_compute)
+from megatron.pipeline.trace import TraceEvent
+
+Schedule = Sequence[Sequence[Action]]
+CostFn = Callable[[Action], float]
+
+
+class DeadlockError(ScheduleError):
+    """No stage can make progress but some have actions left."""
+
+
+def unit_cost(forward: float = 1.0, backward: float = 2.0, other: float = 0.0) -> CostFn:
+    """The paper's figure costs: F = 1, B = 2 (backward twice the forward), rest free."""
+    def cost(action: Action) -> float:
+        if action.op is Op.FORWARD:
+            return forward
+        if action.op is Op.BACKWARD:
+            return backward
+        return other
+    return cost
+
+
+@dataclass
+class _Executed:
+    """An action that ran in the simulation, with its position in its stage's list."""
+
+    index: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class _RunState:
+    executed: List[List[_Executed]]
+    blocked: Dict[int, str] = field(default_factory=dict)
+    """stage -> why it is stuck (only stages with actions left)."""
+
+
+def _channel(action: Action) -> Tuple[int, int]:
+    """(sender, receiver) of the message a send produces or a receive consumes."""
+    if action.op in (Op.SEND_ACT, Op.SEND_GRAD):
+        return (action.stage, action.peer)
+    return (action.peer, action.stage)
+
+
+def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, float] = 0.0,
+                 step_barrier: bool = True) -> _RunState:
+    """Simulate as far as possible; never raises on deadlock (see ``simulate``).
+
+    Raises ``ScheduleError`` if a receive would be matched with a message meant for a
+    different microbatch, since the real executor would silently use the wrong tensor.
+    """
+    latency = comm_latency if callable(comm_latency) else (lambda _a, c=float(comm_latency): c)
+    d = len(schedule)
+    for s, actions in enumerate(schedule):
+        for a in actions:
+            if a.stage != s:
+                raise ScheduleError(f"action {a} is in the list of stage {s}")
+            if (a.op in RECV_OPS or a.op in (Op.SEND_ACT, Op.SEND_GRAD)) and (
+                    a.peer is None or not 0 <= a.peer < d):
+                raise ScheduleError(f"action {a} on stage {s} has peer {a.peer}, "
+                                    f"expected a stage in 0..{d - 1}")
+    ptr = [0] * d
+    free = [0.0] * d
+    channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
+    state = _RunState(executed=[[] for _ in range(d)])
+
+    def run(s: int, a: Action, start: float) -> None:
+        end = start + float(cost(a))
+        state.executed[s].append(_Executed(ptr[s], a, start, end))
+        free[s] = end
+        ptr[s] += 1
+        if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+            channels.setdefault(_channel(a), deque()).append((a, end + float(latency(a))))
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(d):
+            while ptr[s] < len(schedule[s]):
+                a = schedule[s][ptr[s]]
+                start = free[s]
+                if a.op in RECV_OPS:
+                    queue = channels.get(_channel(a))
+                    if not queue:
+                        break
+                    sent, arrival = queue[0]
+                    if sent.microbatch != a.microbatch or (sent.op is Op.SEND_ACT) != (
+                            a.op is Op.RECV_ACT):
+                        raise ScheduleError(
+                            f"message mismatch: {a} on stage {s} would receive the message "
+                            f"of {sent} (messages on a channel are matched in send order)")
+                    queue.popleft()
+                    start = max(start, arrival)
+                elif a.op is Op.STEP and step_barrier and d > 1:
+                    break
+                run(s, a, start)
+                progress = True
+        if step_barrier and d > 1 and _barrier_ready(schedule, ptr):
+            start = max(free)
+            for s in range(d):
+                run(s, schedule[s][ptr[s]], start)
+            progress = True
+    for s in range(d):
+        if ptr[s] < len(schedule[s]):
+            state.blocked[s] = _why_blocked(schedule, ptr, s, step_barrier)
+    return state
+
+
+def _barrier_ready(schedule: Schedule, ptr: List[int]) -> bool:
+    heads = []
+    for s, actions in enumerate(schedule):
+        if ptr[s] >= len(actions) or actions[ptr[s]].op is not Op.STEP:
+            return False
+        heads.append(actions[ptr[s]].batch)
+    return all(h == heads[0] for h in heads)
+
+
+def _why_blocked(schedule: Schedule, ptr: List[int], s: int, step_barrier: bool) -> str:
+    a = schedule[s][ptr[s]]
+    if a.op in RECV_OPS:
+        src = _channel(a)[0]
+        return f"{a} (index {ptr[s]}) waits for a message from stage {src}"
+    if a.op is Op.STEP and step_barrier:
+        elsewhere = []
+        for t, actions in enumerate(schedule):
+            if t == s:
+                continue
+            where = str(actions[ptr[t]]) if ptr[t] < len(actions) else "finished"
+            elsewhere.append(f"stage {t} at {where}")
+        return f"{a} (index {ptr[s]}) waits at the step barrier; " + ", ".join(elsewhere)
+    return f"{a} (index {ptr[s]})"
+
+
+@dataclass
+class SimResult:
+    """What a simulated run did and how well.
+
+    ``busy_time[s]`` counts forward/backward time only; ``peak_in_flight[s]`` is the most
+    microbatches whose forward ran on stage ``s`` and whose backward had not yet
+    (activation stashes); ``peak_weight_versions[s]`` the number of distinct weight
+    buffers stage ``s`` used (2 for 2BW over two or more batches, else 1).
+    """
+
+    events: List[TraceEvent]
+    makespan: float
+    busy_time: List[float]
+    peak_in_flight: List[int]
+    peak_weight_versions: List[int]
+    num_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.busy_time)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 - (forward+backward time summed over stages) / (d * makespan)."""
+        if self.makespan <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_time) / (self.num_stages * self.makespan)
+
+    def throughput(self, samples_per_microbatch: float = 1.0) -> float:
+        """Samples per time unit: microbatches through the pipeline x their size / makespan."""
+        if self.makespan <= 0:
+            return float("inf")
+        return self.num_microbatches * samples_per_microbatch / self.makespan
+
+    def peak_stashed(self, bytes_per_microbatch: Union[Callable[[int], float], float]
+                     ) -> List[float]:
+        """Peak activation-stash memory per stage (``bytes_per_microbatch(stage)`` each)."""
+        per = bytes_per_microbatch if callable(bytes_per_microbatch) else (
+            lambda _s, b=float(bytes_per_microbatch): b)
+        return [n * float(per(s)) for s, n in enumerate(self.peak_in_flight)]
+
+
+def simulate(schedule: Schedule, cost: CostFn, *, comm_latency: Union[CostFn, float] = 0.0,
+             step_barrier: bool = True) -> SimResult:
+    """Run all stages' action lists against ``cost`` (see the module docstring).
+
+    ``cost(action)`` is the time the stage is occupied by the action; ``comm_latency`` (a
+    number, or a function of the send action) the delay between a send being posted and
+    the message being available to the receiver.  Raises ``DeadlockError`` when stuck.
+    """
+    state = run_schedule(schedule, cost, comm_latency, step_barrier)
+    if state.blocked:
+        lines = [f"stage {s}: {why}" for s, why in sorted(state.blocked.items())]
+        raise DeadlockError("schedule deadlocks:\n" + "\n".join(lines) + "\n"
+                            + render_grid(state, len(schedule)))
+    return _result(schedule, state)
+
+
+def _result(schedule: Schedule, state: _RunState) -> SimResult:
+    events: List[TraceEvent] = []
+    busy, peaks, buffers_used = [], [], []
+    for s, executed in enumerate(state.executed):
+        has_backward = {e.action.microbatch for e in executed if e.action.op is Op.BACKWARD}
+        live = peak = 0
+        buffers: Set[Optional[int]] = set()
+        for e in executed:
+            a = e.action
+            events.append(TraceEvent(rank=s, stage=s, action=str(a), op=a.op.value,
+                                     microbatch=a.microbatch, batch=a.batch, start=e.start,
+                                     end=e.end, version=a.version))
+            if a.op is Op.FORWARD:
+                buffers.add(a.buffer)
+                if a.microbatch in has_backward:
+                    live += 1
+                    peak = max(peak, live)
+            elif a.op is Op.BACKWARD:
+                live -= 1
+        busy.append(sum(e.end - e.start for e in executed if is_compute(e.action)))
+        peaks.append(peak)
+        buffers_used.append(len(buffers))
+    makespan = max((e.end for e in events), default=0.0)
+    num_mb = len({a.microbatch for a in schedule[0] if a.op is Op.FORWARD}) if schedule else 0
+    return SimResult(events=events, makespan=makespan, busy_time=busy, peak_in_flight=peaks,
+                     peak_weight_versions=buffers_used, num_microbatches=num_mb)
+
+
+def render_grid(state: _RunState, num_stages: int,
+                mark: Optional[Tuple[int, int]] = None) -> str:
+    """Stage-by-time text grid of the compute actions of a (possibly partial) run.
+
+    Each column is one time unit (meant for integer unit costs: a backward of cost 2 is
+    one box two columns wide); ``.`` is idle.  ``mark=(stage, index)`` surrounds that
+    action (or, for a non-compute action, the next compute action of the stage) with
+    ``>>`` ``<<``.
+    """
+    compute = [[e for e in ex if is_compute(e.action)] for ex in state.executed]
+    flat = [e for row in compute for e in row]
+    horizon = int(round(max((e.end for e in flat), default=0.0)))
+    marked: Optional[_Executed] = None
+    notes: List[str] = []
+    if mark is not None:
+        ms, mi = mark
+        if 0 <= ms < num_stages:
+            marked = next((e for e in compute[ms] if e.index >= mi), None)
+            target = next((e for e in state.executed[ms] if e.index == mi), None)
+            what = str(target.action) if target else "an action that never ran"
+            notes.append(f"marked: stage {ms}, action index {mi} ({what})")
+    width = max((len(e.action.short) for e in flat), default=2) + (4 if marked else 0)
+    lines = []
+    for s in range(num_stages):
+        cells = [" " * (width - 1) + "." for _ in range(horizon)]
+        for e in compute[s]:
+            lo, hi = int(round(e.start)), max(int(round(e.end)), int(round(e.start)) + 1)
+            label = e.action.short
+            if e is marked:
+                label = f">>{label}<<"
+            span = (hi - lo) * (width + 1) - 1
+            cells[lo] = label.center(span) if hi - lo > 1 else label.rjust(width)
+            for t in range(lo + 1, min(hi, horizon)):
+                cells[t] = None
+        lines.append(f"stage {s:>2} | " + " ".join(c for c in cells if c is not None))
+    for s, why in sorted(state.blocked.items()):
+        notes.append(f"stage {s} stuck at {why}")
+    return "\n".join(lines + notes)

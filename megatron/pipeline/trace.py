@@ -1,0 +1,147 @@
+"""Timeline events of a pipeline run, their JSON files and Chrome/Perfetto export.
+
+Both the simulator and the real executor describe what happened as a list of
+``TraceEvent`` (one per executed action, times in seconds or in simulated units).  The
+executor writes one file per rank, ``timeline_rank{r}.json``, with ``save_trace``;
+``load_traces`` merges several of them for drawing.
+
+Clock alignment: ``load_traces`` shifts each file so that its first event starts at 0.
+That is exact only if all ranks started their first action at the same moment (the
+executor starts timing right after a barrier, so ranks are off by the barrier's exit
+skew, microseconds on one machine).  Across machines the wall clocks are not compared
+at all, so that skew is the only error; it does not accumulate over the run.
+"""
+from __future__ import annotations
+
+import glob as globlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+TRACE_FORMAT_VERSION = 1
+
+
+@dataclass(slots=True)
+class TraceEvent:
+    """One executed action: who ran it, what it was, and when.
+
+    ``action`` is the compact text (``"2F5"``), ``op`` the ``Op`` value (``"F"``,
+    ``"SA"``, ``"S@"``, ...).  ``version`` is the weight version used by a forward or
+    backward (optional; the drawer colours 2BW timelines by it).
+    """
+
+    rank: int
+    stage: int
+    action: str
+    op: str
+    microbatch: Optional[int]
+    batch: Optional[int]
+    start: float
+    end: float
+    version: Optional[int] = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "TraceEvent":
+        known = {f.name for f in fields(cls)}
+        missing = {"rank", "stage", "action", "op", "start", "end"} - set(data)
+        if missing:
+            raise ValueError(f"TraceEvent.from_dict: missing keys {sorted(missing)} in {data}")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs.setdefault("microbatch", None)
+        kwargs.setdefault("batch", None)
+        return cls(**kwargs)
+
+
+def save_trace(path: Union[str, Path], events: Sequence[TraceEvent],
+               meta: Optional[Dict[str, Any]] = None) -> None:
+    """Write ``events`` and free-form ``meta`` (schedule, d, m, ...) as JSON."""
+    payload = {"format_version": TRACE_FORMAT_VERSION, "meta": dict(meta or {}),
+               "events": [e.to_dict() for e in events]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f)
+
+
+def load_trace(path: Union[str, Path]) -> Tuple[List[TraceEvent], Dict[str, Any]]:
+    """Read a file written by ``save_trace``; returns ``(events, meta)``."""
+    with open(path) as f:
+        payload = json.load(f)
+    if not isinstance(payload, dict) or "events" not in payload:
+        raise ValueError(f"load_trace: {path} is not a trace file (no 'events' key)")
+    events = [TraceEvent.from_dict(e) for e in payload["events"]]
+    return events, dict(payload.get("meta", {}))
+
+
+def load_traces(paths: Union[str, Iterable[Union[str, Path]]]
+                ) -> Tuple[List[TraceEvent], Dict[str, Any]]:
+    """Merge per-rank trace files (a glob pattern or a list of paths).
+
+    Each file's events are shifted so that its earliest start is 0 (see the module
+    docstring on clock alignment).  ``meta`` is the first file's, with ``ranks`` added.
+    """
+    if isinstance(paths, (str, Path)):
+        files = sorted(globlib.glob(str(paths)))
+        if not files:
+            raise FileNotFoundError(f"load_traces: no file matches {str(paths)!r}")
+    else:
+        files = [str(p) for p in paths]
+    merged: List[TraceEvent] = []
+    meta: Dict[str, Any] = {}
+    ranks: List[int] = []
+    for i, file in enumerate(files):
+        events, file_meta = load_trace(file)
+        if i == 0:
+            meta = file_meta
+        if not events:
+            continue
+        origin = min(e.start for e in events)
+        for e in events:
+            e.start -= origin
+            e.end -= origin
+        merged.extend(events)
+        ranks.extend(sorted({e.rank for e in events}))
+    merged.sort(key=lambda e: (e.start, e.rank))
+    meta["ranks"] = sorted(set(ranks))
+    return merged, meta
+
+
+def to_chrome_trace(events: Sequence[TraceEvent], time_unit_us: float = 1e6) -> Dict[str, Any]:
+    """Chrome trace-event format (chrome://tracing, ui.perfetto.dev).
+
+    One process per rank, one thread per stage, an ``"X"`` (complete) event per
+    action named by its short form (``F5``).  ``time_unit_us`` converts event times to
+    microseconds: 1e6 for times in seconds; simulated unit costs look fine with 1e3.
+    """
+    trace: List[Dict[str, Any]] = []
+    seen_threads = set()
+    for e in events:
+        if (e.rank, e.stage) not in seen_threads:
+            seen_threads.add((e.rank, e.stage))
+            trace.append({"ph": "M", "name": "process_name", "pid": e.rank, "tid": e.stage,
+                          "args": {"name": f"rank {e.rank}"}})
+            trace.append({"ph": "M", "name": "thread_name", "pid": e.rank, "tid": e.stage,
+                          "args": {"name": f"stage {e.stage}"}})
+        short = e.action[len(str(e.stage)):] if e.action.startswith(str(e.stage)) else e.action
+        trace.append({
+            "ph": "X", "name": short, "cat": e.op, "pid": e.rank, "tid": e.stage,
+            "ts": e.start * time_unit_us, "dur": max(e.end - e.start, 0.0) * time_unit_us,
+            "args": {"microbatch": e.microbatch, "batch": e.batch, "version": e.version,
+                     "action": e.action},
+        })
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def save_chrome_trace(path: Union[str, Path], events: Sequence[TraceEvent],
+                      time_unit_us: float = 1e6) -> None:
+    """Write ``to_chrome_trace(events)`` as JSON to ``path``."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_chrome_trace(events, time_unit_us), f)

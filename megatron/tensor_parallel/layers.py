@@ -1,0 +1,132 @@
+"""Column/row-parallel linear layers and the vocab-parallel embedding.
+
+Weights are stored as [out, in] (torch's convention).  Partitioned parameters carry
+``tensor_model_parallel = True`` with ``partition_dim`` / ``partition_stride``; replicated
+ones (the row-parallel bias) carry ``tensor_model_parallel = False``.
+
+Both linear layers return ``(output, bias)`` like Megatron: ``bias`` is None unless
+``skip_bias_add`` asked the caller to add it (so it can be fused with what follows).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
+                                               reduce_from_tp_region, scatter_to_tp_region)
+from megatron.tensor_parallel.param_init import (InitKey, InitMethod, init_method_normal,
+                                                 partitioned_tensor,
+                                                 set_tensor_model_parallel_attributes)
+from megatron.tensor_parallel.utils import TPInfo, divide, vocab_range
+
+_DEFAULT_KEY = InitKey(seed=0, layer_number=0)
+
+
+def _zeros(n: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(n, dtype=dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: rank i computes Y_i = X A_i + b_i.
+
+    ``gather_output`` concatenates the partitions so every rank sees the full Y;
+    otherwise the output stays partitioned for a following RowParallelLinear.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp: TPInfo, bias: bool = True,
+                 gather_output: bool = False, init_method: Optional[InitMethod] = None,
+                 skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
+                 init_key: InitKey = _DEFAULT_KEY) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, tp.size, "ColumnParallelLinear output size")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        init_method = init_method or init_method_normal(0.02)
+        self.weight = nn.Parameter(partitioned_tensor(
+            (output_size, input_size), init_key.child("weight"), init_method, params_dtype,
+            partition_dim=0, rank=tp.rank, size=tp.size))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        if bias:
+            self.bias = _zeros(self.output_size_per_partition, params_dtype)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        x = copy_to_tp_region(x, self.tp)
+        add_bias = self.bias is not None and not self.skip_bias_add
+        out = F.linear(x, self.weight, self.bias if add_bias else None)
+        if self.gather_output:
+            out = gather_from_tp_region(out, self.tp)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows and X by columns: Y = sum_i X_i A_i + b.
+
+    The bias is replicated and added once, after the all-reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp: TPInfo, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: Optional[InitMethod] = None,
+                 skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
+                 init_key: InitKey = _DEFAULT_KEY) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = divide(input_size, tp.size, "RowParallelLinear input size")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        init_method = init_method or init_method_normal(0.02)
+        self.weight = nn.Parameter(partitioned_tensor(
+            (output_size, input_size), init_key.child("weight"), init_method, params_dtype,
+            partition_dim=1, rank=tp.rank, size=tp.size))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        if bias:
+            self.bias = _zeros(output_size, params_dtype)
+            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp)
+        out = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+        if self.bias is not None and not self.skip_bias_add:
+            return out + self.bias, None
+        return out, self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TPInfo,
+                 init_method: Optional[InitMethod] = None,
+                 params_dtype: torch.dtype = torch.float32,
+                 init_key: InitKey = _DEFAULT_KEY) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp.rank, tp.size)
+        init_method = init_method or init_method_normal(0.02)
+        self.weight = nn.Parameter(partitioned_tensor(
+            (num_embeddings, embedding_dim), init_key.child("weight"), init_method,
+            params_dtype, partition_dim=0, rank=tp.rank, size=tp.size))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.is_parallel:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp)

@@ -1,0 +1,91 @@
+"""Layout-independent parameter initialisation.
+
+Tests compare a single-process model, a tensor-parallel model and a model cut into
+pipeline stages step for step, so every parameter must start from the same values in
+all of them.  The rule: the FULL (unpartitioned) tensor is a pure function of
+(seed, global layer number, parameter name).  It is drawn on CPU from a dedicated
+``torch.Generator`` seeded by a hash of that triple, in float32 (float64 when the model
+runs in float64), cast to the parameter dtype, and only then sliced to this rank's
+partition.  No global RNG is touched, so building a model never shifts dropout streams.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+InitMethod = Callable[[torch.Tensor, torch.Generator], None]
+"""Fills a full CPU tensor in place, drawing only from the given generator."""
+
+EMBEDDING_LAYER = -1
+"""Layer number used in the init key of embedding and output-layer parameters."""
+
+
+@dataclass(frozen=True)
+class InitKey:
+    """Identity of a parameter for initialisation: (seed, global layer, dotted name)."""
+
+    seed: int
+    layer_number: int
+    name: str = ""
+
+    def child(self, name: str) -> "InitKey":
+        full = f"{self.name}.{name}" if self.name else name
+        return InitKey(self.seed, self.layer_number, full)
+
+    def generator(self) -> torch.Generator:
+        # Python's hash() is salted per process; sha256 gives every rank the same seed.
+        text = f"{self.seed}|{self.layer_number}|{self.name}".encode()
+        value = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & ((1 << 63) - 1)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(value)
+        return gen
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """N(0, std^2) initialiser."""
+    def init_(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.normal_(mean=0.0, std=std, generator=generator)
+    return init_
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """N(0, (std / sqrt(2 L))^2): output projections, so residual sums keep their scale."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def full_tensor(shape: Sequence[int], key: InitKey, init_method: InitMethod,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The unpartitioned initial value of parameter ``key`` (CPU, ``dtype``)."""
+    draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    tensor = torch.empty(tuple(shape), dtype=draw_dtype)
+    init_method(tensor, key.generator())
+    return tensor.to(dtype)
+
+
+def partitioned_tensor(shape: Sequence[int], key: InitKey, init_method: InitMethod,
+                       dtype: torch.dtype, partition_dim: int, rank: int,
+                       size: int) -> torch.Tensor:
+    """This rank's contiguous slice (along ``partition_dim``) of the full initial value."""
+    full = full_tensor(shape, key, init_method, dtype)
+    if size == 1:
+        return full
+    return torch.chunk(full, size, dim=partition_dim)[rank].clone()
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
+                                         partition_dim: int, stride: int = 1) -> None:
+    """Flags read by the optimizer and grad-norm code to tell partitions from replicas."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def mark_replicated_parameters(module: torch.nn.Module) -> None:
+    """Give every parameter without tensor-parallel flags the 'replicated' flags."""
+    for param in module.parameters():
+        if not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, False, -1, 1)

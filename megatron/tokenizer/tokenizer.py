@@ -1,0 +1,205 @@
+"""Tokenizer factory, vocabulary padding and the small tokenizers (SentencePiece, null, char).
+
+``build_tokenizer(data_config)`` is the one entry point the rest of the code uses; it
+picks the class named by ``--tokenizer-type`` and records the padded vocabulary size
+the embedding table needs.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from megatron.tokenizer.base import MegatronTokenizer, check_file
+from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "NullTokenizer",
+    "CharTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+)
+
+# Pieces accepted as a SentencePiece model's end-of-document, in order of preference:
+# tools/train_tokenizer.py adds "<eod>"; stock models have "</s>".
+SENTENCEPIECE_EOD_PIECES = ("<eod>", "</s>")
+
+
+class SentencePieceTokenizer(MegatronTokenizer):
+    """GPT-style tokenizer over a SentencePiece model (``--tokenizer-model``)."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__("SentencePieceTokenizer")
+        import sentencepiece  # optional dependency: only needed for this tokenizer
+
+        check_file(model_file, "--tokenizer-model", "SentencePieceTokenizer")
+        self.sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp.Load(model_file)
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(
+                f"--tokenizer-model {model_file!r}: not a SentencePiece model: {exc}"
+            ) from None
+        self._eod_id = self._find_eod(model_file)
+        self._vocab: Optional[Dict[str, int]] = None
+
+    def _find_eod(self, model_file: str) -> int:
+        for piece in SENTENCEPIECE_EOD_PIECES:
+            pid = self.sp.PieceToId(piece)
+            # Unknown pieces map to the unk id, so confirm the id really spells the piece.
+            if self.sp.IdToPiece(pid) == piece and not self.sp.IsUnknown(pid):
+                return pid
+        raise ValueError(
+            f"--tokenizer-model {model_file!r}: no end-of-document piece; expected one of "
+            f"{list(SENTENCEPIECE_EOD_PIECES)} (train with tools/train_tokenizer.py, which adds <eod>)"
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.GetPieceSize()
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        if self._vocab is None:
+            self._vocab = {self.sp.IdToPiece(i): i for i in range(self.vocab_size)}
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {i: p for p, i in self.vocab.items()}
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.sp.EncodeAsIds(text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.sp.DecodeIds([int(i) for i in token_ids])
+
+    @property
+    def eod(self) -> int:
+        return self._eod_id
+
+    @property
+    def pad(self) -> int:
+        pid = self.sp.pad_id()
+        return pid if pid >= 0 else self._missing("PAD")
+
+
+class NullTokenizer(MegatronTokenizer):
+    """Text is already ids: ``"3 1 4"`` -> ``[3, 1, 4]``.  The last id is the eod."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__("NullTokenizer")
+        if int(vocab_size) < 2:
+            raise ValueError(f"NullTokenizer: vocab_size must be >= 2, got {vocab_size}")
+        self._size = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    def tokenize(self, text: str) -> List[int]:
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError(
+                f"NullTokenizer: expected space-separated integers, got {text[:80]!r}"
+            ) from None
+        bad = [i for i in ids if not 0 <= i < self._size]
+        if bad:
+            raise ValueError(
+                f"NullTokenizer: ids must lie in [0, {self._size}), got {bad[:5]}"
+            )
+        return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in token_ids)
+
+    @property
+    def eod(self) -> int:
+        return self._size - 1
+
+
+class CharTokenizer(MegatronTokenizer):
+    """UTF-8 bytes as ids 0..255 plus eod = 256: no files, exact round trip."""
+
+    def __init__(self) -> None:
+        super().__init__("CharTokenizer")
+
+    @property
+    def vocab_size(self) -> int:
+        return 257
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        # eod ids are dropped; a cut through a multi-byte character becomes U+FFFD.
+        data = bytes(int(i) for i in token_ids if int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def eod(self) -> int:
+        return 256
+
+
+def vocab_size_with_padding(
+    orig_vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int
+) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by * tp``.
+
+    Every tensor-parallel rank then holds an equal slice of the embedding, and each
+    slice keeps a GPU-friendly width (e.g. GPT-2: 50257 -> 50304 with 128, tp 1).
+    """
+    if orig_vocab_size < 1:
+        raise ValueError(f"vocab size must be positive, got {orig_vocab_size}")
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(
+            f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}"
+        )
+    if tensor_model_parallel_size < 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size must be >= 1, got {tensor_model_parallel_size}"
+        )
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-orig_vocab_size // multiple) * multiple
+
+
+def build_tokenizer(
+    cfg, tensor_model_parallel_size: int = 1, vocab_size: Optional[int] = None
+) -> MegatronTokenizer:
+    """Create the tokenizer named by ``cfg.tokenizer_type`` (a ``DataConfig``).
+
+    ``vocab_size`` is only used by ``NullTokenizer``.  The result carries
+    ``padded_vocab_size`` computed with ``cfg.make_vocab_size_divisible_by`` and
+    ``tensor_model_parallel_size``.
+    """
+    kind = cfg.tokenizer_type
+    if kind is None:
+        raise ValueError(f"--tokenizer-type is required; choose one of {list(TOKENIZER_TYPES)}")
+    tokenizer: MegatronTokenizer
+    if kind == "GPT2BPETokenizer":
+        check_file(cfg.vocab_file, "--vocab-file", kind)
+        check_file(cfg.merge_file, "--merge-file", kind)
+        tokenizer = GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+    elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        check_file(cfg.tokenizer_model, "--tokenizer-model", kind)
+        tokenizer = SentencePieceTokenizer(cfg.tokenizer_model)
+    elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        check_file(cfg.vocab_file, "--vocab-file", kind)
+        tokenizer = BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"))
+    elif kind == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--vocab-size is required for tokenizer type NullTokenizer")
+        tokenizer = NullTokenizer(vocab_size)
+    elif kind == "CharTokenizer":
+        tokenizer = CharTokenizer()
+    else:
+        raise ValueError(
+            f"--tokenizer-type {kind!r} is not supported; choose one of {list(TOKENIZER_TYPES)}"
+        )
+    tokenizer.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, cfg.make_vocab_size_divisible_by, tensor_model_parallel_size
+    )
+    return tokenizer

@@ -1,0 +1,338 @@
+"""The training loop: ``pretrain(datasets_provider, model_provider, forward_step)``.
+
+Megatron's shape: the entry point (pretrain_gpt.py, pretrain_bert.py, tasks/) supplies
+three functions and this module does the rest: flags, process groups, model split into
+pipeline stages, optimizer, data loaders, the pipeline engine, logging, evaluation and
+checkpoints.
+
+* ``model_provider(config, groups, pre_process, post_process) -> nn.Module``: one stage.
+* ``datasets_provider(config, tokenizer, (n_train, n_valid, n_test)) -> (train, valid, test)``
+* ``forward_step(data_iterator, model) -> (output, loss_fn)``
+
+Training runs in segments of batches between "drain points" (evaluation, checkpoint,
+exit, end of training).  Inside a segment the pipeline is never flushed under 2BW.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron.config import MegatronConfig
+from megatron.initialize import initialize_distributed, set_random_seed
+from megatron.parallel_state import ParallelGroups
+from megatron.pipeline.engine import PipelineEngine, StepReport
+from megatron.training_log import TrainingLogger, print_rank_last
+
+
+@dataclass
+class TrainingResult:
+    """What pretrain() returns on each rank (used by tests and benches)."""
+
+    iteration: int = 0
+    losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    reports: List[StepReport] = field(default_factory=list)
+    eval_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    memory: Dict[str, Any] = field(default_factory=dict)
+    seconds_per_iteration: float = 0.0
+    exited_early: bool = False
+    shared_embedding: Optional[torch.Tensor] = None
+    """Copy of this stage's tied word embedding (first/last stage), for consistency checks."""
+
+
+def _cyclic(loader) -> Iterator[Any]:
+    while True:
+        for item in loader:
+            yield item
+
+
+def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
+                         datasets_provider, state: TrainState) -> Tuple[Any, Any, Any]:
+    from megatron.data.samplers import build_pretraining_data_loader
+
+    tr = cfg.training
+    gbs = tr.global_batch_size
+    train_iters = tr.train_iters or 0
+    eval_runs = (train_iters // tr.eval_interval + 1) if tr.eval_interval else 1
+    n_train = train_iters * gbs
+    n_valid = eval_runs * tr.eval_iters * gbs
+    n_test = tr.eval_iters * gbs
+    train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, (n_train, n_valid, n_test))
+
+    def loader(ds, consumed):
+        if ds is None or len(ds) == 0:
+            return None
+        return build_pretraining_data_loader(ds, consumed, tr.micro_batch_size, groups.dp_rank,
+                                             groups.dp_size, cfg.data.num_workers)
+
+    train = loader(train_ds, state.consumed_train_samples)
+    valid = loader(valid_ds, 0)
+    test = loader(test_ds, 0)
+    return (iter(train) if train is not None else None,
+            _cyclic(valid) if valid is not None else None,
+            _cyclic(test) if test is not None else None)
+
+
+def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, device: torch.device,
+                              model_provider, forward_step, *, trace: bool = False,
+                              fault_injection=None):
+    from megatron.optimizer import get_megatron_optimizer
+    from megatron.optimizer.lr_scheduler import OptimizerParamScheduler
+    from megatron.tensor_parallel.random import get_rng_state, set_rng_state
+
+    model = model_provider(cfg, groups, groups.is_first_stage, groups.is_last_stage)
+    model.to(device=device)
+    optimizer = get_megatron_optimizer(cfg.optimizer, cfg.precision, list(model.parameters()),
+                                       model_groups=groups.model, tp_rank=groups.tp_rank)
+    scheduler = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training.train_iters)
+    engine = PipelineEngine(
+        model=model, optimizer=optimizer, groups=groups,
+        schedule=cfg.parallel.pipeline_schedule,
+        num_microbatches=cfg.training.num_microbatches(groups.dp_size),
+        micro_batch_size=cfg.training.micro_batch_size, forward_step=forward_step,
+        device=device, activation_dtype=cfg.model.params_dtype,
+        stage_recompute=cfg.model.stage_recompute, trace=trace,
+        get_rng_state=get_rng_state, set_rng_state=set_rng_state,
+        fault_injection=fault_injection)
+    return model, optimizer, scheduler, engine
+
+
+def _model_states(engine: PipelineEngine) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """(newest weights, 2BW shadow weights or None) as module state dicts."""
+    w = engine.weights
+    w.install(engine.latest_buffer)
+    latest = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    shadow = None
+    if w.num_buffers == 2:
+        w.install(engine.shadow_buffer)
+        shadow = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        w.install(engine.latest_buffer)
+    return latest, shadow
+
+
+def _load_model_states(engine: PipelineEngine, latest: Dict[str, Any],
+                       shadow: Optional[Dict[str, Any]], strict: bool = True) -> None:
+    w = engine.weights
+    w.install(engine.latest_buffer)
+    engine.model.load_state_dict(latest, strict=strict)
+    if w.num_buffers == 2:
+        if shadow is not None and engine.shadow_buffer != engine.latest_buffer:
+            w.install(engine.shadow_buffer)
+            engine.model.load_state_dict(shadow, strict=strict)
+            w.install(engine.latest_buffer)
+        else:
+            w.sync_all_from(engine.latest_buffer)
+
+
+def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
+               optimizer, scheduler) -> TrainState:
+    from megatron.tensor_parallel.random import set_rng_state
+
+    tr = cfg.training
+    state = TrainState()
+    if not tr.load:
+        return state
+    payload = load_checkpoint(tr.load, groups)
+    if payload is None:
+        print_rank_last(f"no checkpoint found under --load {tr.load}; starting from scratch")
+        return state
+    if tr.finetune:
+        _load_model_states(engine, payload["model"], None, strict=False)
+        optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
+        print_rank_last(f"loaded weights of iteration {payload['iteration']} from {tr.load} "
+                        "for finetuning (iteration, optimizer and data position reset)")
+        return state
+    state = TrainState(iteration=payload["iteration"],
+                       consumed_train_samples=payload["consumed_train_samples"],
+                       consumed_valid_samples=payload["consumed_valid_samples"])
+    engine.iteration = state.iteration
+    _load_model_states(engine, payload["model"], payload.get("model_shadow"))
+    if not tr.no_load_optim and payload.get("optimizer") is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+    else:
+        optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
+    if payload.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(payload["lr_scheduler"], override=True)
+    if not tr.no_load_rng and payload.get("rng_state") is not None:
+        set_rng_state(payload["rng_state"])
+    print_rank_last(f"resumed from {tr.load} at iteration {state.iteration}")
+    return state
+
+
+def save(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
+         scheduler, state: TrainState) -> None:
+    from megatron.tensor_parallel.random import get_rng_state
+
+    latest, shadow = _model_states(engine)
+    path = save_checkpoint(cfg.training.save, state, groups, model_state=latest,
+                           shadow_state=shadow, optimizer=optimizer, scheduler=scheduler,
+                           rng_state=get_rng_state(),
+                           save_optim=not cfg.training.no_save_optim,
+                           extra={"config": cfg.to_dict(),
+                                  "schedule": cfg.parallel.pipeline_schedule})
+    print_rank_last(f"saved checkpoint of iteration {state.iteration} to {path}")
+
+
+def evaluate_and_print(engine: PipelineEngine, iterator, eval_iters: int, label: str,
+                       iteration: int, logger: TrainingLogger) -> Optional[Dict[str, float]]:
+    losses = engine.evaluate(iterator, eval_iters)
+    if losses:
+        parts = []
+        for k, v in losses.items():
+            ppl = math.exp(min(20.0, v))
+            parts.append(f"{k} value: {v:.6E} | {k} PPL: {ppl:.6E}")
+            logger.scalar(f"{label}/{k}", v, iteration)
+        print_rank_last(f"{'-' * 80}\n {label} loss at iteration {iteration} | "
+                        + " | ".join(parts) + f"\n{'-' * 80}")
+    return losses
+
+
+def _next_drain(it: int, cfg: MegatronConfig, train_iters: int, do_eval: bool) -> int:
+    """First iteration > it where the pipeline must drain (eval, save, exit, end)."""
+    tr = cfg.training
+    stops = [train_iters]
+    for interval, on in ((tr.eval_interval, do_eval), (tr.save_interval, bool(tr.save)),
+                         (tr.exit_interval, True)):
+        if on and interval:
+            stops.append((it // interval + 1) * interval)
+    return min(stops)
+
+
+def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
+          scheduler, state: TrainState, train_iter, valid_iter, logger: TrainingLogger,
+          result: TrainingResult) -> TrainingResult:
+    tr = cfg.training
+    train_iters = tr.train_iters or 0
+    gbs = tr.global_batch_size
+
+    def on_step(report: StepReport) -> None:
+        if not report.skipped:
+            scheduler.step()
+        state.iteration = report.iteration + 1
+        state.consumed_train_samples += gbs
+        result.reports.append(report)
+        if report.losses:
+            result.losses[report.iteration + 1] = report.losses
+        logger.on_step(report, state)
+
+    start_iteration = state.iteration
+    t0 = time.perf_counter()
+    while state.iteration < train_iters:
+        stop = _next_drain(state.iteration, cfg, train_iters, valid_iter is not None)
+        engine.train_batches(train_iter, stop - state.iteration,
+                             lr_provider=scheduler.get_lr, on_step=on_step)
+        it = state.iteration
+        if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
+            losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation", it, logger)
+            if losses:
+                result.eval_losses[it] = losses
+        if tr.save and tr.save_interval and it % tr.save_interval == 0:
+            save(cfg, groups, engine, optimizer, scheduler, state)
+        if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
+            if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
+                save(cfg, groups, engine, optimizer, scheduler, state)
+            print_rank_last(f"exiting at iteration {it} (--exit-interval {tr.exit_interval})")
+            result.exited_early = True
+            break
+    done = state.iteration - start_iteration
+    if done:
+        result.seconds_per_iteration = (time.perf_counter() - t0) / done
+    return result
+
+
+def gather_memory_report(engine: PipelineEngine, groups: ParallelGroups) -> Dict[str, Any]:
+    """Every rank's stage memory counters, gathered so the logging rank can print them."""
+    mine = {"rank": groups.rank, "stage": groups.pp_rank, "dp": groups.dp_rank,
+            "tp": groups.tp_rank, **engine.memory_stats()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    return {"per_rank": everyone}
+
+
+def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable, *,
+             extra_args_provider: Optional[Callable] = None, argv: Optional[Sequence[str]] = None,
+             flops_per_iteration: Optional[Callable[[MegatronConfig], float]] = None,
+             fault_injection=None) -> TrainingResult:
+    """Parse flags, set up every rank, train, evaluate, save.  Returns this rank's result."""
+    from megatron.arguments import parse_and_validate
+    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+    args, cfg = parse_and_validate(list(argv) if argv is not None else None,
+                                   extra_args_provider=extra_args_provider)
+    tokenizer = None
+    if cfg.data.tokenizer_type is not None:
+        tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
+                                    vocab_size=getattr(args, "vocab_size", None))
+        cfg.model.padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
+            cfg.parallel.tensor_model_parallel_size)
+    elif getattr(args, "vocab_size", None):
+        cfg.model.padded_vocab_size = vocab_size_with_padding(
+            args.vocab_size, cfg.data.make_vocab_size_divisible_by,
+            cfg.parallel.tensor_model_parallel_size)
+    groups, device = initialize_distributed(cfg.parallel)
+    set_random_seed(cfg.training.seed, groups, device)
+    model, optimizer, scheduler, engine = setup_model_and_optimizer(
+        cfg, groups, device, model_provider, forward_step,
+        trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)
+    state = maybe_load(cfg, groups, engine, optimizer, scheduler)
+    train_iter, valid_iter, test_iter = build_data_iterators(cfg, groups, tokenizer,
+                                                             datasets_provider, state)
+    flops = flops_per_iteration(cfg) if flops_per_iteration else None
+    logger = TrainingLogger(cfg, groups, flops_per_iteration=flops)
+    logger.banner(engine, model)
+    result = TrainingResult()
+    if not cfg.training.skip_train and train_iter is not None:
+        train(cfg, groups, engine, optimizer, scheduler, state, train_iter, valid_iter, logger,
+              result)
+    result.iteration = state.iteration
+    result.shared_embedding = _shared_embedding_copy(engine)
+    result.memory = gather_memory_report(engine, groups)
+    logger.memory_table(result.memory)
+    if not result.exited_early:
+        if valid_iter is not None and cfg.training.eval_iters:
+            losses = evaluate_and_print(engine, valid_iter, cfg.training.eval_iters,
+                                        "validation (end of training)", state.iteration, logger)
+            if losses:
+                result.eval_losses[state.iteration] = losses
+        if cfg.training.save and state.iteration > 0 and not (
+                cfg.training.save_interval and state.iteration % cfg.training.save_interval == 0):
+            save(cfg, groups, engine, optimizer, scheduler, state)
+    if cfg.training.timeline_file:
+        _write_timeline(cfg.training.timeline_file, engine, groups, cfg)
+    logger.close()
+    return result
+
+
+def _shared_embedding_copy(engine: PipelineEngine) -> Optional[torch.Tensor]:
+    for p in engine.weights.params(engine.latest_buffer):
+        if getattr(p, "shared_embedding", False):
+            return p.detach().cpu().clone()
+    return None
+
+
+def _write_timeline(path: str, engine: PipelineEngine, groups: ParallelGroups,
+                    cfg: MegatronConfig) -> None:
+    from megatron.pipeline.trace import TraceEvent, save_trace
+
+    root, ext = os.path.splitext(path)
+    out = f"{root}_rank{groups.rank}{ext or '.json'}"
+    events = [TraceEvent(rank=e["rank"], stage=e["stage"], action=e["action"], op=e["op"],
+                         microbatch=e["microbatch"], batch=e["batch"], start=e["start"],
+                         end=e["end"])
+              for e in engine.trace_events if e["train"]]
+    meta = {"schedule": cfg.parallel.pipeline_schedule, "stages": groups.pp_size,
+            "microbatches": cfg.training.num_microbatches(groups.dp_size),
+            "data_parallel": groups.dp_size, "rank": groups.rank}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    save_trace(out, events, meta)

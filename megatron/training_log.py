@@ -1,0 +1,132 @@
+"""Megatron-style log lines, printed by the last rank (it holds the losses)."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, Optional
+
+import torch.distributed as dist
+
+from megatron.config import MegatronConfig
+from megatron.parallel_state import ParallelGroups
+
+
+def is_logging_rank() -> bool:
+    if not dist.is_initialized():
+        return True
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_last(msg: str) -> None:
+    if is_logging_rank():
+        print(msg, flush=True)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class TrainingLogger:
+    """Accumulates per-step reports and prints one line every --log-interval steps."""
+
+    def __init__(self, cfg: MegatronConfig, groups: ParallelGroups,
+                 flops_per_iteration: Optional[float] = None) -> None:
+        self.cfg = cfg
+        self.groups = groups
+        self.flops = flops_per_iteration
+        self.world = groups.layout.world_size
+        self.active = is_logging_rank()
+        self.writer = None
+        if self.active and cfg.training.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise RuntimeError("--tensorboard-dir needs the tensorboard package: "
+                                   "pip install tensorboard") from exc
+            self.writer = SummaryWriter(log_dir=cfg.training.tensorboard_dir)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.t_last = time.perf_counter()
+        self.steps = 0
+        self.skipped = 0
+        self.nan = 0
+        self.loss_sums: Dict[str, float] = {}
+        self.loss_count = 0
+
+    def banner(self, engine, model) -> None:
+        tr, par = self.cfg.training, self.cfg.parallel
+        m = tr.num_microbatches(self.groups.dp_size)
+        n_params = sum(p.numel() for p in model.parameters())
+        print_rank_last(
+            f"pipeline schedule: {par.pipeline_schedule} | microbatches per batch m={m} | "
+            f"pipeline depth d={self.groups.pp_size} | parallel pipelines w={self.groups.dp_size} | "
+            f"tensor parallel t={self.groups.tp_size} | micro batch {tr.micro_batch_size} | "
+            f"global batch {tr.global_batch_size} | stage recompute "
+            f"{'on' if engine.stage_recompute else 'off'} | parameters on the last stage: {n_params:,}")
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(name, value, step)
+
+    def on_step(self, report, state) -> None:
+        if not self.active:
+            return
+        self.steps += 1
+        self.skipped += int(report.skipped)
+        if report.grad_norm is not None and not math.isfinite(report.grad_norm) and not report.skipped:
+            self.nan += 1
+        if report.losses:
+            for k, v in report.losses.items():
+                self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
+            self.loss_count += 1
+            for k, v in report.losses.items():
+                self.scalar(f"train/{k}", v, state.iteration)
+        self.scalar("train/lr", report.lr, state.iteration)
+        self.scalar("train/loss_scale", report.loss_scale, state.iteration)
+        interval = self.cfg.training.log_interval
+        if state.iteration % interval == 0:
+            self._print(report, state)
+
+    def _print(self, report, state) -> None:
+        tr = self.cfg.training
+        elapsed = time.perf_counter() - self.t_last
+        per_iter = elapsed / max(self.steps, 1)
+        samples_per_s = tr.global_batch_size / per_iter if per_iter > 0 else 0.0
+        parts = [f" iteration {state.iteration:8d}/{tr.train_iters or 0:8d}",
+                 f"consumed samples: {state.consumed_train_samples:12d}",
+                 f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
+                 f"samples/s: {samples_per_s:.2f}"]
+        if self.flops:
+            tflops = self.flops / per_iter / self.world / 1e12
+            parts.append(f"TFLOP/s per device: {tflops:.4f}")
+        parts.append(f"learning rate: {report.lr:.6E}")
+        for k, v in self.loss_sums.items():
+            parts.append(f"{k}: {v / max(self.loss_count, 1):.6E}")
+        parts += [f"loss scale: {report.loss_scale:.1f}",
+                  f"grad norm: {report.grad_norm:.3f}",
+                  f"number of skipped iterations: {self.skipped:3d}",
+                  f"number of nan iterations: {self.nan:3d}"]
+        print(" | ".join(parts) + " |", flush=True)
+        self._reset()
+
+    def memory_table(self, report: Dict[str, Any]) -> None:
+        if not self.active:
+            return
+        rows = sorted(report["per_rank"], key=lambda r: (r["stage"], r["dp"], r["tp"]))
+        lines = ["per-stage memory (measured by the pipeline executor):",
+                 f"{'rank':>5} {'stage':>5} {'in-flight':>9} {'stashed activations':>20} "
+                 f"{'weight versions':>15} {'weight bytes':>14}"]
+        for r in rows:
+            lines.append(f"{r['rank']:>5} {r['stage']:>5} {r['peak_in_flight']:>9} "
+                         f"{_fmt_bytes(r['peak_stashed_activation_bytes']):>20} "
+                         f"{r['peak_weight_versions']:>15} {_fmt_bytes(r['peak_weight_bytes']):>14}")
+        print("\n".join(lines), flush=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,81 @@
+"""Spawn N gloo ranks on CPU for multi-rank tests.
+
+    results = run_distributed(fn, world_size=4, args=(cfg,))
+
+``fn(rank, world_size, *args)`` runs in a fresh process with torch.distributed already
+initialised (gloo, free localhost port); its return value (picklable) comes back in the
+list ``results`` indexed by rank.  An exception on any rank fails the test with that
+rank's traceback; a rank that does not finish within ``timeout`` seconds fails it too,
+so a deadlock never hangs the suite.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable, List, Sequence
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any],
+            queue, timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (),
+                    timeout: float = 120.0) -> List[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue, timeout))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: List[Any] = [None] * world_size
+    errors = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, out = queue.get(timeout=timeout + 30)
+            except Exception as exc:  # queue.Empty
+                raise RuntimeError(f"a rank did not report within {timeout + 30:.0f}s "
+                                   f"(deadlock or crash); ranks reported so far: "
+                                   f"{[i for i, r in enumerate(results) if r is not None]}") from exc
+            if ok:
+                results[rank] = out
+            else:
+                errors.append(f"--- rank {rank} ---\n{out}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+    return results

@@ -1,0 +1,80 @@
+"""Two gloo ranks acting as two pipeline stages of one model: the optimizer's decisions
+(global gradient norm, clipping coefficient, overflow skip) are agreed by both."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import OptimizerConfig, PrecisionConfig
+from megatron.optimizer import get_megatron_optimizer
+from tests.dist_utils import run_distributed
+
+# Logical model: embedding E (first stage, tied with a copy on the last stage),
+# A (first stage), B (last stage).
+SHAPES = {"E": (7, 4), "A": (4, 4), "B": (3, 4)}
+
+
+def _grad(name: str, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randint(-64, 65, SHAPES[name], generator=g).double() / 16.0 * scale
+
+
+def _stage_params(rank: int, dtype: torch.dtype):
+    names = ["E", "A"] if rank == 0 else ["B", "E"]
+    params = [nn.Parameter(torch.ones(SHAPES[n], dtype=dtype)) for n in names]
+    if rank == 1:
+        params[1].shared = True  # the last stage's copy of the tied embedding
+    return names, params
+
+
+def _norm_and_clip(rank: int, world_size: int):
+    torch.set_num_threads(1)
+    group = dist.new_group(ranks=[0, 1])
+    names, params = _stage_params(rank, torch.float64)
+    cfg = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0,
+                          clip_grad=1.0)
+    opt = get_megatron_optimizer(cfg, PrecisionConfig(), params, model_groups=group)
+    for n, p in zip(names, params):
+        p.grad = _grad(n)  # the trainer has already summed E's grad on both stages
+    info = opt.step(params, params, params, lr=1.0)
+    return info.grad_norm, info.skipped, {n: p.detach().clone() for n, p in zip(names, params)}
+
+
+def _inf_on_one_rank(rank: int, world_size: int):
+    torch.set_num_threads(1)
+    group = dist.new_group(ranks=[0, 1])
+    names, params = _stage_params(rank, torch.float16)
+    pcfg = PrecisionConfig(fp16=True, initial_loss_scale=256.0, hysteresis=1)
+    cfg = OptimizerConfig(optimizer="adam", lr=0.1, clip_grad=1.0)
+    opt = get_megatron_optimizer(cfg, pcfg, params, model_groups=group)
+    for n, p in zip(names, params):
+        p.grad = _grad(n, opt.loss_scale).half()
+    if rank == 1:
+        params[0].grad[0, 0] = float("inf")
+    info = opt.step(params, params, params, lr=0.1)
+    unchanged = all(bool((p == 1).all()) for p in params)
+    return info.skipped, info.loss_scale, info.num_nonfinite, unchanged
+
+
+def test_global_norm_counts_shared_embedding_once_and_clips_alike():
+    results = run_distributed(_norm_and_clip, world_size=2, timeout=60)
+    expected = math.sqrt(sum(float(_grad(n).square().sum()) for n in SHAPES))
+    coeff = 1.0 / (expected + 1e-6)
+    for norm, skipped, weights in results:
+        assert not skipped
+        assert abs(norm - expected) <= 1e-12 * expected
+        for n, w in weights.items():
+            torch.testing.assert_close(w, 1.0 - coeff * _grad(n), rtol=1e-12, atol=1e-12)
+    # Both copies of the tied embedding received the same update.
+    assert torch.equal(results[0][2]["E"], results[1][2]["E"])
+
+
+def test_inf_on_one_rank_makes_both_ranks_skip():
+    results = run_distributed(_inf_on_one_rank, world_size=2, timeout=60)
+    for skipped, scale, nonfinite, unchanged in results:
+        assert skipped and unchanged
+        assert scale == 128.0
+        assert nonfinite == 1

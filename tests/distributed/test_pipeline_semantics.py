@@ -1,0 +1,194 @@
+"""Weight-update semantics of every schedule, in float64 on CPU gloo ranks.
+
+* none, gpipe and flush equal single-process training step for step;
+* 2bw equals an independent single-process implementation of the delayed update
+  W(t+1) = W(t) - lr * grad f(W(t-1)) (with AdamW's moments fed the stale gradient);
+* losses are invariant to the pipeline depth d and width w at a fixed global batch;
+* the tied embedding of first and last stage stays identical;
+* an overflow injected on one stage under fp16 makes every stage skip that batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.distributed.gpt_harness import TINY, train_configs
+
+STEPS = 4
+
+
+def _args(*extra: str) -> List[str]:
+    return TINY + list(extra)
+
+
+def _pp(d: int, schedule: str, *extra: str) -> List[str]:
+    return _args("--pipeline-model-parallel-size", str(d), "--pipeline-schedule", schedule, *extra)
+
+
+# ---------------------------------------------------------------- independent references
+def reference_losses(delayed: bool, optimizer: str = "adam") -> List[float]:
+    """Plain single-process PyTorch loop over the same data, model and hyper-parameters."""
+    from megatron.config import ModelConfig
+    from megatron.data.gpt_dataset import MockGPTDataset
+    from megatron.model import GPTModel
+    from megatron.tensor_parallel.utils import TPInfo
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      max_position_embeddings=16, padded_vocab_size=128, hidden_dropout=0.0,
+                      attention_dropout=0.0, params_dtype=torch.float64)
+    model = _build_reference_model(GPTModel, cfg, TPInfo.single())
+    data = MockGPTDataset(STEPS * 8, 16, 96, 7)
+    params = list(model.parameters())
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    if optimizer == "adam":
+        opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    else:
+        opt = torch.optim.SGD(groups, lr=1e-3, momentum=0.9)
+    previous = [p.detach().clone() for p in params]  # W(t-1); W(-1) := W(0)
+    losses = []
+    for t in range(STEPS):
+        text = torch.stack([torch.as_tensor(data[i]["text"]) for i in range(8 * t, 8 * t + 8)]).long()
+        tokens, labels = text[:, :-1], text[:, 1:]
+        pos = torch.arange(16).unsqueeze(0).expand_as(tokens)
+        current = [p.detach().clone() for p in params]
+        if delayed:  # gradient at W(t-1)
+            with torch.no_grad():
+                for p, w in zip(params, previous):
+                    p.copy_(w)
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, pos, None, labels=labels).mean()
+        loss.backward()
+        losses.append(loss.item())
+        if delayed:  # ...applied to W(t)
+            with torch.no_grad():
+                for p, w in zip(params, current):
+                    p.copy_(w)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        previous = current
+    return losses
+
+
+def _build_reference_model(GPTModel, cfg, tp):
+    import inspect
+
+    kwargs = dict(pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
+    if "seed" in inspect.signature(GPTModel.__init__).parameters:
+        kwargs["seed"] = 7
+    return GPTModel(cfg, tp, **kwargs)
+
+
+def _losses(summary: Dict) -> List[float]:
+    return [summary["losses"][t] for t in sorted(summary["losses"])]
+
+
+def _close(a: List[float], b: List[float], tol: float = 1e-10) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=tol, abs_tol=tol) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------ the runs
+@pytest.fixture(scope="module")
+def single():
+    configs = [("flush", _args(), None), ("2bw", _pp(1, "2bw"), None),
+               ("sgd", _args("--optimizer", "sgd"), None)]
+    return run_distributed(train_configs, 1, args=(configs,), timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    configs = [(f"{s}_d2", _pp(2, s), None) for s in ("none", "gpipe", "flush", "2bw")]
+    configs += [("flush_w2", _pp(1, "flush"), None), ("2bw_w2", _pp(1, "2bw"), None),
+                ("sgd_flush_d2", _pp(2, "flush", "--optimizer", "sgd"), None),
+                ("fp16_flush_d2", _fp16(_pp(2, "flush")), "inject_overflow_stage0_iter2"),
+                ("fp16_2bw_d2", _fp16(_pp(2, "2bw")), "inject_overflow_stage0_iter2")]
+    return run_distributed(train_configs, 2, args=(configs,), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    configs = [(f"{s}_d4", _pp(4, s), None) for s in ("none", "gpipe", "flush", "2bw")]
+    configs += [("flush_d2w2", _pp(2, "flush"), None), ("2bw_d2w2", _pp(2, "2bw"), None),
+                ("flush_t2w2", _args("--tensor-model-parallel-size", "2"), None)]
+    return run_distributed(train_configs, 4, args=(configs,), timeout=600)
+
+
+def _fp16(argv: List[str]) -> List[str]:
+    out = [a for a in argv if a != "--fp64"]
+    return out + ["--fp16", "--initial-loss-scale", "1024"]
+
+
+# ------------------------------------------------------------------------ the tests
+def test_single_process_trainer_matches_plain_pytorch_loop(single):
+    assert _close(_losses(single["flush"]), reference_losses(delayed=False))
+    assert _close(_losses(single["sgd"]), reference_losses(delayed=False, optimizer="sgd"))
+
+
+def test_2bw_single_stage_matches_delayed_update_reference(single):
+    ref = reference_losses(delayed=True)
+    assert _close(_losses(single["2bw"]), ref)
+    # and it is really different from vanilla semantics after the first steps
+    assert not _close(ref, reference_losses(delayed=False))
+
+
+@pytest.mark.parametrize("schedule", ["none", "gpipe", "flush"])
+def test_flushing_schedules_equal_single_process_d2(single, two_ranks, schedule):
+    assert _close(_losses(two_ranks[-1][f"{schedule}_d2"]), _losses(single["flush"]))
+
+
+@pytest.mark.parametrize("schedule", ["none", "gpipe", "flush"])
+def test_flushing_schedules_equal_single_process_d4(single, four_ranks, schedule):
+    assert _close(_losses(four_ranks[-1][f"{schedule}_d4"]), _losses(single["flush"]))
+
+
+def test_2bw_invariant_to_depth_and_width(single, two_ranks, four_ranks):
+    ref = _losses(single["2bw"])
+    for res, name in ((two_ranks, "2bw_d2"), (four_ranks, "2bw_d4"), (two_ranks, "2bw_w2"),
+                      (four_ranks, "2bw_d2w2")):
+        assert _close(_losses(res[-1][name]), ref), name
+
+
+def test_width_and_tensor_parallel_invariance(single, two_ranks, four_ranks):
+    ref = _losses(single["flush"])
+    assert _close(_losses(two_ranks[-1]["flush_w2"]), ref)
+    assert _close(_losses(four_ranks[-1]["flush_d2w2"]), ref)
+    assert _close(_losses(four_ranks[-1]["flush_t2w2"]), ref, tol=1e-9)
+
+
+def test_sgd_flush_pipeline_equals_single(single, two_ranks):
+    assert _close(_losses(two_ranks[-1]["sgd_flush_d2"]), _losses(single["sgd"]))
+
+
+def test_2bw_version_numbers_in_reports(two_ranks):
+    for rank_result in two_ranks:
+        assert rank_result["2bw_d2"]["versions"] == [max(t - 1, 0) for t in range(STEPS)]
+        assert rank_result["flush_d2"]["versions"] == list(range(STEPS))
+
+
+@pytest.mark.parametrize("name", ["flush_d2", "2bw_d2", "gpipe_d2", "none_d2"])
+def test_tied_embeddings_identical_on_first_and_last_stage(two_ranks, name):
+    first, last = two_ranks[0][name]["shared_embedding"], two_ranks[1][name]["shared_embedding"]
+    assert first is not None and last is not None
+    assert torch.equal(first, last)
+
+
+def test_tied_embeddings_identical_d4_w2(four_ranks):
+    # d=2, w=2: ranks (stage 0: 0, 1) and (stage 1: 2, 3)
+    embs = [r["2bw_d2w2"]["shared_embedding"] for r in four_ranks]
+    assert all(torch.equal(embs[0], e) for e in embs)
+
+
+@pytest.mark.parametrize("name", ["fp16_flush_d2", "fp16_2bw_d2"])
+def test_injected_overflow_skips_same_step_on_every_stage(two_ranks, name):
+    skipped = [r[name]["skipped"] for r in two_ranks]
+    assert skipped[0] == skipped[1]
+    assert skipped[0][2] is True
+    # every other step that did not overflow naturally was applied on both stages alike
+    assert [r[name]["loss_scales"] for r in two_ranks][0] == two_ranks[1][name]["loss_scales"]
+    assert all(math.isfinite(v) for v in two_ranks[-1][name]["losses"].values())

@@ -1,0 +1,115 @@
+"""Activation recomputation and dropout RNG replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron.model.transformer as transformer_module
+from megatron.model import GPTModel
+from megatron.tensor_parallel import (TPInfo, get_rng_state, get_rng_tracker,
+                                      model_parallel_seed, set_rng_state)
+from tests.unit.test_model_gpt import make_batch, make_config
+
+RECOMPUTE = {
+    "selective": dict(recompute_granularity="selective"),
+    "uniform1": dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1),
+    "uniform3": dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=3),
+    "block2": dict(recompute_granularity="full", recompute_method="block",
+                   recompute_num_layers=2),
+}
+
+
+def loss_and_grads(dropout: float, **recompute):
+    torch.set_num_threads(1)
+    cfg = make_config(hidden_dropout=dropout, attention_dropout=dropout, **recompute)
+    ids, labels = make_batch(2)
+    model = GPTModel(cfg, TPInfo.single(), seed=5)
+    model_parallel_seed(21)
+    loss = model(ids, None, None, labels=labels).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b, atol=1e-13):
+    loss_a, grads_a = a
+    loss_b, grads_b = b
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=atol)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("kind", sorted(RECOMPUTE))
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_recompute_gives_same_gradients(kind, dropout):
+    assert_same(loss_and_grads(dropout, **RECOMPUTE[kind]), loss_and_grads(dropout))
+
+
+def test_dropout_is_active_and_replay_matters(monkeypatch):
+    """Guards the test above: dropout changes the result, and a checkpoint that does not
+    replay the tracker's stream gives different gradients."""
+    plain, dropped = loss_and_grads(0.0), loss_and_grads(0.3)
+    assert not torch.allclose(plain[0], dropped[0])
+
+    def no_tracker_replay(fn, *args):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+    monkeypatch.setattr(transformer_module, "checkpoint", no_tracker_replay)
+    broken = loss_and_grads(0.3, **RECOMPUTE["selective"])
+    torch.testing.assert_close(broken[0], dropped[0], rtol=0, atol=1e-13)  # forward same
+    qkv = "encoder.layers.0.self_attention.query_key_value.weight"
+    assert not torch.allclose(broken[1][qkv], dropped[1][qkv])
+
+
+def test_bad_recompute_config():
+    with pytest.raises(ValueError, match="--recompute-num-layers"):
+        GPTModel(make_config(recompute_granularity="full", recompute_method="uniform"),
+                 TPInfo.single())
+    with pytest.raises(ValueError, match="'uniform' or 'block'"):
+        GPTModel(make_config(recompute_granularity="full", recompute_method="layer",
+                             recompute_num_layers=1), TPInfo.single())
+
+
+def test_rng_state_capture_replays_forward():
+    cfg = make_config(hidden_dropout=0.3, attention_dropout=0.3)
+    ids, labels = make_batch(3)
+    model = GPTModel(cfg, TPInfo.single(), seed=5)
+    model_parallel_seed(8)
+    state = get_rng_state()
+    first = model(ids, None, None, labels=labels)
+    second = model(ids, None, None, labels=labels)
+    assert not torch.equal(first, second)  # the streams advanced
+    set_rng_state(state)
+    assert torch.equal(model(ids, None, None, labels=labels), first)
+    # Eval mode draws nothing.
+    model.eval()
+    assert torch.equal(model(ids, None, None, labels=labels),
+                       model(ids, None, None, labels=labels))
+
+
+def test_tracker_streams():
+    model_parallel_seed(100, tp_rank=0)
+    tracker = get_rng_tracker()
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # default stream untouched
+    with tracker.fork():
+        a_next = torch.rand(4)
+    assert not torch.equal(a, a_next)  # the forked stream advances
+    model_parallel_seed(100, tp_rank=1)
+    with get_rng_tracker().fork():
+        b = torch.rand(4)
+    assert not torch.equal(a, b)  # other TP rank, other stream
+    model_parallel_seed(100, tp_rank=0)
+    default_a = torch.rand(4)
+    model_parallel_seed(100, tp_rank=1)
+    assert torch.equal(torch.rand(4), default_a)  # default stream shared by TP ranks
+    with pytest.raises(ValueError, match="already exists"):
+        get_rng_tracker().add("model-parallel-rng", 1)
+    get_rng_tracker().reset()
+    with pytest.raises(RuntimeError, match="model_parallel_seed"):
+        with get_rng_tracker().fork():
+            pass
+    model_parallel_seed(0)
