@@ -35,7 +35,7 @@ def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: boo
 
     layers = stage_layer_numbers(cfg.model.num_layers, groups.pp_size, groups.pp_rank)
     return GPTModel(cfg.model, TPInfo.from_groups(groups), pre_process=pre_process,
-                    post_process=post_process, layer_numbers=layers)
+                    post_process=post_process, layer_numbers=layers, seed=cfg.training.seed)
 
 
 def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, int, int]):
@@ -70,7 +70,7 @@ def get_batch(data: Dict[str, Any], device: torch.device) -> Dict[str, torch.Ten
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     """Mean of the per-token losses where loss_mask is 1."""
-    losses = output.float()
+    losses = output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
     loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum().clamp(min=1.0)
     return loss, {"lm loss": loss.detach()}
 

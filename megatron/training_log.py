@@ -103,7 +103,7 @@ class TrainingLogger:
                  f"samples/s: {samples_per_s:.2f}"]
         if self.flops:
             tflops = self.flops / per_iter / self.world / 1e12
-            parts.append(f"TFLOP/s per device: {tflops:.4f}")
+            parts.append(f"TFLOP/s per device: {tflops:.4g}")
         parts.append(f"learning rate: {report.lr:.6E}")
         for k, v in self.loss_sums.items():
             parts.append(f"{k}: {v / max(self.loss_count, 1):.6E}")

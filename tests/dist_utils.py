@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
+import queue as queue_mod
 import socket
 import traceback
 from typing import Any, Callable, List, Sequence
@@ -37,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # plain pickle: tensors travel by value, not as shared-memory handles that die
+        # with this process
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -58,17 +62,22 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (),
     for p in procs:
         p.start()
     results: List[Any] = [None] * world_size
+    reported: List[int] = []
     errors = []
     try:
         for _ in range(world_size):
+            # once a rank failed, the others are probably stuck waiting for it
+            wait = 20.0 if errors else timeout + 30
             try:
-                rank, ok, out = queue.get(timeout=timeout + 30)
-            except Exception as exc:  # queue.Empty
-                raise RuntimeError(f"a rank did not report within {timeout + 30:.0f}s "
-                                   f"(deadlock or crash); ranks reported so far: "
-                                   f"{[i for i, r in enumerate(results) if r is not None]}") from exc
+                rank, ok, out = queue.get(timeout=wait)
+            except queue_mod.Empty:
+                if errors:
+                    break
+                raise RuntimeError(f"a rank did not report within {wait:.0f}s (deadlock or "
+                                   f"crash); ranks reported so far: {reported}") from None
+            reported.append(rank)
             if ok:
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             else:
                 errors.append(f"--- rank {rank} ---\n{out}")
     finally:

@@ -94,11 +94,44 @@ def _own_doc(obj: object) -> str:
     return inspect.cleandoc(doc) if isinstance(doc, str) and doc.strip() else ""
 
 
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+_SAFE_DEFAULTS = (bool, int, float, type(None))
+
+
+def _machine_strings() -> set:
+    """Strings that describe this machine or user (never to be written to the corpus)."""
+    # Values under 4 characters ("1", "yes") are flags, not identifying, and common defaults.
+    private = {v for v in os.environ.values() if len(v) >= 4}
+    private.update({os.getcwd(), os.path.expanduser("~"), os.path.basename(os.path.expanduser("~"))})
+    return private
+
+
 def _heading(qualname: str, obj: object) -> str:
+    """``qualname(signature)`` with annotations dropped and only simple defaults shown.
+
+    Arbitrary default values must not be printed: some are run-specific
+    (``<object at 0x...>``) and some are private, e.g. ``cgi.parse(environ=os.environ)``
+    would copy this machine's environment variables into the corpus.
+    """
     try:
-        return f"{qualname}{inspect.signature(obj)}"
+        sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return qualname
+    params = []
+    private = _machine_strings()
+    for p in sig.parameters.values():
+        default = p.default
+        if default is not p.empty and not (
+            isinstance(default, _SAFE_DEFAULTS)
+            or (isinstance(default, str) and len(default) <= 20 and default not in private)
+        ):
+            default = _Elided()
+        params.append(p.replace(default=default, annotation=p.empty))
+    return qualname + str(sig.replace(parameters=params, return_annotation=sig.empty))
 
 
 def _wanted(name: str, obj: object) -> bool:
@@ -245,4 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    # Running as a script puts tools/ first on sys.path; a tool named like a stdlib
+    # module (e.g. tools/trace.py) would then be documented instead of the real one.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
     sys.exit(main())

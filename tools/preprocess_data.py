@@ -182,7 +182,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
             pool.terminate()
             pool.join()
     elapsed = time.perf_counter() - start
-    print(f"Done: {n_docs} documents, {n_tokens} tokens, {n_bytes} bytes in {elapsed:.2f} s "
+    print(f"Done: {n_docs} documents, {n_tokens} tokens, {n_bytes} bytes in {elapsed:.3f} s "
           f"({_progress(n_docs, n_tokens, n_bytes, elapsed)}); skipped {n_empty} empty.",
           flush=True)
     for key in args.json_keys:

@@ -84,4 +84,7 @@ def build_pretraining_data_loader(dataset: Optional[torch.utils.data.Dataset],
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
         collate_fn=collate_samples, pin_memory=torch.cuda.is_available(),
-        persistent_workers=num_workers > 0)
+        persistent_workers=num_workers > 0,
+        # its own generator: creating an iterator must not draw from the global RNG,
+        # or dropout streams would depend on when iterators were made (breaks resume)
+        generator=torch.Generator().manual_seed(0))

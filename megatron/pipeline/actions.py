@@ -57,8 +57,9 @@ BATCH_OPS = frozenset({Op.REDUCE_GRADS, Op.STEP})
 class ScheduleError(ValueError):
     """A schedule breaks a rule the executor relies on (order, matching, versions...)."""
 
-# Longest codes first so that "SA" is not read as "S" + garbage.
-_CODE_TO_OP = {op.value: op for op in sorted(Op, key=lambda o: -len(o.value))}
+_CODE_TO_OP = {op.value: op for op in Op}
+# Enum's ``.value`` is a Python-level property; a plain dict keeps __str__ cheap.
+_OP_CODE = {op: op.value for op in Op}
 _ACTION_RE = re.compile(r"^(\d+)(F|B|SA|RA|SG|RG|R@|S@)(\d+)$")
 
 
@@ -83,9 +84,8 @@ class Action:
     peer: Optional[int] = None
 
     def __str__(self) -> str:
-        if self.op in BATCH_OPS:
-            return f"{self.stage}{self.op.value}{self.batch}"
-        return f"{self.stage}{self.op.value}{self.microbatch}"
+        number = self.batch if self.op in BATCH_OPS else self.microbatch
+        return f"{self.stage}{_OP_CODE[self.op]}{number}"
 
     @property
     def short(self) -> str:

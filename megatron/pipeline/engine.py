@@ -266,7 +266,8 @@ class PipelineEngine:
         loss, reported = loss_fn(output)
         sums = seg.loss_sums.setdefault(batch_t, {})
         for k, v in reported.items():
-            v = v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v))
+            v = (v.detach().to(torch.float64) if torch.is_tensor(v)
+                 else torch.tensor(float(v), dtype=torch.float64))
             sums[k] = sums.get(k, 0) + v
         return loss
 

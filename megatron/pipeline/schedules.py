@@ -171,6 +171,7 @@ def _align_steps(schedule: Schedule, m: int) -> Schedule:
     """Move each STEP(b) to where every stage is at about the same (unit-cost) time.
 
     Legal window on each stage: after REDUCE_GRADS(b), before anything of batch b+2.
+    A send is never delayed behind a STEP (the receiving stage would stall).
     """
     without = [[a for a in actions if a.op is not Op.STEP] for actions in schedule]
     state = run_schedule(without, unit_cost(), step_barrier=False)
@@ -186,10 +187,11 @@ def _align_steps(schedule: Schedule, m: int) -> Schedule:
         pending = deque(sorted(done_at))
         reduced = set()
         for a, start in zip(actions, starts[s]):
-            while pending and pending[0] in reduced and (
+            # Never between a compute action and its send: the neighbour waits for it.
+            can_insert = a.op is not Op.SEND_ACT and a.op is not Op.SEND_GRAD
+            while can_insert and pending and pending[0] in reduced and (
                     start >= done_at[pending[0]]
-                    or (a.batch is not None and a.op is not Op.REDUCE_GRADS
-                        and a.batch >= pending[0] + 2)):
+                    or (a.op is not Op.REDUCE_GRADS and a.batch >= pending[0] + 2)):
                 out.append(Action(s, Op.STEP, batch=pending.popleft()))
             out.append(a)
             if a.op is Op.REDUCE_GRADS:

@@ -51,7 +51,7 @@ def unit_cost(forward: float = 1.0, backward: float = 2.0, other: float = 0.0) -
     return cost
 
 
-@dataclass
+@dataclass(slots=True)
 class _Executed:
     """An action that ran in the simulation, with its position in its stage's list."""
 
@@ -66,6 +66,8 @@ class _RunState:
     executed: List[List[_Executed]]
     blocked: Dict[int, str] = field(default_factory=dict)
     """stage -> why it is stuck (only stages with actions left)."""
+    mismatch: Dict[int, str] = field(default_factory=dict)
+    """stage -> a receive that would take another microbatch's message (stage stopped)."""
 
 
 def _channel(action: Action) -> Tuple[int, int]:
@@ -77,12 +79,16 @@ def _channel(action: Action) -> Tuple[int, int]:
 
 def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, float] = 0.0,
                  step_barrier: bool = True) -> _RunState:
-    """Simulate as far as possible; never raises on deadlock (see ``simulate``).
+    """Simulate as far as possible; reports instead of raising (``simulate`` raises).
 
-    Raises ``ScheduleError`` if a receive would be matched with a message meant for a
-    different microbatch, since the real executor would silently use the wrong tensor.
+    A stage stops where it is stuck (``blocked``) or where a receive would be matched
+    with a message meant for another microbatch (``mismatch``: the real executor would
+    silently use the wrong tensor).
     """
-    latency = comm_latency if callable(comm_latency) else (lambda _a, c=float(comm_latency): c)
+    if callable(comm_latency):
+        latency = lambda a: float(comm_latency(a))  # noqa: E731
+    else:
+        latency = lambda _a, c=float(comm_latency): c  # noqa: E731
     d = len(schedule)
     for s, actions in enumerate(schedule):
         for a in actions:
@@ -96,46 +102,59 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
     free = [0.0] * d
     channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
     state = _RunState(executed=[[] for _ in range(d)])
+    barrier = step_barrier and d > 1
 
-    def run(s: int, a: Action, start: float) -> None:
-        end = start + float(cost(a))
-        state.executed[s].append(_Executed(ptr[s], a, start, end))
-        free[s] = end
-        ptr[s] += 1
-        if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
-            channels.setdefault(_channel(a), deque()).append((a, end + float(latency(a))))
-
+    recv_act, recv_grad, send_act, send_grad = (Op.RECV_ACT, Op.RECV_GRAD, Op.SEND_ACT,
+                                                Op.SEND_GRAD)
+    step = Op.STEP
     progress = True
     while progress:
         progress = False
         for s in range(d):
-            while ptr[s] < len(schedule[s]):
-                a = schedule[s][ptr[s]]
-                start = free[s]
-                if a.op in RECV_OPS:
-                    queue = channels.get(_channel(a))
+            actions, executed = schedule[s], state.executed[s]
+            i, t = ptr[s], free[s]
+            while i < len(actions):
+                a = actions[i]
+                op = a.op
+                start = t
+                if op is recv_act or op is recv_grad:
+                    queue = channels.get((a.peer, s))
                     if not queue:
                         break
                     sent, arrival = queue[0]
-                    if sent.microbatch != a.microbatch or (sent.op is Op.SEND_ACT) != (
-                            a.op is Op.RECV_ACT):
-                        raise ScheduleError(
-                            f"message mismatch: {a} on stage {s} would receive the message "
-                            f"of {sent} (messages on a channel are matched in send order)")
+                    if sent.microbatch != a.microbatch or (sent.op is send_act) != (
+                            op is recv_act):
+                        state.mismatch.setdefault(s, (
+                            f"message mismatch: {a} (index {i}) on stage {s} would receive "
+                            f"the message of {sent} (messages on a channel are matched in "
+                            f"send order)"))
+                        break
                     queue.popleft()
-                    start = max(start, arrival)
-                elif a.op is Op.STEP and step_barrier and d > 1:
+                    start = arrival if arrival > t else t
+                elif op is step and barrier:
                     break
-                run(s, a, start)
+                t = start + float(cost(a))
+                executed.append(_Executed(i, a, start, t))
+                if op is send_act or op is send_grad:
+                    key = (s, a.peer)
+                    if key not in channels:
+                        channels[key] = deque()
+                    channels[key].append((a, t + latency(a)))
+                i += 1
                 progress = True
-        if step_barrier and d > 1 and _barrier_ready(schedule, ptr):
+            ptr[s], free[s] = i, t
+        if barrier and _barrier_ready(schedule, ptr):
             start = max(free)
             for s in range(d):
-                run(s, schedule[s][ptr[s]], start)
+                a = schedule[s][ptr[s]]
+                free[s] = start + float(cost(a))
+                state.executed[s].append(_Executed(ptr[s], a, start, free[s]))
+                ptr[s] += 1
             progress = True
     for s in range(d):
         if ptr[s] < len(schedule[s]):
-            state.blocked[s] = _why_blocked(schedule, ptr, s, step_barrier)
+            state.blocked[s] = state.mismatch.get(s) or _why_blocked(
+                schedule, ptr, s, step_barrier)
     return state
 
 
@@ -215,6 +234,9 @@ def simulate(schedule: Schedule, cost: CostFn, *, comm_latency: Union[CostFn, fl
     the message being available to the receiver.  Raises ``DeadlockError`` when stuck.
     """
     state = run_schedule(schedule, cost, comm_latency, step_barrier)
+    if state.mismatch:
+        lines = [why for _, why in sorted(state.mismatch.items())]
+        raise ScheduleError("\n".join(lines) + "\n" + render_grid(state, len(schedule)))
     if state.blocked:
         lines = [f"stage {s}: {why}" for s, why in sorted(state.blocked.items())]
         raise DeadlockError("schedule deadlocks:\n" + "\n".join(lines) + "\n"
@@ -250,14 +272,36 @@ def _result(schedule: Schedule, state: _RunState) -> SimResult:
                      peak_weight_versions=buffers_used, num_microbatches=num_mb)
 
 
+def _find_mark(state: _RunState, mark: Tuple[int, int]) -> Tuple[Optional[_Executed], str]:
+    """The compute box to highlight for ``mark`` and a line naming the marked action."""
+    stage, index = mark
+    if not 0 <= stage < len(state.executed):
+        return None, f"marked: stage {stage} does not exist"
+    executed = state.executed[stage]
+    target = next((e for e in executed if e.index == index), None)
+    if target is None:
+        return None, f"marked: stage {stage}, action index {index} (never ran)"
+    a = target.action
+    note = f"marked: stage {stage}, action index {index} ({a})"
+    if is_compute(a):
+        return target, note
+    if a.op in RECV_OPS or a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+        op = Op.FORWARD if a.op in (Op.SEND_ACT, Op.RECV_ACT) else Op.BACKWARD
+        owner = next((e for e in executed
+                      if e.action.op is op and e.action.microbatch == a.microbatch), None)
+        return owner, note
+    before = [e for e in executed if e.index < index and is_compute(e.action)]
+    return (before[-1] if before else None), note
+
+
 def render_grid(state: _RunState, num_stages: int,
                 mark: Optional[Tuple[int, int]] = None) -> str:
     """Stage-by-time text grid of the compute actions of a (possibly partial) run.
 
     Each column is one time unit (meant for integer unit costs: a backward of cost 2 is
     one box two columns wide); ``.`` is idle.  ``mark=(stage, index)`` surrounds that
-    action (or, for a non-compute action, the next compute action of the stage) with
-    ``>>`` ``<<``.
+    action with ``>>`` ``<<``; a send/recv marks the F or B it belongs to, a
+    REDUCE_GRADS/STEP the compute action before it; a note under the grid names it.
     """
     compute = [[e for e in ex if is_compute(e.action)] for ex in state.executed]
     flat = [e for row in compute for e in row]
@@ -265,12 +309,8 @@ def render_grid(state: _RunState, num_stages: int,
     marked: Optional[_Executed] = None
     notes: List[str] = []
     if mark is not None:
-        ms, mi = mark
-        if 0 <= ms < num_stages:
-            marked = next((e for e in compute[ms] if e.index >= mi), None)
-            target = next((e for e in state.executed[ms] if e.index == mi), None)
-            what = str(target.action) if target else "an action that never ran"
-            notes.append(f"marked: stage {ms}, action index {mi} ({what})")
+        marked, note = _find_mark(state, mark)
+        notes.append(note)
     width = max((len(e.action.short) for e in flat), default=2) + (4 if marked else 0)
     lines = []
     for s in range(num_stages):
@@ -284,7 +324,7 @@ def render_grid(state: _RunState, num_stages: int,
             cells[lo] = label.center(span) if hi - lo > 1 else label.rjust(width)
             for t in range(lo + 1, min(hi, horizon)):
                 cells[t] = None
-        lines.append(f"stage {s:>2} | " + " ".join(c for c in cells if c is not None))
+        lines.append((f"stage {s:>2} | " + " ".join(c for c in cells if c is not None)).rstrip())
     for s, why in sorted(state.blocked.items()):
-        notes.append(f"stage {s} stuck at {why}")
+        notes.append(f"stage {s} stuck: {why}")
     return "\n".join(lines + notes)

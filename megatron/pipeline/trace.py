@@ -116,22 +116,26 @@ def load_traces(paths: Union[str, Iterable[Union[str, Path]]]
 def to_chrome_trace(events: Sequence[TraceEvent], time_unit_us: float = 1e6) -> Dict[str, Any]:
     """Chrome trace-event format (chrome://tracing, ui.perfetto.dev).
 
-    One process per rank, one thread per stage, an ``"X"`` (complete) event per
-    action named by its short form (``F5``).  ``time_unit_us`` converts event times to
-    microseconds: 1e6 for times in seconds; simulated unit costs look fine with 1e3.
+    One process ("pipeline"), one thread per rank named after its stage (in a simulation
+    rank == stage, so one thread per stage), an ``"X"`` (complete) event per action named
+    by its short form (``F5``) with microbatch/batch/version in ``args``.
+    ``time_unit_us`` converts event times to microseconds: 1e6 for times in seconds;
+    simulated unit costs read well with 1e3.
     """
-    trace: List[Dict[str, Any]] = []
-    seen_threads = set()
-    for e in events:
-        if (e.rank, e.stage) not in seen_threads:
-            seen_threads.add((e.rank, e.stage))
-            trace.append({"ph": "M", "name": "process_name", "pid": e.rank, "tid": e.stage,
-                          "args": {"name": f"rank {e.rank}"}})
-            trace.append({"ph": "M", "name": "thread_name", "pid": e.rank, "tid": e.stage,
-                          "args": {"name": f"stage {e.stage}"}})
-        short = e.action[len(str(e.stage)):] if e.action.startswith(str(e.stage)) else e.action
+    trace: List[Dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "pipeline"}}]
+    named = set()
+    for e in sorted(events, key=lambda ev: (ev.rank, ev.start)):
+        if e.rank not in named:
+            named.add(e.rank)
+            trace.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": e.rank,
+                          "args": {"name": f"stage {e.stage} (rank {e.rank})"}})
+            trace.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": e.rank,
+                          "args": {"sort_index": e.stage}})
+        prefix = str(e.stage)
+        short = e.action[len(prefix):] if e.action.startswith(prefix) else e.action
         trace.append({
-            "ph": "X", "name": short, "cat": e.op, "pid": e.rank, "tid": e.stage,
+            "ph": "X", "name": short, "cat": e.op, "pid": 0, "tid": e.rank,
             "ts": e.start * time_unit_us, "dur": max(e.end - e.start, 0.0) * time_unit_us,
             "args": {"microbatch": e.microbatch, "batch": e.batch, "version": e.version,
                      "action": e.action},

@@ -183,10 +183,9 @@ def _check_channel(schedule: Sequence[Sequence[Action]], src: int, dst: int, sen
 
 def _dry_run(schedule: Sequence[Sequence[Action]], d: int, n: int, forward_only: bool,
              where: str, fail) -> ScheduleStats:
-    try:
-        state = run_schedule(schedule, unit_cost(), step_barrier=True)
-    except ScheduleError as exc:
-        fail(str(exc))
+    state = run_schedule(schedule, unit_cost(), step_barrier=True)
+    if state.mismatch:
+        fail("; ".join(why for _, why in sorted(state.mismatch.items())))
     if state.blocked:
         stuck = "; ".join(f"stage {s}: {why}" for s, why in sorted(state.blocked.items()))
         raise DeadlockError(f"{where}: deadlock in dry run: {stuck}\n{render_grid(state, d)}")

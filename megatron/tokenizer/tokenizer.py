@@ -44,6 +44,7 @@ class SentencePieceTokenizer(MegatronTokenizer):
             ) from None
         self._eod_id = self._find_eod(model_file)
         self._vocab: Optional[Dict[str, int]] = None
+        self._inv_vocab: Optional[Dict[int, str]] = None
 
     def _find_eod(self, model_file: str) -> int:
         for piece in SENTENCEPIECE_EOD_PIECES:
@@ -68,7 +69,9 @@ class SentencePieceTokenizer(MegatronTokenizer):
 
     @property
     def inv_vocab(self) -> Dict[int, str]:
-        return {i: p for p, i in self.vocab.items()}
+        if self._inv_vocab is None:
+            self._inv_vocab = {i: self.sp.IdToPiece(i) for i in range(self.vocab_size)}
+        return self._inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
         return self.sp.EncodeAsIds(text)

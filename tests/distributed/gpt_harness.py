@@ -12,6 +12,7 @@ import torch
 # A tiny GPT in float64 without dropout: every schedule/layout must agree to ~1e-12.
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "96",
+        "--make-vocab-size-divisible-by", "64",
         "--tokenizer-type", "NullTokenizer", "--mock-data",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--fp64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,9 +31,7 @@ def _stage_params(rank: int, dtype: torch.dtype):
     return names, params
 
 
-def _norm_and_clip(rank: int, world_size: int):
-    torch.set_num_threads(1)
-    group = dist.new_group(ranks=[0, 1])
+def _norm_and_clip(rank: int, group):
     names, params = _stage_params(rank, torch.float64)
     cfg = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0,
                           clip_grad=1.0)
@@ -43,9 +42,7 @@ def _norm_and_clip(rank: int, world_size: int):
     return info.grad_norm, info.skipped, {n: p.detach().clone() for n, p in zip(names, params)}
 
 
-def _inf_on_one_rank(rank: int, world_size: int):
-    torch.set_num_threads(1)
-    group = dist.new_group(ranks=[0, 1])
+def _inf_on_one_rank(rank: int, group):
     names, params = _stage_params(rank, torch.float16)
     pcfg = PrecisionConfig(fp16=True, initial_loss_scale=256.0, hysteresis=1)
     cfg = OptimizerConfig(optimizer="adam", lr=0.1, clip_grad=1.0)
@@ -59,8 +56,20 @@ def _inf_on_one_rank(rank: int, world_size: int):
     return info.skipped, info.loss_scale, info.num_nonfinite, unchanged
 
 
-def test_global_norm_counts_shared_embedding_once_and_clips_alike():
-    results = run_distributed(_norm_and_clip, world_size=2, timeout=60)
+def _both_scenarios(rank: int, world_size: int):
+    torch.set_num_threads(1)
+    group = dist.new_group(ranks=[0, 1])  # the model group: both pipeline stages
+    return {"clip": _norm_and_clip(rank, group), "inf": _inf_on_one_rank(rank, group)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    # One spawn for both scenarios: starting gloo ranks dominates the test time.
+    return run_distributed(_both_scenarios, world_size=2, timeout=60)
+
+
+def test_global_norm_counts_shared_embedding_once_and_clips_alike(results):
+    results = [r["clip"] for r in results]
     expected = math.sqrt(sum(float(_grad(n).square().sum()) for n in SHAPES))
     coeff = 1.0 / (expected + 1e-6)
     for norm, skipped, weights in results:
@@ -72,9 +81,8 @@ def test_global_norm_counts_shared_embedding_once_and_clips_alike():
     assert torch.equal(results[0][2]["E"], results[1][2]["E"])
 
 
-def test_inf_on_one_rank_makes_both_ranks_skip():
-    results = run_distributed(_inf_on_one_rank, world_size=2, timeout=60)
-    for skipped, scale, nonfinite, unchanged in results:
+def test_inf_on_one_rank_makes_both_ranks_skip(results):
+    for skipped, scale, nonfinite, unchanged in (r["inf"] for r in results):
         assert skipped and unchanged
         assert scale == 128.0
         assert nonfinite == 1

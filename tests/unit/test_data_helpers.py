@@ -137,20 +137,29 @@ def test_missing_compiler_error_names_it(monkeypatch):
         helpers._find_compiler()
 
 
-def test_compiles_on_first_use_without_installed_extension(tmp_path):
-    """A fresh cache directory: the source-checkout path compiles and loads helpers.cpp."""
-    code = ("import numpy as np\n"
+def test_compiles_once_on_first_use_by_concurrent_processes(tmp_path):
+    """Source-checkout path: two "ranks" start together on an empty cache; one compiles
+    under the lock, the other waits and loads the very same library file."""
+    code = ("import os, numpy as np\n"
             "from megatron.data import helpers\n"
             "m = helpers._load_from_cache()\n"
-            "print(m.__file__)\n"
+            "print(m.__file__, os.stat(m.__file__).st_ino)\n"
             "print(m.build_sample_idx(np.array([3], np.int32), np.array([0]), 1, 1, 3)"
             ".tolist())\n")
     env = dict(os.environ, MEGATRON_HELPERS_CACHE=str(tmp_path))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert lines[0].startswith(str(tmp_path))
-    assert lines[1] == "[[0, 0], [0, 1], [0, 2]]"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err
+    first_lines = [out.strip().splitlines() for out, _ in outputs]
+    for lines in first_lines:
+        assert lines[0].startswith(str(tmp_path))
+        assert lines[1] == "[[0, 0], [0, 1], [0, 2]]"
+    assert first_lines[0][0] == first_lines[1][0]  # same path and inode: built once
+    leftovers = [f for f in os.listdir(os.path.dirname(first_lines[0][0].split()[0]))
+                 if ".tmp" in f]
+    assert leftovers == []

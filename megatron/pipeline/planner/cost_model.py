@@ -42,7 +42,7 @@ with n_i microbatches in flight on stage i: 1 (none), m (gpipe), min(d - i, m) (
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 from .hardware import HardwareSpec, Links, links_for, ring_allreduce_time
 from .model_spec import ModelSpec
@@ -132,6 +132,16 @@ class StageCost:
     activation_bytes: float
     stash_bytes: float
     in_flight: int
+    activation_per_microbatch_bytes: float
+    """|A_i(b)|: everything one microbatch keeps on this stage without recompute."""
+    input_bytes: float
+    """|A_input(b)|: the stage input stashed per in-flight microbatch."""
+
+    def with_in_flight(self, n: int, recompute: bool) -> "StageCost":
+        """The same stage holding n microbatches (memory changes, times do not)."""
+        acts = self.activation_per_microbatch_bytes
+        return replace(self, in_flight=n, activation_bytes=acts if recompute else n * acts,
+                       stash_bytes=n * self.input_bytes)
 
     @property
     def slot_s(self) -> float:
@@ -185,22 +195,32 @@ class CostModel:
         return float(p)
 
     def stage_costs(self, config: Config) -> List[StageCost]:
+        """Costs of every stage, in pipeline order."""
+        kinds, order = self._stage_kinds(config)
+        return [replace(kinds[k], stage=i).with_in_flight(
+                    in_flight(config.schedule, i, config.d, config.m), config.recompute)
+                for i, k in enumerate(order)]
+
+    def _stage_kinds(self, config: Config) -> Tuple[Dict[tuple, StageCost], List[tuple]]:
+        """Distinct stage costs (key: first?, last?, links) and each stage's key.
+
+        Middle stages differ only in their links and in-flight count, so each kind is
+        priced once (holding the most in-flight microbatches of its stages, its worst
+        memory), which keeps deep pipelines (d ~ 1000) cheap for the search."""
         self.check(config)
         links = links_for(self.hardware, config.t, config.w, config.d)
         d, m = config.d, config.m
-        # Middle stages differ only in their links and in-flight count: price each
-        # distinct kind once, so deep pipelines (d ~ 1000) stay cheap to evaluate.
-        cache: dict = {}
-        out = []
+        kinds: Dict[tuple, StageCost] = {}
+        order: List[tuple] = []
         for i in range(d):
-            key = (i == 0, i == d - 1,
-                   links.boundary[i - 1] if i > 0 else None,
-                   links.boundary[i] if i < d - 1 else None,
-                   in_flight(config.schedule, i, d, m))
-            if key not in cache:
-                cache[key] = self._stage(config, i, links)
-            out.append(replace(cache[key], stage=i) if cache[key].stage != i else cache[key])
-        return out
+            key = (i == 0, i == d - 1, links.boundary[i - 1] if i > 0 else None,
+                   links.boundary[i] if i < d - 1 else None)
+            if key not in kinds:
+                # Stages are visited in order and in-flight counts only fall with i,
+                # so the first stage of each kind is its worst case for memory.
+                kinds[key] = self._stage(config, i, links)
+            order.append(key)
+        return kinds, order
 
     def _stage(self, c: Config, i: int, links: Links) -> StageCost:
         mdl, hw, opt = self.model, self.hardware, self.options
@@ -246,16 +266,19 @@ class CostModel:
             p2p_s=p2p, allreduce_s=allreduce,
             weights_bytes=versions * params * opt.weight_bytes_per_param,
             optimizer_bytes=params * opt.optimizer_bytes_per_param,
-            activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n)
+            activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
+            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one)
 
-    def estimate(self, config: Config) -> Estimate:
-        """Throughput, memory per GPU and bubble fraction of one configuration."""
-        stages = self.stage_costs(config)
+    def estimate(self, config: Config, keep_stages: bool = True) -> Estimate:
+        """Throughput, memory per GPU and bubble fraction of one configuration
+        (``keep_stages=False`` skips building the per-stage list: faster for search)."""
+        kinds, order = self._stage_kinds(config)
+        stages = [kinds[k] for k in order]
         m, d = config.m, config.d
         slots = [s.slot_s for s in stages]
         slowest = max(slots)
         if config.schedule == "2bw" and self.options.overlap_grad_reduce_2bw:
-            batch = max(max(m * s.slot_s, s.allreduce_s) for s in stages)
+            batch = max(max(m * s.slot_s, s.allreduce_s) for s in kinds.values())
         else:
             if config.schedule == "2bw":
                 pipe = m * slowest
@@ -265,12 +288,12 @@ class CostModel:
                 pipe = (m - 1) * slowest + sum(slots)
             batch = pipe + self.exposed_allreduce(stages)
         busy = m * sum(slots)
-        links = links_for(self.hardware, config.t, config.w, config.d)
         return Estimate(
-            config=config, stages=tuple(stages), batch_time_s=batch,
-            samples_per_s=config.global_batch / batch,
-            memory_per_gpu_bytes=max(s.memory_bytes for s in stages),
-            bubble_fraction=max(0.0, 1.0 - busy / (d * batch)), links=links)
+            config=config, stages=tuple(self.stage_costs(config)) if keep_stages else (),
+            batch_time_s=batch, samples_per_s=config.global_batch / batch,
+            memory_per_gpu_bytes=max(s.memory_bytes for s in kinds.values()),
+            bubble_fraction=max(0.0, 1.0 - busy / (d * batch)),
+            links=links_for(self.hardware, config.t, config.w, config.d))
 
     @staticmethod
     def exposed_allreduce(stages: List[StageCost]) -> float:

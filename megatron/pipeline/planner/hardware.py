@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Tuple
+
+import numpy as np
 
 GB = 1e9
 GiB = float(2 ** 30)
@@ -169,46 +171,51 @@ class Links:
     """Between first and last stage (tied word-embedding gradient sync)."""
 
 
-def _shared_bandwidth(groups: Sequence[Sequence[int]], g: int, intra: float,
-                      inter: float) -> Tuple[float, bool]:
-    """Bandwidth of the slowest group when all groups communicate at once."""
-    crossing_per_server: Dict[int, int] = {}
-    any_cross = False
-    for group in groups:
-        servers = {r // g for r in group}
-        if len(servers) > 1:
-            any_cross = True
-            for s in servers:
-                crossing_per_server[s] = crossing_per_server.get(s, 0) + 1
-    if not any_cross:
-        return intra, False
-    return inter / max(crossing_per_server.values()), True
+def crossing_load(servers: np.ndarray) -> np.ndarray:
+    """Per leading index: the most groups that leave one server through its NIC.
+
+    ``servers[..., g, k]`` is the server of member k of group g.  A group crosses when
+    its members sit in more than one server; every server it touches counts it once.
+    0 means no group crosses (all traffic stays on the intra-server links).
+    """
+    lead = servers.shape[:-2]
+    flat = servers.reshape((-1,) + servers.shape[-2:])
+    s = np.sort(flat, axis=-1)
+    distinct = np.ones(s.shape, dtype=bool)
+    distinct[..., 1:] = s[..., 1:] != s[..., :-1]
+    crosses = s[..., 0] != s[..., -1]
+    mask = distinct & crosses[..., None]
+    nserv = int(s.max()) + 1
+    rows = np.broadcast_to(np.arange(flat.shape[0])[:, None, None], s.shape)
+    counts = np.bincount((rows * nserv + s)[mask], minlength=flat.shape[0] * nserv)
+    return counts.reshape(flat.shape[0], nserv).max(axis=1).reshape(lead)
+
+
+def _bandwidth(load: int, intra: float, inter: float) -> float:
+    return intra if load == 0 else inter / load
 
 
 @lru_cache(maxsize=4096)
 def placement_links(t: int, w: int, d: int, gpus_per_server: int, intra: float,
                     inter: float) -> Links:
     """Which link each traffic crosses for rank = tp + t * (dp + w * pp)."""
-    def rank(tp: int, dp: int, pp: int) -> int:
-        return tp + t * (dp + w * pp)
-
-    g = gpus_per_server
-    tensor_groups = [[rank(i, dp, pp) for i in range(t)] for dp in range(w) for pp in range(d)]
-    data_groups = [[rank(tp, j, pp) for j in range(w)] for tp in range(t) for pp in range(d)]
-    tensor_bw, tensor_x = _shared_bandwidth(tensor_groups, g, intra, inter)
-    data_bw, data_x = _shared_bandwidth(data_groups, g, intra, inter)
-    bounds: List[float] = []
-    crosses: List[bool] = []
-    for pp in range(d - 1):
-        pairs = [[rank(tp, dp, pp), rank(tp, dp, pp + 1)] for tp in range(t) for dp in range(w)]
-        bw, x = _shared_bandwidth(pairs, g, intra, inter)
-        bounds.append(bw)
-        crosses.append(x)
-    emb_pairs = [[rank(tp, dp, 0), rank(tp, dp, d - 1)] for tp in range(t) for dp in range(w)]
-    emb_bw, _ = _shared_bandwidth(emb_pairs, g, intra, inter)
-    return Links(tensor=tensor_bw, data=data_bw, boundary=tuple(bounds),
-                 tensor_crosses_servers=tensor_x, data_crosses_servers=data_x,
-                 boundary_crosses_servers=tuple(crosses), embedding=emb_bw)
+    # rank = tp + t * (dp + w * pp)  <=>  arange(N).reshape(d, w, t)[pp, dp, tp]
+    server = np.arange(t * w * d).reshape(d, w, t) // gpus_per_server
+    tensor_load = int(crossing_load(server.reshape(1, d * w, t))[0])
+    data_load = int(crossing_load(server.transpose(0, 2, 1).reshape(1, d * t, w))[0])
+    if d > 1:
+        pairs = np.stack([server[:-1].reshape(d - 1, w * t), server[1:].reshape(d - 1, w * t)], -1)
+        bound_load = [int(x) for x in crossing_load(pairs)]
+    else:
+        bound_load = []
+    emb = np.stack([server[0].reshape(w * t), server[-1].reshape(w * t)], -1)
+    emb_load = int(crossing_load(emb[None])[0])
+    return Links(tensor=_bandwidth(tensor_load, intra, inter),
+                 data=_bandwidth(data_load, intra, inter),
+                 boundary=tuple(_bandwidth(x, intra, inter) for x in bound_load),
+                 tensor_crosses_servers=tensor_load > 0, data_crosses_servers=data_load > 0,
+                 boundary_crosses_servers=tuple(x > 0 for x in bound_load),
+                 embedding=_bandwidth(emb_load, intra, inter))
 
 
 def links_for(hardware: HardwareSpec, t: int, w: int, d: int) -> Links:

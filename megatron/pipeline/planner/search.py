@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable, List, Optional, Sequence, Union
 
 from .cost_model import SCHEDULES, Config, CostModel, CostOptions, Estimate
@@ -74,7 +74,7 @@ def _gpipe_backoff(cm: CostModel, cfg: Config) -> Optional[Estimate]:
     lo, hi, best = 1, cfg.m - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        est = cm.estimate(Config(**{**asdict(cfg), "m": mid}))
+        est = cm.estimate(replace(cfg, m=mid), keep_stages=False)
         if cm.fits(est):
             best, lo = est, mid + 1
         else:
@@ -82,9 +82,13 @@ def _gpipe_backoff(cm: CostModel, cfg: Config) -> Optional[Estimate]:
     return best
 
 
-def _search_b(cm: CostModel, t: int, w: int, d: int, schedule: str, recompute: bool,
-              max_batch: int, max_microbatch: int, exact_batch: bool) -> PlanRow:
-    """SEARCH(w, d, B) for one schedule and recompute choice: the best (b, m)."""
+def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, recompute: bool,
+                      max_batch: int, max_microbatch: int = 64,
+                      exact_batch: bool = False) -> PlanRow:
+    """SEARCH(w, d, B) for one shape, schedule and recompute choice: the best (b, m).
+
+    Rejected (fits=False, with the reason) when no b fits in memory or no b meets the
+    batch constraints."""
     best: Optional[Estimate] = None
     reason, smallest = None, None
     b = 1
@@ -101,7 +105,7 @@ def _search_b(cm: CostModel, t: int, w: int, d: int, schedule: str, recompute: b
             reason = reason or f"2bw needs m >= d: m = {m} < d = {d} at b = {b}"
             break
         cfg = Config(w=w, d=d, t=t, b=b, m=m, recompute=recompute, schedule=schedule)
-        est = cm.estimate(cfg)
+        est = cm.estimate(cfg, keep_stages=False)
         if smallest is None:
             smallest = est
         if not cm.fits(est):
@@ -148,8 +152,9 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
     ``exact_batch`` keeps only (b, m) with w b m == B (the paper's fixed-batch
     comparisons) instead of w b m <= B.
     """
-    schedules = [s for s in SCHEDULES if s in set(schedules)] if schedules else []
-    _check_inputs(model, num_gpus, max_batch_size, list(schedules))
+    schedules = list(schedules)
+    _check_inputs(model, num_gpus, max_batch_size, schedules)
+    schedules = [s for s in SCHEDULES if s in schedules]  # canonical order: none wins ties
     cm = CostModel(model, hardware, options)
     rows: List[PlanRow] = []
     for t, w, d, why in _shapes(model, num_gpus, tensor_parallel, max_tensor):
@@ -159,8 +164,8 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
                     cfg = Config(w=w, d=d, t=t, b=1, m=1, recompute=rc, schedule=schedule)
                     rows.append(PlanRow(cfg, 0.0, 0.0, 0.0, False, why))
                     continue
-                rows.append(_search_b(cm, t, w, d, schedule, rc, max_batch_size,
-                                      max_microbatch_size, exact_batch))
+                rows.append(search_microbatch(cm, t, w, d, schedule, rc, max_batch_size,
+                                              max_microbatch_size, exact_batch))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.predicted_samples_per_s)
     rejected = [r for r in rows if not r.fits]
     return fitting + rejected
@@ -171,10 +176,19 @@ def best_plan(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch
     """Highest-throughput configuration that fits; PlanningError when none does."""
     rows = search(model, hardware, num_gpus, max_batch_size, **kwargs)
     if not rows or not rows[0].fits:
-        reasons = sorted({r.reason_rejected for r in rows if r.reason_rejected})
+        oom = [r for r in rows if r.reason_rejected and r.reason_rejected.startswith("out of")]
+        other = sorted({r.reason_rejected for r in rows
+                        if r.reason_rejected and r not in oom})
+        why = []
+        if oom:
+            r = min(oom, key=lambda r: r.memory_per_gpu_bytes)
+            why.append(f"the smallest footprint ({r.config.describe().strip()}) needs "
+                       f"{r.memory_per_gpu_bytes / GiB:.1f} GiB per GPU, "
+                       f"{hardware.usable_memory_bytes / GiB:.1f} GiB usable")
+        why += other[:3]
         raise PlanningError(
-            f"no configuration of {model.describe()} fits on {num_gpus} x {hardware.name} "
-            f"GPUs with batch <= {max_batch_size}; reasons: " + "; ".join(reasons[:4]))
+            f"no configuration of {model.describe()} fits on {num_gpus} {hardware.name} "
+            f"GPUs with global batch <= {max_batch_size}: " + "; ".join(why))
     return rows[0]
 
 

@@ -1,0 +1,115 @@
+"""Helpers shared by the benches: machine description, tables, JSON results, and the
+GPT set-up the trainer does (so a bench can rebuild the same model and data by hand).
+
+Every bench prints a table and writes ``bench/results/<name>.json`` with
+``write_results``; the JSON always carries ``machine`` (platform, CPU count, torch
+version, date) because absolute times on a shared CPU are only indicative.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+
+if str(REPO_ROOT) not in sys.path:
+    # benches run as scripts (python bench/x.py): make the repo importable without install
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def machine_info() -> Dict[str, Any]:
+    """Where and when the numbers were measured."""
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of an empty list (did the bench record any step?)")
+    return float(statistics.median(values))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                 title: Optional[str] = None) -> str:
+    """A plain fixed-width table; floats get 3 significant decimals."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1e4 else f"{v:.4g}"
+        return "-" if v is None else str(v)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h)
+              for i, h in enumerate(headers)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in text)
+    return "\n".join(lines)
+
+
+def write_results(name: str, payload: Dict[str, Any], out_dir: Optional[Path] = None) -> Path:
+    """Write ``payload`` plus ``machine`` to ``<out_dir>/<name>.json``; returns the path."""
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    data = {"bench": name, "machine": machine_info(), **payload}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False, default=_jsonable)
+        f.write("\n")
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"write_results: cannot store {type(obj).__name__} in JSON")
+
+
+def gpt_config(argv: List[str]) -> Tuple[Any, Any]:
+    """``(cfg, tokenizer)`` exactly as ``megatron.training.pretrain`` derives them from
+    ``argv`` (padded vocabulary included), for building the same GPT outside the trainer."""
+    from megatron.arguments import parse_and_validate
+    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+    args, cfg = parse_and_validate(list(argv))
+    tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
+                                vocab_size=getattr(args, "vocab_size", None))
+    cfg.model.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
+        cfg.parallel.tensor_model_parallel_size)
+    return cfg, tokenizer
+
+
+def mock_microbatches(cfg: Any, tokenizer: Any, num_samples: int) -> List[Dict[str, Any]]:
+    """The training microbatches pretrain_gpt.py's mock dataset yields with one
+    data-parallel replica, in order: ``{"text": LongTensor[b, s+1]}``."""
+    import torch
+
+    from megatron.data.gpt_dataset import MockGPTDataset
+
+    ds = MockGPTDataset(num_samples, cfg.model.seq_length, tokenizer.vocab_size,
+                        cfg.training.seed)
+    b = cfg.training.micro_batch_size
+    out = []
+    for start in range(0, num_samples - b + 1, b):
+        rows = [torch.from_numpy(ds[i]["text"]) for i in range(start, start + b)]
+        out.append({"text": torch.stack(rows)})
+    return out

@@ -1,0 +1,445 @@
+"""Pipeline schedules measured through the real trainer (CPU, gloo ranks).
+
+    PYTHONPATH=. python bench/pipeline_schedules.py [--quick] [--forward-ms 30]
+    PYTHONPATH=. python bench/pipeline_schedules.py --timelines   # docs/figures/timeline_real_*
+
+Part (a), synthetic stages: 4 ranks, d=4, w=1.  Each stage is a module whose forward
+sleeps F and whose backward sleeps 2F (``time.sleep`` frees the CPU, so two cores can
+host four "busy" stages) around one tiny parameter, run by ``megatron.training.pretrain``
+and the pipeline engine exactly like a real model.  For none/gpipe/flush/2bw and
+m in {4, 8, 16} the time of one training segment (first forward on any stage to last
+backward on any stage, after a warm-up run) is compared with the schedule's ideal:
+
+    none: nb*d*m*(F+B)    gpipe, flush: nb*(m+d-1)*(F+B)    2bw: (nb*m+d-1)*(F+B)
+
+(the pipeline fills once per 2BW segment and never drains between its nb batches).
+
+Part (b), a real GPT with d=2: this project's flush and 2bw against
+``torch.distributed.pipelining``'s Schedule1F1B and ScheduleGPipe on the same stages
+(``GPTModel`` halves wrapped as tokens -> hidden and hidden -> logits), same weights,
+same microbatches, same update (tied-embedding gradient sum, global-norm clipping,
+AdamW).  The first-step losses of the four are printed and must agree.  Throughput is
+the batch period on stage 0 (first forward of batch k to that of batch k+1), median
+over the batches after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.common import REPO_ROOT, format_table, median, write_results  # noqa: E402
+
+SCHEDULES = ("none", "gpipe", "flush", "2bw")
+STAGES = 4
+WIDTH = 8  # elements per activation of the synthetic stages
+
+# ---------------------------------------------------------------------------------------
+# (a) synthetic stages of fixed cost
+# ---------------------------------------------------------------------------------------
+_STAMPS: Dict[str, List[float]] = {"F": [], "B": []}
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward takes ``fwd_s`` and backward ``bwd_s`` seconds."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s: float, bwd_s: float):  # type: ignore[override]
+        _STAMPS["F"].append(time.perf_counter())
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        time.sleep(ctx.bwd_s)
+        _STAMPS["B"].append(time.perf_counter())
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A pipeline stage of fixed cost with the seams the engine needs.
+
+    First and last stage mark their parameter as the tied embedding (as GPT does), so
+    the engine's embedding all-reduce runs as it would for a real model."""
+
+    def __init__(self, forward_s: float, pre_process: bool, post_process: bool,
+                 num_stages: int) -> None:
+        super().__init__()
+        self.forward_s = forward_s
+        self.pre_process = pre_process
+        self.weight = nn.Parameter(torch.ones(WIDTH))
+        if num_stages > 1 and (pre_process or post_process):
+            self.weight.shared_embedding = True
+            self.weight.shared = post_process
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
+        self.input_tensor = tensor
+
+    def stage_input_shape(self, micro_batch_size: int) -> tuple:
+        return (micro_batch_size, WIDTH)
+
+    def forward(self, x: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.pre_process:
+            x = self.input_tensor
+        return _Sleep.apply(x * self.weight, self.forward_s, 2 * self.forward_s)
+
+
+def sleep_model_provider(cfg, groups, pre_process: bool, post_process: bool, *,
+                         forward_s: float) -> nn.Module:
+    return SleepStage(forward_s, pre_process, post_process, groups.pp_size)
+
+
+def _mean_loss(output: torch.Tensor):
+    loss = output.mean()
+    return loss, {"loss": loss.detach()}
+
+
+def sleep_forward_step(data_iterator, model: SleepStage):
+    data = next(data_iterator)
+    x = data["text"][:, :WIDTH].to(torch.float32) if model.pre_process else None
+    return model(x), _mean_loss
+
+
+def synthetic_argv(schedule: str, m: int, batches: int) -> List[str]:
+    return ["--num-layers", str(STAGES), "--hidden-size", "8", "--num-attention-heads", "1",
+            "--seq-length", str(WIDTH), "--max-position-embeddings", str(WIDTH),
+            "--vocab-size", "16", "--tokenizer-type", "NullTokenizer", "--mock-data",
+            "--micro-batch-size", "1", "--global-batch-size", str(m),
+            "--train-iters", str(batches), "--pipeline-model-parallel-size", str(STAGES),
+            "--pipeline-schedule", schedule, "--distributed-backend", "gloo",
+            "--lr", "1e-3", "--log-interval", "100000", "--eval-interval", "100000",
+            "--eval-iters", "0", "--num-workers", "0"]
+
+
+def _synthetic_worker(rank: int, world: int, runs: List[Dict[str, Any]]) -> List[Dict[str, float]]:
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    out = []
+    for run in runs:
+        _STAMPS["F"].clear()
+        _STAMPS["B"].clear()
+        provider = partial(sleep_model_provider, forward_s=run["forward_s"])
+        with contextlib.redirect_stdout(io.StringIO()):
+            pretrain(pretrain_gpt.datasets_provider, provider, sleep_forward_step,
+                     argv=synthetic_argv(run["schedule"], run["m"], run["batches"]))
+        out.append({"first": min(_STAMPS["F"]), "last": max(_STAMPS["B"])})
+    return out
+
+
+def ideal_segment_units(schedule: str, d: int, m: int, batches: int) -> int:
+    """Ideal segment time in units of (F+B)."""
+    if schedule == "none":
+        return batches * d * m
+    if schedule in ("gpipe", "flush"):
+        return batches * (m + d - 1)
+    return batches * m + d - 1
+
+
+def bench_synthetic(ms: List[int], batches: Dict[str, int], forward_s: float,
+                    timeout: float) -> List[Dict[str, Any]]:
+    from tests.dist_utils import run_distributed
+
+    runs = [{"schedule": "flush", "m": 4, "batches": 1, "forward_s": forward_s, "warmup": True}]
+    runs += [{"schedule": s, "m": m, "batches": batches[s], "forward_s": forward_s}
+             for m in ms for s in SCHEDULES]
+    per_rank = run_distributed(_synthetic_worker, STAGES, args=(runs,), timeout=timeout)
+    rows = []
+    for i, run in enumerate(runs):
+        if run.get("warmup"):
+            continue
+        seconds = max(r[i]["last"] for r in per_rank) - min(r[i]["first"] for r in per_rank)
+        s, m, nb = run["schedule"], run["m"], run["batches"]
+        ideal = ideal_segment_units(s, STAGES, m, nb) * 3 * forward_s
+        rows.append({"schedule": s, "m": m, "batches": nb, "seconds": seconds,
+                     "ideal_seconds": ideal, "samples_per_s": m * nb / seconds,
+                     "ideal_samples_per_s": m * nb / ideal, "measured_over_ideal": ideal / seconds})
+    by = {(r["schedule"], r["m"]): r for r in rows}
+    for r in rows:
+        if r["schedule"] == "2bw":
+            m = r["m"]
+            r["speedup_over_flush"] = r["samples_per_s"] / by[("flush", m)]["samples_per_s"]
+            r["speedup_over_gpipe"] = r["samples_per_s"] / by[("gpipe", m)]["samples_per_s"]
+            r["theoretical_speedup_steady"] = (m + STAGES - 1) / m
+            r["theoretical_speedup_segment"] = (by[("flush", m)]["ideal_seconds"]
+                                                / by[("flush", m)]["batches"] * r["batches"]
+                                                / r["ideal_seconds"])
+    return rows
+
+
+def print_synthetic(rows: List[Dict[str, Any]], forward_s: float) -> None:
+    table = [[r["schedule"], r["m"], r["batches"], r["samples_per_s"], r["ideal_samples_per_s"],
+              r["measured_over_ideal"], r.get("speedup_over_flush"), r.get("speedup_over_gpipe"),
+              r.get("theoretical_speedup_segment"), r.get("theoretical_speedup_steady")]
+             for r in rows]
+    print(format_table(
+        ["schedule", "m", "batches", "samples/s", "ideal", "meas/ideal", "2bw/flush",
+         "2bw/gpipe", "theory seg", "theory (m+d-1)/m"], table,
+        title=f"(a) synthetic stages, d={STAGES}, w=1, F={forward_s * 1e3:g} ms, B=2F "
+              f"(goal meas/ideal >= 0.95)"))
+
+
+# ---------------------------------------------------------------------------------------
+# (b) a small GPT, d=2: this project vs torch.distributed.pipelining
+# ---------------------------------------------------------------------------------------
+class TokensToHidden(nn.Module):
+    """First GPT stage with a plain ``forward(tokens)`` for torch's PipelineStage."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.gpt(tokens, positions, None)
+
+
+class HiddenToLogits(nn.Module):
+    """Last GPT stage: [s, b, h] hidden states -> [b, s, V] logits."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.gpt.set_input_tensor(hidden)
+        return self.gpt(None, None, None)
+
+
+def vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                       labels.reshape(-1))
+
+
+def gpt_argv(schedule: str, quick: bool, iters: int) -> List[str]:
+    hidden, seq, mbs, m = (64, 32, 2, 4) if quick else (128, 64, 2, 8)
+    return ["--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer", "--mock-data",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * m),
+            "--train-iters", str(iters), "--pipeline-model-parallel-size", "2",
+            "--pipeline-schedule", schedule, "--distributed-backend", "gloo",
+            "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0.01",
+            "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "100000",
+            "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0"]
+
+
+def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
+    """(batch periods on this rank, per-batch mean losses on the last rank)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from bench.common import gpt_config, mock_microbatches
+    from bench.trainer_overhead import _periods
+    from megatron.model import GPTModel
+    from megatron.model.utils import stage_layer_numbers
+    from megatron.tensor_parallel import TPInfo
+
+    cfg, tokenizer = gpt_config(argv)
+    tr, oc = cfg.training, cfg.optimizer
+    m, iters, last = tr.global_batch_size // tr.micro_batch_size, tr.train_iters, rank == 1
+    gpt = GPTModel(cfg.model, TPInfo.single(), pre_process=rank == 0, post_process=last,
+                   layer_numbers=stage_layer_numbers(cfg.model.num_layers, 2, rank), seed=tr.seed)
+    stage = PipelineStage(HiddenToLogits(gpt) if last else TokensToHidden(gpt), rank, 2,
+                          torch.device("cpu"))
+    schedule = schedule_cls(stage, n_microbatches=m, loss_fn=vocab_cross_entropy)
+    params = list(gpt.parameters())
+    shared = gpt.shared_embedding_weight()
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": oc.weight_decay},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
+    micro = mock_microbatches(cfg, tokenizer, iters * tr.global_batch_size)
+    starts, losses = [], []
+    for step in range(iters):
+        starts.append(time.perf_counter())
+        text = torch.cat([mb["text"] for mb in micro[step * m:(step + 1) * m]])
+        if last:
+            mb_losses: List[torch.Tensor] = []
+            schedule.step(target=text[:, 1:].contiguous(), losses=mb_losses, return_outputs=False)
+            losses.append(float(torch.stack(mb_losses).mean()))
+        else:
+            schedule.step(text[:, :-1].contiguous())
+        # the update our trainer makes: tied embedding gradient summed over the two
+        # stages, one global norm (counting the tied weight once), clip, AdamW
+        dist.all_reduce(shared.grad)
+        sq = sum(float(p.grad.double().square().sum()) for p in params
+                 if p.grad is not None and not (last and p is shared))
+        total = torch.tensor([sq], dtype=torch.float64)
+        dist.all_reduce(total)
+        coef = oc.clip_grad / (float(total.sqrt()) + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _periods(starts), losses
+
+
+GPT_VARIANTS = ("flush", "2bw", "torch Schedule1F1B", "torch ScheduleGPipe")
+
+
+def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
+                steps: int) -> Dict[str, Dict[str, Any]]:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from bench.trainer_overhead import run_trainer
+
+    iters = warmup + steps + 1
+    out: Dict[str, Dict[str, Any]] = {v: {"periods": [], "losses": None} for v in GPT_VARIANTS}
+    for _ in range(rounds):
+        for variant in GPT_VARIANTS:
+            if variant in ("flush", "2bw"):
+                argv = gpt_argv(variant, quick, iters)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    periods, losses = run_trainer(argv, _microbatches(argv))
+            else:
+                cls = Schedule1F1B if variant.endswith("1F1B") else ScheduleGPipe
+                periods, losses = run_torch_pipelining(cls, gpt_argv("flush", quick, iters), rank)
+            out[variant]["periods"] += periods[warmup:]
+            if out[variant]["losses"] is None:
+                out[variant]["losses"] = losses
+    return out
+
+
+def _microbatches(argv: List[str]) -> int:
+    gbs = int(argv[argv.index("--global-batch-size") + 1])
+    return gbs // int(argv[argv.index("--micro-batch-size") + 1])
+
+
+def bench_gpt(quick: bool, rounds: int, warmup: int, steps: int, timeout: float
+              ) -> Dict[str, Any]:
+    from tests.dist_utils import run_distributed
+
+    per_rank = run_distributed(_gpt_worker, 2, args=(quick, rounds, warmup, steps),
+                               timeout=timeout)
+    argv = gpt_argv("flush", quick, 1)
+    gbs = int(argv[argv.index("--global-batch-size") + 1])
+    first = {v: per_rank[1][v]["losses"][0] for v in GPT_VARIANTS}
+    ref = first["flush"]
+    worst = max(abs(v - ref) / abs(ref) for v in first.values())
+    if worst > 1e-4:
+        raise RuntimeError(f"first-step losses differ (max rel {worst:.1e}): {first}; the "
+                           "comparison would not be apples to apples")
+    rows = []
+    for v in GPT_VARIANTS:
+        period = median(per_rank[0][v]["periods"])
+        rows.append({"variant": v, "first_step_loss": first[v], "seconds_per_batch": period,
+                     "samples_per_s": gbs / period})
+    base = {r["variant"]: r["samples_per_s"] for r in rows}
+    for r in rows:
+        r["over_torch_1f1b"] = r["samples_per_s"] / base["torch Schedule1F1B"]
+        r["over_torch_gpipe"] = r["samples_per_s"] / base["torch ScheduleGPipe"]
+    return {"argv": argv, "global_batch_size": gbs, "num_microbatches": _microbatches(argv),
+            "rounds": rounds, "timed_batches_per_run": steps, "max_rel_first_loss_diff": worst,
+            "rows": rows}
+
+
+def print_gpt(res: Dict[str, Any]) -> None:
+    table = [[r["variant"], f"{r['first_step_loss']:.6f}", r["seconds_per_batch"] * 1e3,
+              r["samples_per_s"], r["over_torch_1f1b"], r["over_torch_gpipe"]] for r in res["rows"]]
+    print(format_table(["schedule", "first-step loss", "ms/batch", "samples/s", "/torch 1F1B",
+                        "/torch GPipe"], table,
+                       title=f"(b) GPT, d=2, m={res['num_microbatches']}, global batch "
+                             f"{res['global_batch_size']}: this project vs "
+                             f"torch.distributed.pipelining"))
+    print(f"first-step losses agree to {res['max_rel_first_loss_diff']:.1e} (relative)")
+
+
+# ---------------------------------------------------------------------------------------
+# traced timelines of a real GPT run for the docs
+# ---------------------------------------------------------------------------------------
+def timeline_argv(schedule: str, batches: int, trace_file: str) -> List[str]:
+    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1024",
+            "--tokenizer-type", "NullTokenizer", "--mock-data", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
+            "--train-iters", str(batches), "--pipeline-model-parallel-size", "4",
+            "--pipeline-schedule", schedule, "--distributed-backend", "gloo", "--lr", "1e-4",
+            "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
+            "--num-workers", "0", "--timeline-file", trace_file]
+
+
+def draw_real_timelines(out_dir: Path, trace_dir: Path) -> List[str]:
+    """Train a small GPT on 4 CPU ranks (d=4, m=8) under gpipe, flush and 2bw with
+    tracing on, and draw each run with tools/draw_timeline.py."""
+    written = []
+    for schedule, batches in (("gpipe", 2), ("flush", 2), ("2bw", 3)):
+        trace = trace_dir / f"{schedule}.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(STAGES), str(REPO_ROOT / "pretrain_gpt.py"),
+                        *timeline_argv(schedule, batches, str(trace))],
+                       check=True, cwd=REPO_ROOT)
+        png = out_dir / f"timeline_real_{schedule}_d4_m8.png"
+        subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "draw_timeline.py"),
+                        "--trace", str(trace_dir / f"{schedule}_rank*.json"),
+                        "--title", f"traced run: {schedule}, GPT on 4 CPU ranks (gloo), d=4, "
+                                   f"m=8, {batches} batches",
+                        "--output", str(png)], check=True, cwd=REPO_ROOT)
+        written.append(str(png))
+    return written
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="m=4 only, short runs (tests)")
+    p.add_argument("--forward-ms", type=float, default=None,
+                   help="synthetic forward time F in ms (default 30, quick 10); B = 2F")
+    p.add_argument("--batches", type=int, default=None,
+                   help="batches per measured segment (default 4, quick 2; none: half)")
+    p.add_argument("--gpt-rounds", type=int, default=None, help="(b) rounds (default 2, quick 1)")
+    p.add_argument("--skip-synthetic", action="store_true")
+    p.add_argument("--skip-gpt", action="store_true")
+    p.add_argument("--timelines", action="store_true",
+                   help="only draw docs/figures/timeline_real_{gpipe,flush,2bw}_d4_m8.png")
+    p.add_argument("--out-dir", default=None, help="where to write pipeline_schedules.json")
+    args = p.parse_args(argv)
+    if args.timelines:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in draw_real_timelines(REPO_ROOT / "docs" / "figures", Path(tmp)):
+                print(f"wrote {path}")
+        return {}
+    torch.set_num_threads(1)
+    forward_s = (args.forward_ms or (10.0 if args.quick else 30.0)) / 1e3
+    nb = args.batches or (2 if args.quick else 4)
+    ms = [4] if args.quick else [4, 8, 16]
+    payload: Dict[str, Any] = {"quick": args.quick}
+    t0 = time.perf_counter()
+    if not args.skip_synthetic:
+        batches = {s: max(1, nb // 2) if s == "none" else nb for s in SCHEDULES}
+        rows = bench_synthetic(ms, batches, forward_s, timeout=600)
+        print_synthetic(rows, forward_s)
+        payload["synthetic"] = {"stages": STAGES, "data_parallel": 1, "forward_s": forward_s,
+                                "backward_s": 2 * forward_s, "goal_measured_over_ideal": 0.95,
+                                "rows": rows}
+    if not args.skip_gpt:
+        rounds = args.gpt_rounds or (1 if args.quick else 2)
+        res = bench_gpt(args.quick, rounds, warmup=2 if args.quick else 3,
+                        steps=2 if args.quick else 5, timeout=600)
+        print_gpt(res)
+        payload["gpt"] = res
+    payload["bench_seconds"] = time.perf_counter() - t0
+    path = write_results("pipeline_schedules", payload, args.out_dir)
+    print(f"wrote {path} ({payload['bench_seconds']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

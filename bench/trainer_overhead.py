@@ -1,0 +1,205 @@
+"""How much does the trainer cost on top of a plain PyTorch loop?  (CPU, one process)
+
+    PYTHONPATH=. python bench/trainer_overhead.py [--quick] [--rounds 5] [--profile]
+
+Both sides train the same ``megatron.model.GPTModel`` (same seed, so the same initial
+weights) on the same mock-data microbatches, fp32, dropout 0:
+
+* A, this trainer: ``megatron.training.pretrain`` with ``--pipeline-schedule flush`` and
+  one stage (d=1), i.e. the pipeline engine, the Megatron optimizer (global norm
+  clipping, AdamW), the LR scheduler and the logger;
+* B, a plain loop: microbatches from a DataLoader, ``(loss / m).backward()`` for each,
+  ``clip_grad_norm_``, ``torch.optim.AdamW`` with the same decay groups (matrices decay,
+  biases and LayerNorm weights do not).
+
+The two alternate (A B A B ...) so both see the same machine load; each run's first
+steps are warm-up and dropped; the medians of the remaining step times are compared.
+A step's time is the time between the first forwards of consecutive batches, so it
+includes everything the loop does per batch (data, forward, backward, step, logging).
+Before timing anything, the losses of A and B are checked to agree step by step,
+which shows that both really do the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import (format_table, gpt_config, median, mock_microbatches,  # noqa: E402
+                          write_results)
+
+# The model of the task: 4 layers, hidden 256, 8 heads, seq 128, vocab 8192.
+FULL_MODEL = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 8192}
+QUICK_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 1024}
+
+
+def trainer_argv(model: Dict[str, int], iters: int, micro_batch: int = 4,
+                 global_batch: int = 16) -> List[str]:
+    """pretrain_gpt.py flags of the benchmarked configuration."""
+    return ["--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
+            "--num-attention-heads", str(model["heads"]), "--seq-length", str(model["seq"]),
+            "--max-position-embeddings", str(model["seq"]),
+            "--vocab-size", str(model["vocab"]), "--tokenizer-type", "NullTokenizer",
+            "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch),
+            "--train-iters", str(iters), "--pipeline-schedule", "flush",
+            "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0.01",
+            "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "100000",
+            "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0"]
+
+
+def _periods(stamps: List[float]) -> List[float]:
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def run_trainer(argv: List[str], num_microbatches: int) -> Tuple[List[float], List[float]]:
+    """(step times, losses) of ``pretrain`` on ``argv``; the last batch only ends the
+    last period, so ``iters`` batches give ``iters - 1`` step times."""
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    starts: List[float] = []
+    calls = [0]
+
+    def timed_forward_step(data_iterator, model):
+        if calls[0] % num_microbatches == 0:
+            starts.append(time.perf_counter())
+        calls[0] += 1
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                      timed_forward_step, argv=argv)
+    losses = [result.losses[k]["lm loss"] for k in sorted(result.losses)]
+    return _periods(starts), losses
+
+
+def run_plain(cfg: Any, tokenizer: Any, iters: int) -> Tuple[List[float], List[float]]:
+    """The same training as ``run_trainer``, written as a minimal PyTorch loop."""
+    from megatron.data.gpt_dataset import MockGPTDataset
+    from megatron.model import GPTModel
+    from megatron.tensor_parallel import TPInfo
+
+    tr, opt_cfg = cfg.training, cfg.optimizer
+    m = tr.global_batch_size // tr.micro_batch_size
+    model = GPTModel(cfg.model, TPInfo.single(), seed=tr.seed)
+    model.train()
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": opt_cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
+                            eps=opt_cfg.adam_eps)
+    ds = MockGPTDataset(iters * tr.global_batch_size, cfg.model.seq_length,
+                        tokenizer.vocab_size, tr.seed)
+    loader = iter(torch.utils.data.DataLoader(ds, batch_size=tr.micro_batch_size,
+                                              shuffle=False, num_workers=0))
+    positions = torch.arange(cfg.model.seq_length).unsqueeze(0)
+    starts, losses = [], []
+    for _ in range(iters):
+        starts.append(time.perf_counter())
+        total = 0.0
+        for _ in range(m):
+            text = next(loader)["text"]
+            tokens, labels = text[:, :-1], text[:, 1:]
+            loss = model(tokens, positions.expand_as(tokens), None, labels=labels).mean()
+            (loss / m).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, opt_cfg.clip_grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / m)
+    return _periods(starts), losses
+
+
+def check_same_training(trainer_losses: List[float], plain_losses: List[float],
+                        rtol: float = 1e-4) -> float:
+    """Largest relative loss difference; raises if the two runs trained differently."""
+    n = min(len(trainer_losses), len(plain_losses))
+    worst = max(abs(a - b) / max(abs(b), 1e-12)
+                for a, b in zip(trainer_losses[:n], plain_losses[:n]))
+    if worst > rtol:
+        raise RuntimeError(f"trainer and plain loop losses differ (max rel {worst:.2e}):\n"
+                           f"trainer {trainer_losses[:n]}\nplain   {plain_losses[:n]}")
+    return worst
+
+
+def profile_trainer(argv: List[str], m: int, top: int = 25) -> str:
+    """cProfile of one trainer run, sorted by own time (where Python spends it)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    run_trainer(argv, m)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model, 2 short rounds (tests)")
+    p.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 5, quick 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per run after warm-up (default 6, quick 3)")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped per run")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--profile", action="store_true", help="also print a cProfile of A")
+    p.add_argument("--out-dir", default=None, help="where to write trainer_overhead.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rounds = args.rounds or (2 if args.quick else 5)
+    steps = args.steps or (3 if args.quick else 6)
+    model = QUICK_MODEL if args.quick else FULL_MODEL
+    iters = args.warmup + steps + 1  # +1: the last batch only closes the last period
+    targv = trainer_argv(model, iters)
+    cfg, tokenizer = gpt_config(targv)
+    m = cfg.training.global_batch_size // cfg.training.micro_batch_size
+
+    times: Dict[str, List[float]] = {"trainer": [], "plain": []}
+    per_round = []
+    worst = 0.0
+    for r in range(rounds):
+        a, a_losses = run_trainer(targv, m)
+        b, b_losses = run_plain(cfg, tokenizer, iters)
+        worst = max(worst, check_same_training(a_losses, b_losses))
+        a, b = a[args.warmup:], b[args.warmup:]
+        times["trainer"] += a
+        times["plain"] += b
+        per_round.append({"round": r, "trainer_ms": 1e3 * median(a), "plain_ms": 1e3 * median(b),
+                          "ratio": median(a) / median(b)})
+    ms_a, ms_b = 1e3 * median(times["trainer"]), 1e3 * median(times["plain"])
+    ratio = ms_a / ms_b
+    rows = [[r["round"], r["trainer_ms"], r["plain_ms"], r["ratio"]] for r in per_round]
+    rows.append(["median", ms_a, ms_b, ratio])
+    print(format_table(["round", "trainer ms/step", "plain ms/step", "ratio"], rows,
+                       title=f"trainer (flush, d=1) vs plain PyTorch loop: {model}, micro batch "
+                             f"{cfg.training.micro_batch_size}, global batch "
+                             f"{cfg.training.global_batch_size} (m={m}), fp32, "
+                             f"{args.threads} thread(s)"))
+    print(f"losses agree step by step (max relative difference {worst:.1e}); "
+          f"ratio {ratio:.3f} (goal <= 1.05)")
+    payload = {"quick": args.quick, "model": model, "micro_batch_size": cfg.training.micro_batch_size,
+               "global_batch_size": cfg.training.global_batch_size, "num_microbatches": m,
+               "rounds": rounds, "timed_steps_per_run": steps, "warmup_steps": args.warmup,
+               "threads": args.threads, "trainer_ms_per_step": ms_a, "plain_ms_per_step": ms_b,
+               "ratio": ratio, "goal_ratio": 1.05, "max_rel_loss_diff": worst,
+               "per_round": per_round,
+               "step_times_s": times}
+    if args.profile:
+        report = profile_trainer(targv, m)
+        print(report)
+        payload["profile_top"] = report.splitlines()[:60]
+    path = write_results("trainer_overhead", payload, args.out_dir)
+    print(f"wrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Closed-form cost functions of the planner against hand-computed cases.
+
+Every expected value here is written out from the formulas (paper Appendix A, Megatron's
+FLOP count, Korthikanti's activation count), not by calling the module's helpers.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron.pipeline.planner import Config, CostModel, CostOptions, HardwareSpec, ModelSpec
+from megatron.pipeline.planner.hardware import placement_links, ring_allreduce_time
+
+GiB = 2.0 ** 30
+
+# A toy GPT: 8 layers, h=64, 4 heads, s=32, vocab 100.
+L, H, A, S, V = 8, 64, 4, 32, 100
+TOY = ModelSpec(num_layers=L, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V)
+# Plain hardware: no efficiency curve, no elementwise term, one server of 8.
+PLAIN = HardwareSpec(name="plain", gpus_per_server=8, gpu_memory_bytes=16 * GiB, peak_flops=1e12,
+                     achieved_flops=1e12, intra_server_bandwidth=1e11,
+                     inter_server_bandwidth=1e9, reserved_memory_bytes=0.0)
+
+PER_LAYER = 12 * H * H + 13 * H          # QKV, proj, 2 MLP matrices + biases + 2 LayerNorms
+EMB = V * H + S * H                      # word + position embeddings
+FINAL_LN = 2 * H
+
+
+def act_layer(b: int) -> float:
+    return S * b * H * (34 + 5 * A * S / H)
+
+
+def act_input(b: int) -> float:
+    return 2 * S * b * H
+
+
+def test_parameter_count_matches_megatron_345m():
+    gpt = ModelSpec(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
+                    vocab_size=50304)
+    # Megatron's GPT-345M with the GPT-2 vocabulary padded to 50304.
+    assert gpt.num_params == 354_871_296
+    assert TOY.num_params == L * PER_LAYER + EMB + FINAL_LN
+
+
+def test_flops_and_activations_follow_megatron_formulas():
+    b = 3
+    assert TOY.layer_forward_flops(b) == pytest.approx(24 * b * S * H * H * (1 + S / (6 * H)))
+    assert TOY.layer_activation_bytes(b) == pytest.approx(act_layer(b))
+    # Korthikanti's tensor-parallel form: s b h (10 + 24/t + 5 a s / (h t)).
+    t = 4
+    assert TOY.layer_activation_bytes(b, t) == pytest.approx(
+        S * b * H * (10 + 24 / t + 5 * A * S / (H * t)))
+    assert TOY.input_activation_bytes(b) == act_input(b)
+
+
+@pytest.mark.parametrize("schedule,recompute", itertools.product(
+    ["none", "gpipe", "flush", "2bw"], [False, True]))
+def test_memory_of_a_middle_stage(schedule, recompute):
+    """Stage 1 of 4 holds only layers: the paper's MEMORY(.) term by term."""
+    d, b, m = 4, 2, 8
+    cm = CostModel(TOY, PLAIN)
+    stage = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=recompute,
+                                  schedule=schedule))[1]
+    w_stage = (L // d) * PER_LAYER                       # |W| / d in parameters
+    versions = 2 if schedule == "2bw" else 1
+    n = {"none": 1, "gpipe": m, "flush": d - 1, "2bw": d - 1}[schedule]
+    a_stage = (L // d) * act_layer(b)                    # |A_total(b)| / d
+    if recompute:
+        acts = a_stage + n * act_input(b)
+    else:
+        acts = n * (a_stage + act_input(b))
+    expected = versions * 2 * w_stage + 14 * w_stage + acts
+    assert stage.in_flight == n
+    assert stage.memory_bytes == pytest.approx(expected)
+
+
+def test_memory_2bw_and_gpipe_worst_stage_match_paper_formulas():
+    """Stage 0 (d in flight for 2bw, m for GPipe), with recomputation:
+    2bw:   2|W|/d + |A_total(b)|/d + d |A_input(b)|    (+ optimizer state)
+    gpipe:  |W|/d + |A_total(b)|/d + m |A_input(b)|    (+ optimizer state)."""
+    d, b, m = 4, 2, 8
+    cm = CostModel(TOY, PLAIN)
+    w0 = (L // d) * PER_LAYER + EMB                      # stage 0 also holds the embedding
+    a0 = (L // d) * act_layer(b)
+    two = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=True, schedule="2bw"))[0]
+    assert two.memory_bytes == pytest.approx(2 * 2 * w0 + a0 + d * act_input(b) + 14 * w0)
+    gp = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=True, schedule="gpipe"))[0]
+    assert gp.memory_bytes == pytest.approx(2 * w0 + a0 + m * act_input(b) + 14 * w0)
+    # Without recomputation 2bw keeps d full stashes: 2|W|/d + d|A_total|/d + d|A_input|.
+    two_nr = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=False, schedule="2bw"))[0]
+    assert two_nr.memory_bytes == pytest.approx(4 * w0 + d * a0 + d * act_input(b) + 14 * w0)
+
+
+def test_last_stage_holds_tied_embedding_and_logits():
+    d, b = 2, 1
+    last = CostModel(TOY, PLAIN).stage_costs(Config(w=1, d=d, b=b, m=4, schedule="flush"))[-1]
+    assert last.params == (L // d) * PER_LAYER + FINAL_LN + V * H
+    a_last = (L // d) * act_layer(b) + 2 * S * b * H + 4 * S * b * V
+    assert last.activation_bytes == pytest.approx(a_last)
+
+
+def _times(config: Config, c_extra: float = 4 / 3):
+    """Hand THROUGHPUT(.) for TOY on PLAIN, d stages in one server, t = 1."""
+    d, b = config.d, config.b
+    f_layer = 24 * b * S * H * H * (1 + S / (6 * H)) / 1e12
+    head = 2 * b * S * H * V / 1e12
+    fwd = [(L // d) * f_layer + (head if i == d - 1 else 0) for i in range(d)]
+    mult = c_extra if config.recompute else 1.0
+    comp = [3 * f * mult for f in fwd]
+    hop = 2 * act_input(b) / 1e11                         # activation + gradient per boundary
+    slots = [c + hop * ((i > 0) + (i < d - 1)) for i, c in enumerate(comp)]
+    return slots
+
+
+@pytest.mark.parametrize("schedule", ["none", "gpipe", "flush", "2bw"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_batch_time_per_schedule(schedule, recompute):
+    d, m, b = 4, 8, 2
+    cfg = Config(w=1, d=d, b=b, m=m, recompute=recompute, schedule=schedule)
+    est = CostModel(TOY, PLAIN).estimate(cfg)
+    slots = _times(cfg)
+    # After a flush the tied-embedding gradient sync (first <-> last stage, fp16) is
+    # exposed; 2bw hides it behind the next batch (Appendix A's max(., T_comm / m)).
+    emb_sync = 2 * (2 - 1) / 2 * (2 * V * H) / 1e11
+    expected = {"none": m * sum(slots) + emb_sync,
+                "gpipe": (m - 1) * max(slots) + sum(slots) + emb_sync,
+                "flush": (m - 1) * max(slots) + sum(slots) + emb_sync,
+                "2bw": m * max(slots)}[schedule]
+    assert est.batch_time_s == pytest.approx(expected, rel=1e-12)
+    assert est.samples_per_s == pytest.approx(b * m / expected)
+    assert est.bubble_fraction == pytest.approx(1 - m * sum(slots) / (d * expected))
+
+
+def test_uniform_stages_give_the_textbook_bubbles():
+    gpt = ModelSpec(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,
+                    vocab_size=1)       # negligible head: all stages equal
+    hw = HardwareSpec(name="fast", gpus_per_server=64, gpu_memory_bytes=1e12, peak_flops=1e12,
+                      achieved_flops=1e12, intra_server_bandwidth=1e30,
+                      inter_server_bandwidth=1e30)
+    cm = CostModel(gpt, hw)
+    d, m = 4, 12
+    flush = cm.estimate(Config(w=1, d=d, m=m, schedule="flush"))
+    assert flush.bubble_fraction == pytest.approx((d - 1) / (m + d - 1), abs=2e-3)
+    assert cm.estimate(Config(w=1, d=d, m=m, schedule="2bw")).bubble_fraction < 2e-3
+    assert cm.estimate(Config(w=1, d=d, m=m, schedule="none")).bubble_fraction == pytest.approx(
+        (d - 1) / d, rel=1e-3)
+
+
+def test_c_extra_is_settable():
+    cfg = Config(w=1, d=2, b=1, m=4, recompute=True, schedule="2bw")
+    for c in (4 / 3, 1.5):
+        est = CostModel(TOY, PLAIN, CostOptions(c_extra=c)).estimate(cfg)
+        assert est.batch_time_s == pytest.approx(4 * max(_times(cfg, c)), rel=1e-12)
+
+
+def test_data_parallel_allreduce_inside_and_across_servers():
+    hw = HardwareSpec(name="two-level", gpus_per_server=4, gpu_memory_bytes=1e12,
+                      peak_flops=1e12, achieved_flops=1e12, intra_server_bandwidth=1e11,
+                      inter_server_bandwidth=1e9)
+    cm = CostModel(TOY, hw)
+    inside = cm.stage_costs(Config(w=4, d=2, m=4, schedule="flush"))
+    grads = 2 * ((L // 2) * PER_LAYER + EMB)
+    emb_sync = 2 * V * H / 1e9               # first <-> last stage cross servers: 4 pairs
+    assert inside[0].allreduce_s == pytest.approx(2 * 3 / 4 * grads / 1e11 + emb_sync * 4)
+    # w = 8 spans two servers: one ring, which has the NIC to itself.
+    across = cm.stage_costs(Config(w=8, d=1, m=4, schedule="none"))
+    grads1 = 2 * TOY.num_params
+    assert across[0].allreduce_s == pytest.approx(2 * 7 / 8 * grads1 / 1e9)
+    # t=2, w=4: two rings ({0,2,4,6} and {1,3,5,7}) share each server's NIC.
+    shared = cm.stage_costs(Config(w=4, d=1, t=2, m=4, schedule="none"))
+    assert shared[0].allreduce_s == pytest.approx(
+        2 * 3 / 4 * (grads1 / 2) / (1e9 / 2))
+
+
+def test_tensor_parallel_adds_four_allreduces_per_layer():
+    cm = CostModel(TOY, PLAIN)
+    one = cm.stage_costs(Config(w=1, d=1, t=1, b=1, m=1, schedule="none"))[0]
+    two = cm.stage_costs(Config(w=1, d=1, t=2, b=1, m=1, schedule="none"))[0]
+    ar = 2 * (2 - 1) / 2 * act_input(1) / 1e11
+    # compute halves; forward gains 2 per layer + the embedding's, backward 2 per layer + 1
+    assert two.forward_s == pytest.approx(one.forward_s / 2 + (2 * L + 1) * ar)
+    assert two.backward_s == pytest.approx(one.backward_s / 2 + (2 * L + 1) * ar)
+
+
+def _reference_links(t, w, d, g):
+    """Brute-force: slowest-group load per traffic kind (members per server count)."""
+    def rank(tp, dp, pp):
+        return tp + t * (dp + w * pp)
+
+    def load(groups):
+        per = {}
+        for grp in groups:
+            servers = {r // g for r in grp}
+            if len(servers) > 1:
+                for s in servers:
+                    per[s] = per.get(s, 0) + 1
+        return max(per.values(), default=0)
+    tensor = load([[rank(i, j, k) for i in range(t)] for j in range(w) for k in range(d)])
+    data = load([[rank(i, j, k) for j in range(w)] for i in range(t) for k in range(d)])
+    bounds = [load([[rank(i, j, k), rank(i, j, k + 1)] for i in range(t) for j in range(w)])
+              for k in range(d - 1)]
+    return tensor, data, bounds
+
+
+@pytest.mark.parametrize("t,w,d,g", [(1, 8, 8, 8), (1, 4, 16, 8), (16, 4, 1, 8), (2, 2, 4, 4),
+                                     (4, 2, 2, 8), (1, 3, 4, 6), (8, 1, 8, 8), (2, 8, 2, 8)])
+def test_links_match_brute_force_placement(t, w, d, g):
+    intra, inter = 100.0, 1.0
+    links = placement_links(t, w, d, g, intra, inter)
+    tensor, data, bounds = _reference_links(t, w, d, g)
+
+    def bw(load):
+        return intra if load == 0 else inter / load
+    assert links.tensor == bw(tensor)
+    assert links.data == bw(data)
+    assert list(links.boundary) == [bw(x) for x in bounds]
+
+
+def test_placement_examples_from_the_paper_setup():
+    # 64 GPUs, 8 per server, w=8 d=8: replicas share a server, every boundary crosses
+    # and all 8 GPUs of a server send through its NIC.
+    links = placement_links(1, 8, 8, 8, 150.0, 3.125)
+    assert links.data == 150.0 and not links.data_crosses_servers
+    assert links.boundary == (3.125 / 8,) * 7
+    # w=4 d=16: two stages per server, every other boundary crosses.
+    links = placement_links(1, 4, 16, 8, 150.0, 3.125)
+    assert links.boundary[0] == 150.0 and links.boundary[1] == 3.125 / 4
+    assert ring_allreduce_time(8.0, 4, 2.0) == pytest.approx(2 * 3 / 4 * 8 / 2)
+
+
+def test_bad_configs_have_clear_errors():
+    cm = CostModel(TOY, PLAIN)
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 3 must divide"):
+        cm.estimate(Config(w=1, d=3))
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 8 must divide"):
+        cm.estimate(Config(w=1, d=1, t=8))
+    with pytest.raises(ValueError, match="--pipeline-schedule"):
+        Config(w=1, d=1, schedule="1f1b")
+    with pytest.raises(ValueError, match="--hidden-size 65 must be divisible"):
+        ModelSpec(num_layers=2, hidden_size=65, num_attention_heads=4, seq_length=8,
+                  vocab_size=10)

@@ -1,0 +1,51 @@
+"""tools/plan.py smoke tests through a real subprocess."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_preset_model_and_cluster_prints_table_command_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    res = _plan("--model", "gpt-2.2b", "--cluster", "p3.16xlarge", "--num-gpus", "16",
+                "--max-batch-size", "128", "--schedules", "2bw,flush", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "samples/s" in res.stdout and "mem GiB" in res.stdout
+    assert "torchrun --nnodes=2 --nproc-per-node=8" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["best"]["fits"] and data["best"]["config"]["schedule"] in ("2bw", "flush")
+    assert data["command"] in res.stdout
+    assert {r["config"]["schedule"] for r in data["rows"]} == {"2bw", "flush"}
+    best = data["best"]
+    assert best["predicted_samples_per_s"] == max(r["predicted_samples_per_s"] for r in data["rows"])
+
+
+def test_megatron_flags_and_custom_cluster_with_tensor_parallel():
+    res = _plan("--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                "--seq-length", "128", "--vocab-size", "30592", "--model-type", "bert",
+                "--num-gpus", "4", "--gpus-per-server", "4", "--gpu-memory-gb", "8",
+                "--intra-server-bandwidth", "20", "--inter-server-bandwidth", "1.25",
+                "--max-batch-size", "32", "--tensor-parallel", "--top", "0")
+    assert res.returncode == 0, res.stderr
+    assert "pretrain_bert.py" in res.stdout
+    assert " 4 " in res.stdout  # t = 4 rows are listed
+
+
+def test_errors_are_one_clear_line():
+    res = _plan("--model", "gpt-1.3b", "--num-gpus", "12", "--max-batch-size", "64")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0
+    assert "--num-gpus 12" in res.stderr and "--gpus-per-server 8" in res.stderr
+    res = _plan("--model", "gpt-3.8b", "--num-gpus", "2", "--max-batch-size", "64")
+    assert res.returncode == 2 and "no configuration" in res.stderr
+    res = _plan("--num-layers", "4", "--num-gpus", "2", "--max-batch-size", "64")
+    assert res.returncode == 2 and "--hidden-size" in res.stderr

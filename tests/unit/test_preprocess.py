@@ -1,0 +1,128 @@
+"""tools/preprocess_data.py: tokenize -> .bin/.idx -> read back equals direct tokenization."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.config import DataConfig
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "preprocess_data.py"
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+TEXTS = ["Hello, world!", "", "naïve café — ünïcödé ✓ 日本語",
+         "line one\nline two\n\ttabbed", "x" * 300] + [f"document {i} " * (i % 5) for i in range(40)]
+
+
+def _write_jsonl(path, texts, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({key: t, "title": f"t{i}"}) + "\n")
+        f.write("\n")  # a blank line is skipped, not an error
+
+
+def _run(args, check=True):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(SCRIPT)] + [str(a) for a in args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("preprocess_data_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    # Registered so that pool workers can unpickle its functions by module name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_round_trip_char_tokenizer_two_workers(tmp_path):
+    _write_jsonl(tmp_path / "in.jsonl", TEXTS)
+    out = _run(["--input", tmp_path / "in.jsonl", "--json-keys", "text", "title",
+                "--tokenizer-type", "CharTokenizer", "--append-eod", "--workers", 2,
+                "--chunk-size", 3, "--log-interval", 10, "--output-prefix", tmp_path / "o/p"])
+    assert "docs/s" in out.stderr and "MB/s" in out.stderr and "tokens/s" in out.stderr
+    tok = build_tokenizer(DataConfig(tokenizer_type="CharTokenizer"))
+    ds = IndexedDataset(str(tmp_path / "o/p_text_document"))
+    expected = [tok.tokenize(t) + [tok.eod] for t in TEXTS if t]  # empty documents dropped
+    assert ds.dtype == np.uint16
+    assert len(ds) == len(expected)
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+    assert ds.doc_idx.tolist() == list(range(len(expected) + 1))
+    titles = IndexedDataset(str(tmp_path / "o/p_title_document"))
+    assert titles[7].tolist() == tok.tokenize("t7") + [tok.eod]
+    assert tok.detokenize(ds[1].tolist()) == TEXTS[2]  # TEXTS[1] is empty
+    assert not [f for f in os.listdir(tmp_path / "o") if ".tmp" in f]
+
+
+def test_output_independent_of_workers(tmp_path):
+    texts = [f"sample {i} " + "abc" * (i % 17) for i in range(300)]
+    _write_jsonl(tmp_path / "in.jsonl", texts)
+    module = _load_module()
+    for workers in (1, 3):
+        module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type", "CharTokenizer",
+                     "--workers", str(workers), "--chunk-size", "7",
+                     "--output-prefix", str(tmp_path / f"w{workers}")])
+    for ext in (".bin", ".idx"):
+        a = (tmp_path / f"w1_text_document{ext}").read_bytes()
+        b = (tmp_path / f"w3_text_document{ext}").read_bytes()
+        assert a == b
+
+
+def test_gpt2_bpe_round_trip(tmp_path):
+    vocab, merges = DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe"
+    corpus = DATA / "corpus" / "tinyshakespeare.txt"
+    if not (vocab.exists() and merges.exists() and corpus.exists()):
+        pytest.skip(f"shared GPT-2 vocabulary or corpus not found under {DATA}")
+    paragraphs = corpus.read_text(encoding="utf-8")[:20000].split("\n\n")
+    _write_jsonl(tmp_path / "in.jsonl", paragraphs)
+    module = _load_module()
+    module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type", "GPT2BPETokenizer",
+                 "--vocab-file", str(vocab), "--merge-file", str(merges), "--append-eod",
+                 "--workers", "1", "--output-prefix", str(tmp_path / "g")])
+    tok = build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(vocab),
+                                     merge_file=str(merges)))
+    ds = IndexedDataset(str(tmp_path / "g_text_document"))
+    expected = [tok.tokenize(p) + [tok.eod] for p in paragraphs if p]
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+    assert ds.dtype == np.uint16 and tok.eod == 50256
+
+
+@pytest.mark.parametrize("line,match", [
+    ('{"other": "x"}', "line 2: no key 'text'"),
+    ('not json', "line 2: not valid JSON"),
+    ('{"text": 5}', "line 2: 'text' must be a string"),
+])
+def test_bad_input_lines_are_named(tmp_path, capsys, line, match):
+    (tmp_path / "in.jsonl").write_text('{"text": "ok"}\n' + line + "\n")
+    module = _load_module()
+    with pytest.raises(SystemExit):
+        module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type",
+                     "CharTokenizer", "--output-prefix", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert match in err and "--input" in err
+    # A failed run publishes nothing and leaves no temporary files behind.
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_flag_errors(tmp_path, capsys):
+    module = _load_module()
+    (tmp_path / "in.jsonl").write_text('{"text": "ok"}\n')
+    base = ["--tokenizer-type", "CharTokenizer", "--output-prefix", str(tmp_path / "x")]
+    for argv, match in [(["--input", str(tmp_path / "missing.jsonl")], "--input"),
+                        (["--input", str(tmp_path / "in.jsonl"), "--split-sentences"],
+                         "--split-sentences is not implemented"),
+                        (["--input", str(tmp_path / "in.jsonl"), "--workers", "0"], "--workers")]:
+        with pytest.raises(SystemExit):
+            module.main(argv + base)
+        assert match in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""Draw a pipeline timeline (paper Figure 2/3 style) from a simulation or a real run.
+
+Simulated, with the paper's unit costs (forward 1, backward 2)::
+
+    python tools/draw_timeline.py --schedule 2bw --stages 4 --microbatches 8 --batches 2 \
+        --output docs/figures/timeline_2bw_d4_m8.png [--chrome-trace out.json]
+
+From the per-rank files a traced training run wrote::
+
+    python tools/draw_timeline.py --trace 'run/timeline_rank*.json' --output run/timeline.png
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.pipeline.schedules import SCHEDULES, STEP_PLACEMENTS, build_schedule  # noqa: E402
+from megatron.pipeline.simulator import simulate, unit_cost  # noqa: E402
+from megatron.pipeline.timeline_plot import plot_timeline  # noqa: E402
+from megatron.pipeline.trace import load_traces, save_chrome_trace  # noqa: E402
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--schedule", choices=SCHEDULES, help="simulate this schedule")
+    src.add_argument("--trace", help="glob (quote it) or comma-separated list of "
+                     "timeline_rank*.json files written by a traced run")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages d (simulation)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per batch m")
+    p.add_argument("--batches", type=int, default=1, help="batches in the segment")
+    p.add_argument("--forward-cost", type=float, default=1.0)
+    p.add_argument("--backward-cost", type=float, default=2.0)
+    p.add_argument("--comm-latency", type=float, default=0.0)
+    p.add_argument("--no-step-barrier", action="store_true",
+                   help="do not model STEP as a barrier across stages")
+    p.add_argument("--step-placement", choices=STEP_PLACEMENTS, default="aligned",
+                   help="where 2bw puts each STEP (see megatron/pipeline/schedules.py)")
+    p.add_argument("--color-by", choices=("auto", "batch", "version"), default="auto",
+                   help="box colour: batch, or weight version (auto: version for 2bw)")
+    p.add_argument("--title", default=None)
+    p.add_argument("--output", required=True, help="image file to write (.png, .pdf, .svg)")
+    p.add_argument("--chrome-trace", default=None,
+                   help="also write the events as a Chrome/Perfetto trace JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.schedule:
+        schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.batches,
+                                  step_placement=args.step_placement)
+        result = simulate(schedule, unit_cost(args.forward_cost, args.backward_cost),
+                          comm_latency=args.comm_latency,
+                          step_barrier=not args.no_step_barrier)
+        events, name = result.events, args.schedule
+        title = args.title or (
+            f"{name}: d={args.stages} stages, m={args.microbatches} microbatches per batch, "
+            f"{args.batches} batch(es), forward {args.forward_cost:g}, backward "
+            f"{args.backward_cost:g}\nsimulated makespan {result.makespan:g}, bubble "
+            f"fraction {result.bubble_fraction:.1%}")
+        time_label = "time (simulated units)"
+        chrome_unit = 1e3
+        print(f"{name} d={args.stages} m={args.microbatches} batches={args.batches}: makespan "
+              f"{result.makespan:g}, bubble fraction {result.bubble_fraction:.3f}, peak "
+              f"in-flight {result.peak_in_flight}, weight versions "
+              f"{result.peak_weight_versions}")
+    else:
+        paths = args.trace if any(c in args.trace for c in "*?[") else args.trace.split(",")
+        events, meta = load_traces(paths)
+        name = str(meta.get("schedule", ""))
+        title = args.title or f"traced run {name} (ranks {meta.get('ranks')})"
+        time_label = "time (s)"
+        chrome_unit = 1e6
+    color_by = args.color_by
+    if color_by == "auto":
+        color_by = "version" if name == "2bw" else "batch"
+    plot_timeline(events, title=title, color_by=color_by, time_label=time_label,
+                  output=args.output)
+    print(f"wrote {args.output}")
+    if args.chrome_trace:
+        save_chrome_trace(args.chrome_trace, events, time_unit_us=chrome_unit)
+        print(f"wrote {args.chrome_trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""PipeDream-2BW planner CLI: which (w, d, t, b, m, recompute, schedule) to run.
+
+    python tools/plan.py --model gpt-2.2b --cluster p3.16xlarge --num-gpus 64 \\
+        --max-batch-size 512
+    python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 512 --num-gpus 16 --gpus-per-server 8 --gpu-memory-gb 16 \\
+        --intra-server-bandwidth 150 --inter-server-bandwidth 3.125 --max-batch-size 256 \\
+        --schedules 2bw,flush --tensor-parallel --json plan.json
+
+Prints a ranked table (predicted samples/s, memory per GPU, bubble, why rejected) and
+the torchrun command of the best configuration.  Predictions come from the closed-form
+cost model of the paper's Appendix A (megatron/pipeline/planner/cost_model.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.pipeline.planner import (CostOptions, HardwareSpec, ModelSpec,  # noqa: E402
+                                       PlanningError, SCHEDULES, best_plan, command_line,
+                                       format_table, get_hardware, get_model, search)
+from megatron.pipeline.planner.hardware import GB, GiB  # noqa: E402
+from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (a preset, or Megatron's flags)")
+    g.add_argument("--model", choices=sorted(MODEL_PRESETS), help="named model")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
+    g.add_argument("--vocab-size", type=int, help="padded vocabulary (default 50304 GPT, 30592 BERT)")
+    g.add_argument("--model-type", choices=("gpt", "bert"), help="default gpt")
+    c = p.add_argument_group("cluster (a preset, overridable field by field)")
+    c.add_argument("--cluster", default="p3.16xlarge", choices=sorted(HARDWARE_PRESETS))
+    c.add_argument("--num-gpus", type=int, required=True, help="N: GPUs to plan for")
+    c.add_argument("--gpus-per-server", type=int)
+    c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
+    c.add_argument("--intra-server-bandwidth", type=float, help="GB/s between GPUs of a server")
+    c.add_argument("--inter-server-bandwidth", type=float,
+                   help="GB/s out of one server (25 Gbit/s = 3.125)")
+    c.add_argument("--achieved-tflops", type=float, help="sustained TFLOP/s per GPU")
+    s = p.add_argument_group("search")
+    s.add_argument("--max-batch-size", type=int, required=True,
+                   help="B: largest global batch known to converge well")
+    s.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help=f"comma list of {','.join(SCHEDULES)} (default all)")
+    s.add_argument("--tensor-parallel", action="store_true",
+                   help="also search the tensor-parallel size t (t w d = N)")
+    s.add_argument("--max-microbatch-size", type=int, default=64)
+    s.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+                   help="activation recomputation: try both (auto), always, never")
+    s.add_argument("--c-extra", type=float, default=4.0 / 3.0,
+                   help="compute multiplier of activation recomputation (Appendix A)")
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
+    o.add_argument("--json", metavar="PATH", help="write all rows and the best plan as JSON")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    if args.model:
+        base = get_model(args.model)
+        over = {k: getattr(args, k) for k in shape + ("ffn_hidden_size", "vocab_size")
+                if getattr(args, k) is not None}
+        if args.model_type:
+            over["kind"] = args.model_type
+        if not over:
+            return base
+        fields = {k: getattr(base, k) for k in shape + ("ffn_hidden_size", "vocab_size", "kind")}
+        fields.update(over)
+        if "hidden_size" in over and "ffn_hidden_size" not in over:
+            fields["ffn_hidden_size"] = None
+        return ModelSpec(**fields, name=f"{args.model} (modified)")
+    missing = [f"--{k.replace('_', '-')}" for k in shape if getattr(args, k) is None]
+    if missing:
+        raise PlanningError(f"give --model or all of {', '.join(missing)}")
+    kind = args.model_type or "gpt"
+    vocab = args.vocab_size or (50304 if kind == "gpt" else 30592)
+    return ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab, kind=kind)
+
+
+def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
+    hw = get_hardware(args.cluster)
+    over = {}
+    if args.gpus_per_server is not None:
+        over["gpus_per_server"] = args.gpus_per_server
+    if args.gpu_memory_gb is not None:
+        over["gpu_memory_bytes"] = args.gpu_memory_gb * GiB
+    if args.intra_server_bandwidth is not None:
+        over["intra_server_bandwidth"] = args.intra_server_bandwidth * GB
+    if args.inter_server_bandwidth is not None:
+        over["inter_server_bandwidth"] = args.inter_server_bandwidth * GB
+    if args.achieved_tflops is not None:
+        over["achieved_flops"] = args.achieved_tflops * 1e12
+    if over:
+        hw = hw.with_overrides(name=f"{hw.name} (modified)", **over)
+    return hw
+
+
+def check_gpus(num_gpus: int, hw: HardwareSpec) -> None:
+    if num_gpus < 1:
+        raise PlanningError(f"--num-gpus must be >= 1, got {num_gpus}")
+    g = hw.gpus_per_server
+    if num_gpus > g and num_gpus % g:
+        raise PlanningError(f"--num-gpus {num_gpus} must be at most --gpus-per-server {g} or "
+                            f"a multiple of it (whole servers)")
+
+
+def run(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        model = model_from_args(args)
+        hw = hardware_from_args(args)
+        check_gpus(args.num_gpus, hw)
+        schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+        recompute = {"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+        kwargs = dict(schedules=schedules, tensor_parallel=args.tensor_parallel,
+                      max_microbatch_size=args.max_microbatch_size, recompute=recompute,
+                      options=CostOptions(c_extra=args.c_extra))
+        rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
+        best = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
+        cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server)
+    except (PlanningError, ValueError) as exc:
+        print(f"plan.py: error: {exc}", file=sys.stderr)
+        return 2
+    fitting = sum(r.fits for r in rows)
+    print(f"model:   {model.describe()}")
+    print(f"cluster: {args.num_gpus} x {hw.name}, {hw.gpus_per_server} per server, "
+          f"{hw.gpu_memory_bytes / GiB:.0f} GiB ({hw.usable_memory_bytes / GiB:.1f} usable), "
+          f"{hw.achieved_flops / 1e12:.1f} TFLOP/s sustained, intra {hw.intra_server_bandwidth / GB:.1f} "
+          f"GB/s, inter {hw.inter_server_bandwidth / GB:.3f} GB/s per server")
+    print(f"search:  B <= {args.max_batch_size}, schedules {','.join(schedules)}, "
+          f"{len(rows)} candidates, {fitting} fit\n")
+    print(format_table(rows, args.top or None))
+    if args.top and len(rows) > args.top:
+        print(f"... {len(rows) - args.top} more rows (--top 0 prints all)")
+    c = best.config
+    print(f"\nbest: {c.describe()}  global batch {c.global_batch}: "
+          f"{best.predicted_samples_per_s:.2f} samples/s, "
+          f"{best.memory_per_gpu_bytes / GiB:.2f} GiB/GPU, bubble {100 * best.bubble_fraction:.1f}%")
+    print(cmd)
+    if args.json:
+        out = {"model": model.__dict__, "hardware": hw.__dict__, "num_gpus": args.num_gpus,
+               "max_batch_size": args.max_batch_size, "best": best.to_dict(),
+               "command": cmd, "rows": [r.to_dict() for r in rows]}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
