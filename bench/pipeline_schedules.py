@@ -271,7 +271,7 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
         if last:
             mb_losses: List[torch.Tensor] = []
             schedule.step(target=text[:, 1:].contiguous(), losses=mb_losses, return_outputs=False)
-            losses.append(float(torch.stack(mb_losses).mean()))
+            losses.append(float(torch.stack(mb_losses).detach().mean()))
         else:
             schedule.step(text[:, :-1].contiguous())
         # the update our trainer makes: tied embedding gradient summed over the two

@@ -35,7 +35,7 @@ OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 p
     --max-position-embeddings 128 \
     --micro-batch-size 4 --global-batch-size 32 \
     --pipeline-model-parallel-size 2 --pipeline-schedule 2bw \
-    --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+    --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters $(( ITERS / 10 )) \
     --weight-decay 0.01 --clip-grad 1.0 \
     --data-path "$OUT/corpus_text_document" --split 949,50,1 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/tokenizer.model" \

@@ -391,9 +391,10 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
         args.lr_warmup_iters = 0
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.lr_decay_iters is not None and args.lr_decay_style != "constant":
-        _require(args.lr_warmup_iters <= args.lr_decay_iters,
-                 f"LR warmup ({args.lr_warmup_iters} iterations) must not exceed the LR decay "
-                 f"length ({args.lr_decay_iters} iterations, --lr-decay-iters)")
+        _require(args.lr_warmup_iters < args.lr_decay_iters,
+                 f"LR warmup ({args.lr_warmup_iters} iterations, --lr-warmup-iters) must be "
+                 f"shorter than the LR decay ({args.lr_decay_iters} iterations, --lr-decay-iters "
+                 f"or --train-iters) for --lr-decay-style {args.lr_decay_style}")
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron.config import MegatronConfig
-from megatron.initialize import initialize_distributed, set_random_seed
+from megatron.initialize import barrier_with_message, initialize_distributed, set_random_seed
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.engine import PipelineEngine, StepReport
 from megatron.training_log import TrainingLogger, print_rank_last
@@ -292,6 +292,8 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
     logger = TrainingLogger(cfg, groups, flops_per_iteration=flops)
     logger.banner(engine, model)
     result = TrainingResult()
+    barrier_with_message("start of training")
+    engine.clock_origin = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
     if not cfg.training.skip_train and train_iter is not None:
         train(cfg, groups, engine, optimizer, scheduler, state, train_iter, valid_iter, logger,
               result)
@@ -329,10 +331,11 @@ def _write_timeline(path: str, engine: PipelineEngine, groups: ParallelGroups,
     out = f"{root}_rank{groups.rank}{ext or '.json'}"
     events = [TraceEvent(rank=e["rank"], stage=e["stage"], action=e["action"], op=e["op"],
                          microbatch=e["microbatch"], batch=e["batch"], start=e["start"],
-                         end=e["end"])
+                         end=e["end"], version=e["version"])
               for e in engine.trace_events if e["train"]]
     meta = {"schedule": cfg.parallel.pipeline_schedule, "stages": groups.pp_size,
             "microbatches": cfg.training.num_microbatches(groups.dp_size),
-            "data_parallel": groups.dp_size, "rank": groups.rank}
+            "data_parallel": groups.dp_size, "rank": groups.rank,
+            "clock_origin": engine.clock_origin}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_trace(out, events, meta)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.pipeline.planner import (CostOptions, HardwareSpec, ModelSpec,  # noqa: E402
                                        PlanningError, SCHEDULES, best_plan, command_line,
                                        format_table, get_hardware, get_model, search)
-from megatron.pipeline.planner.hardware import GB, GiB  # noqa: E402
+from megatron.pipeline.planner.hardware import GB, GiB, describe_links, links_for  # noqa: E402
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
 
 
@@ -152,6 +152,7 @@ def run(argv: Optional[List[str]] = None) -> int:
     print(f"\nbest: {c.describe()}  global batch {c.global_batch}: "
           f"{best.predicted_samples_per_s:.2f} samples/s, "
           f"{best.memory_per_gpu_bytes / GiB:.2f} GiB/GPU, bubble {100 * best.bubble_fraction:.1f}%")
+    print(f"links: {describe_links(links_for(hw, c.t, c.w, c.d), c.t, c.w, c.d)}")
     print(cmd)
     if args.json:
         out = {"model": model.__dict__, "hardware": hw.__dict__, "num_gpus": args.num_gpus,

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--chunk-size", type=int, default=64,
                    help="lines handed to a worker at a time")
-    g.add_argument("--log-interval", type=int, default=10000,
+    g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every this many documents")
     return p
 

@@ -174,6 +174,8 @@ def _build_split_datasets(prefix: str, split: str, num_samples: Sequence[int],
                           seq_length: int, seed: int, data_cache_path: Optional[str],
                           require: bool) -> List[Optional[GPTDataset]]:
     ds = open_prefix(prefix)
+    # Splits cut the sequence ids; preprocess_data.py writes one sequence per document,
+    # so these are document ranges too.
     bounds = split_boundaries(split, len(ds))
     out: List[Optional[GPTDataset]] = []
     for i, name in enumerate(_SPLIT_NAMES):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np

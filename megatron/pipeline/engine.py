@@ -130,6 +130,7 @@ class PipelineEngine:
         self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
         self.trace_enabled = trace
         self.trace_events: List[dict] = []
+        self.clock_origin = time.perf_counter()
         self._get_rng_state = get_rng_state
         self._set_rng_state = set_rng_state
         shape = model.stage_input_shape(micro_batch_size) if self.num_stages > 1 else (1,)
@@ -238,8 +239,10 @@ class PipelineEngine:
         batch = None if action.batch is None else seg.start_iteration + action.batch
         self.trace_events.append({
             "rank": self.groups.rank, "stage": self.stage, "action": str(action),
-            "op": action.op.name, "microbatch": action.microbatch, "batch": batch,
-            "start": start, "end": end, "train": seg.train})
+            "op": action.op.value, "microbatch": action.microbatch, "batch": batch,
+            "start": start, "end": end, "train": seg.train,
+            "version": (self.version_for(batch, self.schedule_name)
+                        if batch is not None and action.op in (Op.FORWARD, Op.BACKWARD) else None)})
 
     # -- compute -------------------------------------------------------------------------
     def _global_batch(self, action: Action, seg: _Segment) -> int:

@@ -5,11 +5,14 @@ Both the simulator and the real executor describe what happened as a list of
 executor writes one file per rank, ``timeline_rank{r}.json``, with ``save_trace``;
 ``load_traces`` merges several of them for drawing.
 
-Clock alignment: ``load_traces`` shifts each file so that its first event starts at 0.
-That is exact only if all ranks started their first action at the same moment (the
-executor starts timing right after a barrier, so ranks are off by the barrier's exit
-skew, microseconds on one machine).  Across machines the wall clocks are not compared
-at all, so that skew is the only error; it does not accumulate over the run.
+Clock alignment: ``load_traces`` shifts each file's times so that the rank's origin is
+0.  The origin is ``meta["clock_origin"]`` when the file has it (the executor should
+store there the time, on the same clock as its events, at which the rank left the
+barrier that starts the traced run), else the rank's earliest event start.  The
+fallback is exact only if every rank's first action began at the common start; a rank
+whose first recorded action started later (a simulated receive that waited, say) is
+shifted too far left.  Ranks' clocks are never compared with each other, so the only
+error with ``clock_origin`` is the barrier's exit skew (microseconds on one machine).
 """
 from __future__ import annotations
 
@@ -84,7 +87,7 @@ def load_traces(paths: Union[str, Iterable[Union[str, Path]]]
                 ) -> Tuple[List[TraceEvent], Dict[str, Any]]:
     """Merge per-rank trace files (a glob pattern or a list of paths).
 
-    Each file's events are shifted so that its earliest start is 0 (see the module
+    Each file's events are shifted so that its clock origin is 0 (see the module
     docstring on clock alignment).  ``meta`` is the first file's, with ``ranks`` added.
     """
     if isinstance(paths, (str, Path)):
@@ -102,7 +105,7 @@ def load_traces(paths: Union[str, Iterable[Union[str, Path]]]
             meta = file_meta
         if not events:
             continue
-        origin = min(e.start for e in events)
+        origin = float(file_meta.get("clock_origin", min(e.start for e in events)))
         for e in events:
             e.start -= origin
             e.end -= origin

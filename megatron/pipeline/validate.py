@@ -19,7 +19,6 @@ the first broken rule, in this order:
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 

@@ -104,7 +104,8 @@ def _gpt_worker(rank: int, world_size: int) -> bool:
 
 
 def test_gpt_tp2_matches_single_process():
-    assert run_distributed(_gpt_worker, world_size=2) == [True, True]
+    results = run_distributed(_gpt_worker, world_size=2)
+    assert results == [True, True], results
 
 
 def _layers_worker(rank: int, world_size: int) -> bool:
@@ -152,4 +153,5 @@ def _layers_worker(rank: int, world_size: int) -> bool:
 
 
 def test_layers_and_cross_entropy_tp2():
-    assert run_distributed(_layers_worker, world_size=2) == [True, True]
+    results = run_distributed(_layers_worker, world_size=2)
+    assert results == [True, True], results

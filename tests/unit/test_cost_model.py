@@ -10,7 +10,8 @@ import itertools
 import pytest
 
 from megatron.pipeline.planner import Config, CostModel, CostOptions, HardwareSpec, ModelSpec
-from megatron.pipeline.planner.hardware import placement_links, ring_allreduce_time
+from megatron.pipeline.planner.hardware import (describe_links, placement_links,
+                                                ring_allreduce_time)
 
 GiB = 2.0 ** 30
 
@@ -41,6 +42,7 @@ def test_parameter_count_matches_megatron_345m():
     # Megatron's GPT-345M with the GPT-2 vocabulary padded to 50304.
     assert gpt.num_params == 354_871_296
     assert TOY.num_params == L * PER_LAYER + EMB + FINAL_LN
+    assert TOY.layer_weight_bytes() == 2 * PER_LAYER
 
 
 def test_flops_and_activations_follow_megatron_formulas():
@@ -226,6 +228,9 @@ def test_placement_examples_from_the_paper_setup():
     # w=4 d=16: two stages per server, every other boundary crosses.
     links = placement_links(1, 4, 16, 8, 150.0, 3.125)
     assert links.boundary[0] == 150.0 and links.boundary[1] == 3.125 / 4
+    text = describe_links(placement_links(1, 4, 16, 8, 150e9, 3.125e9), 1, 4, 16)
+    assert "data-parallel all-reduce inside a server" in text
+    assert "7 of 15 stage boundaries cross servers" in text
     assert ring_allreduce_time(8.0, 4, 2.0) == pytest.approx(2 * 3 / 4 * 8 / 2)
 
 

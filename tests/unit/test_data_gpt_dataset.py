@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron.data import gpt_dataset, helpers
+from megatron.data import helpers
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_utils import parse_data_path, parse_split, split_boundaries
 from megatron.data.gpt_dataset import (GPTDataset, MockGPTDataset,

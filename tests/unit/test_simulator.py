@@ -152,10 +152,11 @@ def test_deadlock_is_reported_with_the_grid() -> None:
     with pytest.raises(Exception, match="message mismatch: 1RA1"):
         simulate(schedule, unit_cost())
     stuck = [list(x) for x in build_schedule("flush", 2, 2)]
-    stuck[1] = [a for a in stuck[1] if str(a) != "1RA0"]
+    rg0 = stuck[0].pop([str(a) for a in stuck[0]].index("0RG0"))
+    stuck[0].insert(1, rg0)  # stage 0 waits for a gradient before sending activation 0
     with pytest.raises(DeadlockError) as info:
         simulate(stuck, unit_cost())
     text = str(info.value)
-    assert "stage 1: 1F0" not in text  # 1F0 is not blocked: it runs without its input
-    assert "stage 1: 1RA1 (index 3) waits for a message from stage 0" in text
-    assert "stage  0 | F0 F1" in text
+    assert "stage 0: 0RG0 (index 1) waits for a message from stage 1" in text
+    assert "stage 1: 1RA0 (index 0) waits for a message from stage 0" in text
+    assert "stage  0 | F0" in text

@@ -218,6 +218,24 @@ def placement_links(t: int, w: int, d: int, gpus_per_server: int, intra: float,
                  embedding=_bandwidth(emb_load, intra, inter))
 
 
+def describe_links(links: Links, t: int, w: int, d: int) -> str:
+    """One line saying which link each kind of traffic of a placement crosses."""
+    def where(crosses: bool, bw: float) -> str:
+        return f"{'between servers' if crosses else 'inside a server'} at {bw / GB:.3g} GB/s"
+    parts = []
+    if t > 1:
+        parts.append(f"tensor all-reduce {where(links.tensor_crosses_servers, links.tensor)}")
+    if w > 1:
+        parts.append(f"data-parallel all-reduce {where(links.data_crosses_servers, links.data)}")
+    if d > 1:
+        crossing = [bw for bw, x in zip(links.boundary, links.boundary_crosses_servers) if x]
+        text = f"{len(crossing)} of {d - 1} stage boundaries cross servers"
+        if crossing:
+            text += f" (slowest {min(crossing) / GB:.3g} GB/s per transfer)"
+        parts.append(text)
+    return "; ".join(parts) or "single GPU: no communication"
+
+
 def links_for(hardware: HardwareSpec, t: int, w: int, d: int) -> Links:
     """``placement_links`` for a hardware preset (cached on plain numbers)."""
     return placement_links(t, w, d, hardware.gpus_per_server,

@@ -62,6 +62,10 @@ class ModelSpec:
         h, f = self.hidden_size, self.ffn
         return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
 
+    def layer_weight_bytes(self, bytes_per_param: float = 2.0) -> float:
+        """Bytes of one layer's weights (fp16 by default)."""
+        return self.params_per_layer * bytes_per_param
+
     @property
     def embedding_params(self) -> int:
         """Word + position (+ token-type for BERT) embeddings."""
