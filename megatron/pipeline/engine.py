@@ -34,6 +34,10 @@ from megatron.pipeline.weights import WeightBuffers
 ForwardStep = Callable[[Iterator[Any], nn.Module], Any]
 
 
+class PipelineError(RuntimeError):
+    """An action failed; the message holds the schedule grid with the failing step marked."""
+
+
 @dataclass
 class StepReport:
     """What one optimizer step (one batch) produced on this rank."""
@@ -217,23 +221,26 @@ class PipelineEngine:
                 raise RuntimeError(f"stage {self.stage}: unknown pipeline action {action}") from None
             try:
                 handler(action, seg)
-            except Exception as exc:
-                self._report_failure(actions, index, action, exc)
+            except PipelineError:
                 raise
+            except Exception as exc:
+                raise PipelineError(self._report_failure(actions, index, action, exc)) from exc
             if self.trace_enabled:
                 self._trace(action, seg, start, time.perf_counter())
         self.p2p.wait_all()
 
-    def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> None:
+    def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
         try:
             from megatron.pipeline.schedules import format_grid
             grid = format_grid(actions, mark=(self.stage, index))
         except Exception as grid_exc:  # noqa: BLE001 - the original error matters more
             grid = f"(could not draw the schedule grid: {grid_exc})"
-        print(f"[rank {self.groups.rank}] pipeline stage {self.stage} failed at action "
-              f"#{index} {action} ({self.schedule_name}, d={self.num_stages}, "
-              f"m={self.num_microbatches}): {type(exc).__name__}: {exc}\n{grid}",
-              file=sys.stderr, flush=True)
+        msg = (f"[rank {self.groups.rank}] pipeline stage {self.stage} failed at action "
+               f"#{index} {action} ({self.schedule_name}, d={self.num_stages}, "
+               f"m={self.num_microbatches}, iteration {self.iteration}): "
+               f"{type(exc).__name__}: {exc}\n{grid}")
+        print(msg, file=sys.stderr, flush=True)
+        return msg
 
     def _trace(self, action: Action, seg: _Segment, start: float, end: float) -> None:
         batch = None if action.batch is None else seg.start_iteration + action.batch

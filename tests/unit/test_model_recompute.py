@@ -113,3 +113,35 @@ def test_tracker_streams():
         with get_rng_tracker().fork():
             pass
     model_parallel_seed(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_dropout_replay_and_sdpa():
+    """On CUDA the tracker swaps the CUDA generator and attention runs through SDPA."""
+    def run(**recompute):
+        cfg = make_config(hidden_dropout=0.2, attention_dropout=0.2,
+                          params_dtype=torch.float32, **recompute)
+        ids, labels = (t.cuda() for t in make_batch(2))
+        model = GPTModel(cfg, TPInfo.single(), seed=5).cuda()
+        model_parallel_seed(21, 0, "cuda")
+        loss = model(ids, None, None, labels=labels).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    base = run()
+    for kind in ("selective", "uniform1"):
+        assert_same(run(**RECOMPUTE[kind]), base, atol=1e-6)
+    model_parallel_seed(3, 0, "cuda")
+    state = get_rng_state()
+    with get_rng_tracker().fork():
+        a = torch.rand(8, device="cuda")
+    set_rng_state(state)
+    with get_rng_tracker().fork():
+        assert torch.equal(torch.rand(8, device="cuda"), a)
+    cfg = make_config(params_dtype=torch.float32)
+    from megatron.model.transformer import CoreAttention
+    q, k, v = (torch.randn(12, 2, 4, 4, device="cuda") for _ in range(3))
+    torch.testing.assert_close(CoreAttention(cfg, TPInfo.single(), "sdpa")(q, k, v, None),
+                               CoreAttention(cfg, TPInfo.single(), "manual")(q, k, v, None),
+                               rtol=1e-4, atol=1e-5)
+    model_parallel_seed(0)
