@@ -10,7 +10,10 @@
 
 Prints a ranked table (predicted samples/s, memory per GPU, bubble, why rejected) and
 the torchrun command of the best configuration.  Predictions come from the closed-form
-cost model of the paper's Appendix A (megatron/pipeline/planner/cost_model.py).
+cost model of the paper's Appendix A (megatron/pipeline/planner/cost_model.py), or, with
+``--profile profile.json`` (written by tools/profile_model.py), from measured per-block
+compute times and activation sizes (megatron/pipeline/planner/profile.py); model flags
+left out are then taken from the profile.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from megatron.pipeline.planner import (CostOptions, HardwareSpec, ModelSpec,  # 
                                        format_table, get_hardware, get_model, search)
 from megatron.pipeline.planner.hardware import GB, GiB, describe_links, links_for  # noqa: E402
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
+from megatron.pipeline.planner.profile import Profile  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,14 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recomputation: try both (auto), always, never")
     s.add_argument("--c-extra", type=float, default=4.0 / 3.0,
                    help="compute multiplier of activation recomputation (Appendix A)")
+    s.add_argument("--profile", metavar="PATH",
+                   help="JSON profile from tools/profile_model.py: measured compute and "
+                        "activation costs instead of the closed forms")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     o.add_argument("--json", metavar="PATH", help="write all rows and the best plan as JSON")
     return p
 
 
-def model_from_args(args: argparse.Namespace) -> ModelSpec:
+def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None) -> ModelSpec:
     shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    if profile is not None and not args.model:
+        # Flags left out come from the profiled shape (a different depth is allowed).
+        for k in shape + ("ffn_hidden_size", "vocab_size"):
+            if getattr(args, k) is None:
+                setattr(args, k, profile.model[k])
     if args.model:
         base = get_model(args.model)
         over = {k: getattr(args, k) for k in shape + ("ffn_hidden_size", "vocab_size")
@@ -123,14 +135,15 @@ def check_gpus(num_gpus: int, hw: HardwareSpec) -> None:
 def run(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        model = model_from_args(args)
+        profile = Profile.load(args.profile) if args.profile else None
+        model = model_from_args(args, profile)
         hw = hardware_from_args(args)
         check_gpus(args.num_gpus, hw)
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
         recompute = {"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute]
         kwargs = dict(schedules=schedules, tensor_parallel=args.tensor_parallel,
                       max_microbatch_size=args.max_microbatch_size, recompute=recompute,
-                      options=CostOptions(c_extra=args.c_extra))
+                      options=CostOptions(c_extra=args.c_extra), profile=profile)
         rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         best = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server)
@@ -143,6 +156,8 @@ def run(argv: Optional[List[str]] = None) -> int:
           f"{hw.gpu_memory_bytes / GiB:.0f} GiB ({hw.usable_memory_bytes / GiB:.1f} usable), "
           f"{hw.achieved_flops / 1e12:.1f} TFLOP/s sustained, intra {hw.intra_server_bandwidth / GB:.1f} "
           f"GB/s, inter {hw.inter_server_bandwidth / GB:.3f} GB/s per server")
+    if profile is not None:
+        print(f"costs:   {profile.describe()}")
     print(f"search:  B <= {args.max_batch_size}, schedules {','.join(schedules)}, "
           f"{len(rows)} candidates, {fitting} fit\n")
     print(format_table(rows, args.top or None))
@@ -157,7 +172,8 @@ def run(argv: Optional[List[str]] = None) -> int:
     if args.json:
         out = {"model": model.__dict__, "hardware": hw.__dict__, "num_gpus": args.num_gpus,
                "max_batch_size": args.max_batch_size, "best": best.to_dict(),
-               "command": cmd, "rows": [r.to_dict() for r in rows]}
+               "command": cmd, "rows": [r.to_dict() for r in rows],
+               "profile": args.profile}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to extract from each JSON object (one output dataset each)")
     g.add_argument("--split-sentences", action="store_true",
-                   help="split documents into sentences (not implemented yet)")
+                   help="split documents into sentences (one sequence per sentence, as BERT "
+                        "pretraining needs); a rule-based splitter, no downloaded models")
     g.add_argument("--keep-newlines", action="store_true",
                    help="with --split-sentences, keep newlines between sentences")
     g = p.add_argument_group("tokenizer")
@@ -73,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.split_sentences:
-        parser.error("--split-sentences is not implemented yet; preprocess whole documents "
-                     "(one sequence per document) instead")
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: file not found")
     if args.workers < 1:
@@ -119,11 +117,25 @@ def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray], int]:
         if not isinstance(text, str):
             raise ValueError(f"--input {_args.input}, line {lineno}: {key!r} must be a string, "
                              f"got {type(text).__name__}")
+        if _args.split_sentences:
+            out[key] = _encode_sentences(text)
+            continue
         ids = _tokenizer.tokenize(text)
         if ids and _args.append_eod:
             ids.append(_tokenizer.eod)
         out[key] = np.asarray(ids, dtype=_dtype)
     return lineno, out, nbytes
+
+
+def _encode_sentences(text: str) -> List[np.ndarray]:
+    """One token array per non-empty sentence; --append-eod goes after the last one."""
+    from megatron.data.sentence_split import split_sentences
+
+    pieces = [_tokenizer.tokenize(s) for s in split_sentences(text, _args.keep_newlines)]
+    pieces = [p for p in pieces if p]
+    if pieces and _args.append_eod:
+        pieces[-1].append(_tokenizer.eod)
+    return [np.asarray(p, dtype=_dtype) for p in pieces]
 
 
 def output_prefix(args: argparse.Namespace, key: str) -> str:
@@ -160,13 +172,16 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
                     continue
                 n_docs += 1
                 for key, ids in docs.items():
+                    # Sentence-split documents arrive as a list of sentences.
+                    sequences = ids if isinstance(ids, list) else [ids]
                     # An empty document would only add a zero-length sequence.
-                    if ids.size == 0:
+                    if sum(int(x.size) for x in sequences) == 0:
                         n_empty += 1
                         continue
-                    builders[key].add_item(ids)
+                    for seq in sequences:
+                        builders[key].add_item(seq)
+                        n_tokens += int(seq.size)
                     builders[key].end_document()
-                    n_tokens += int(ids.size)
                 if n_docs % args.log_interval == 0:
                     print(f"Processed {n_docs} documents ("
                           f"{_progress(n_docs, n_tokens, n_bytes, time.perf_counter() - start)})",

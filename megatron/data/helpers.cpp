@@ -7,10 +7,12 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -160,6 +162,116 @@ py::tuple build_blending_indices(const WeightsArray& weights, int64_t size) {
   return py::make_tuple(index, sample_index);
 }
 
+
+// ---------------------------------------------------------------------------------------
+// BERT sentence-pair sample mapping.
+//
+// A sample is a run of consecutive sentences of one document: (first sentence, end
+// sentence (exclusive), target length).  Each document is cut greedily: sentences are
+// added until their tokens reach the target length (max_num_tokens, or with probability
+// short_seq_prob a uniform length in [2, max_num_tokens]); a run with fewer than
+// min_num_sent sentences (2 when the sentence-order head needs an A and a B part) is
+// dropped.  Documents are walked epoch after epoch until max_num_samples samples exist,
+// then the samples are shuffled.  All randomness comes from SplitMix64 so that the pure
+// Python reference (megatron/data/bert_dataset.py) reproduces the mapping exactly.
+
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t next() {
+    state_ += 0x9E3779B97F4A7C15ULL;
+    uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, 1) with 53 random bits.
+  double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
+  // Uniform integer in [0, n); the modulo bias is below 2^-40 for any n used here.
+  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+
+ private:
+  uint64_t state_;
+};
+
+int64_t draw_target(SplitMix64& rng, int64_t max_num_tokens, double short_seq_prob) {
+  if (rng.uniform() < short_seq_prob) return 2 + rng.below(max_num_tokens - 1);
+  return max_num_tokens;
+}
+
+void fill_bert_mapping(const int64_t* docs, int64_t num_docs, const int32_t* sizes,
+                       int64_t num_sizes, int64_t max_num_samples, int64_t max_num_tokens,
+                       double short_seq_prob, uint64_t seed, int64_t min_num_sent,
+                       std::vector<int64_t>& out) {
+  SplitMix64 rng(seed);
+  int64_t count = 0;
+  while (count < max_num_samples) {
+    const int64_t before = count;
+    for (int64_t d = 0; d < num_docs && count < max_num_samples; ++d) {
+      const int64_t first = docs[d];
+      const int64_t last = docs[d + 1];
+      if (first < 0 || last > num_sizes || last < first) {
+        throw std::runtime_error("build_bert_mapping: document boundaries outside the sentence "
+                                 "sizes array");
+      }
+      if (last - first < min_num_sent) continue;
+      int64_t target = draw_target(rng, max_num_tokens, short_seq_prob);
+      int64_t start = first;
+      int64_t length = 0;
+      for (int64_t s = first; s < last && count < max_num_samples; ++s) {
+        length += sizes[s];
+        const int64_t n = s - start + 1;
+        if ((length >= target && n >= min_num_sent) || s == last - 1) {
+          if (n >= min_num_sent) {
+            out.push_back(start);
+            out.push_back(s + 1);
+            out.push_back(target);
+            ++count;
+          }
+          start = s + 1;
+          length = 0;
+          target = draw_target(rng, max_num_tokens, short_seq_prob);
+        }
+      }
+    }
+    if (count == before) {
+      throw std::runtime_error("build_bert_mapping: no document has enough sentences (need " +
+                               std::to_string(min_num_sent) + " per sample)");
+    }
+  }
+  for (int64_t i = count - 1; i > 0; --i) {  // Fisher-Yates over whole rows
+    const int64_t j = rng.below(i + 1);
+    for (int k = 0; k < 3; ++k) std::swap(out[3 * i + k], out[3 * j + k]);
+  }
+}
+
+py::array build_bert_mapping(const DocIdxArray& docs, const SizesArray& sizes,
+                             int64_t max_num_samples, int64_t max_num_tokens,
+                             double short_seq_prob, uint64_t seed, int64_t min_num_sent) {
+  if (docs.ndim() != 1 || sizes.ndim() != 1 || docs.shape(0) < 1) {
+    throw std::invalid_argument("build_bert_mapping: docs (non-empty) and sizes must be 1-D");
+  }
+  if (max_num_samples < 0 || max_num_tokens < 2 || min_num_sent < 1) {
+    throw std::invalid_argument("build_bert_mapping: need max_num_samples >= 0, "
+                                "max_num_tokens >= 2 and min_num_sent >= 1");
+  }
+  if (!(short_seq_prob >= 0.0 && short_seq_prob <= 1.0)) {
+    throw std::invalid_argument("build_bert_mapping: short_seq_prob must be in [0, 1]");
+  }
+  std::vector<int64_t> rows;
+  rows.reserve(static_cast<size_t>(3 * max_num_samples));
+  {
+    py::gil_scoped_release release;
+    fill_bert_mapping(docs.data(), docs.shape(0) - 1, sizes.data(), sizes.shape(0),
+                      max_num_samples, max_num_tokens, short_seq_prob, seed, min_num_sent,
+                      rows);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size() / 3);
+  py::array_t<int64_t> out({n, static_cast<int64_t>(3)});
+  std::copy(rows.begin(), rows.end(), out.mutable_data());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(helpers_cpp, m) {
@@ -169,4 +281,8 @@ PYBIND11_MODULE(helpers_cpp, m) {
         "Return [num_samples + 1, 2] (doc_idx position, offset) of each sample start.");
   m.def("build_blending_indices", &build_blending_indices, py::arg("weights"), py::arg("size"),
         "Return (dataset_index, dataset_sample_index) of a weighted greedy interleave.");
+  m.def("build_bert_mapping", &build_bert_mapping, py::arg("docs"), py::arg("sizes"),
+        py::arg("max_num_samples"), py::arg("max_num_tokens"), py::arg("short_seq_prob"),
+        py::arg("seed"), py::arg("min_num_sent"),
+        "Return [n, 3] (first sentence, end sentence, target length) BERT samples.");
 }

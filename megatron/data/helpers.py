@@ -152,3 +152,27 @@ class _FileLock:
             import fcntl
             fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
         self._fh.close()
+
+
+def build_bert_mapping(docs: np.ndarray, sizes: np.ndarray, max_num_samples: int,
+                       max_num_tokens: int, short_seq_prob: float, seed: int,
+                       min_num_sent: int) -> np.ndarray:
+    """[n, 3] int64 rows (first sentence, end sentence, target length) of BERT samples.
+
+    ``docs``: sentence boundaries of the documents to use (document i is sentences
+    docs[i]..docs[i+1]); ``sizes``: tokens per sentence.  See helpers.cpp and the pure
+    Python reference ``megatron.data.bert_dataset.build_bert_mapping_py``.
+    """
+    module = get_module()
+    if not hasattr(module, "build_bert_mapping"):
+        # A second library of the same name cannot be loaded into this process, so a
+        # stale build can only be fixed by rebuilding it.
+        raise RuntimeError(
+            f"the compiled dataset helpers {getattr(module, '__file__', module)} predate "
+            f"build_bert_mapping (megatron/data/helpers.cpp changed since they were built): "
+            f"rebuild them with `pip install -e .` (or `python setup.py build_ext --inplace`), "
+            f"or delete that file so they are compiled on first use")
+    return module.build_bert_mapping(np.asarray(docs, dtype=np.int64),
+                                     np.asarray(sizes, dtype=np.int32), int(max_num_samples),
+                                     int(max_num_tokens), float(short_seq_prob),
+                                     int(seed) & ((1 << 64) - 1), int(min_num_sent))

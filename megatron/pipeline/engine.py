@@ -70,38 +70,46 @@ class _Segment:
     reports: List[StepReport] = field(default_factory=list)
 
 
-def allreduce_gradients(params: List[nn.Parameter], group, world: int,
-                        bucket_bytes: int = 32 * 2 ** 20) -> None:
-    """Average gradients over ``group`` in flat buckets; all buckets are launched
-    asynchronously before the first wait so communication of bucket i overlaps the
-    packing of bucket i+1."""
-    if group is None or world == 1:
-        return
-    pending = []
-    bucket: List[torch.Tensor] = []
-    size = 0
+class GradientReduction:
+    """Average gradients over the data-parallel group in flat buckets, asynchronously.
 
-    def launch() -> None:
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+    ``launch`` starts every bucket's all-reduce and returns at once; ``finish`` waits and
+    copies the averages back.  The engine launches at REDUCE_GRADS(t) and finishes at
+    STEP(t); under 2BW the schedule places STEP(t) after some work of batch t+1 (which
+    runs on the other weight buffer), so the reduction overlaps that computation.
+    """
+
+    def __init__(self, params: List[nn.Parameter], group, world: int,
+                 bucket_bytes: int = 32 * 2 ** 20) -> None:
+        self._pending = []
+        if group is None or world == 1:
+            return
+        bucket: List[torch.Tensor] = []
+        size = 0
+        for p in params:
+            g = p.grad
+            if bucket and (g.dtype != bucket[0].dtype or size + tensor_bytes(g) > bucket_bytes):
+                self._launch(bucket, group, world)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += tensor_bytes(g)
+        if bucket:
+            self._launch(bucket, group, world)
+
+    def _launch(self, grads: List[torch.Tensor], group, world: int) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
         flat.div_(world)
-        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, list(bucket)))
+        self._pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
 
-    for p in params:
-        g = p.grad
-        if bucket and (g.dtype != bucket[0].dtype or size + tensor_bytes(g) > bucket_bytes):
-            launch()
-            bucket, size = [], 0
-        bucket.append(g)
-        size += tensor_bytes(g)
-    if bucket:
-        launch()
-    for work, flat, grads in pending:
-        work.wait()
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+    def finish(self) -> None:
+        for work, flat, grads in self._pending:
+            work.wait()
+            offset = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+        self._pending.clear()
 
 
 class PipelineEngine:
@@ -146,6 +154,7 @@ class PipelineEngine:
             Op.SEND_GRAD: self._send_grad, Op.RECV_GRAD: self._recv_grad,
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
+        self._reductions: Dict[int, GradientReduction] = {}
         self._lr_provider: Callable[[], float] = lambda: 0.0
         self._on_step: Optional[Callable[[StepReport], None]] = None
 
@@ -356,14 +365,18 @@ class PipelineEngine:
         for p in params:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        allreduce_gradients([p for p in params if p.requires_grad], self.groups.data,
-                            self.groups.dp_size)
+        t = self._global_batch(a, seg)
+        self._reductions[t] = GradientReduction([p for p in params if p.requires_grad],
+                                                self.groups.data, self.groups.dp_size)
 
     def _step(self, a: Action, seg: _Segment) -> None:
         t = self._global_batch(a, seg)
         mine = self.buffer_for(t)
         other = self.buffer_for(t + 1)
         params = self.weights.params(mine)
+        reduction = self._reductions.pop(t, None)
+        if reduction is not None:
+            reduction.finish()
         self._allreduce_embedding_grads(params)
         injected = bool(self.fault_injection and self.fault_injection(t, self.stage))
         if injected:

@@ -38,14 +38,23 @@ moments = 14 bytes/param by default: one version costs 16 bytes/param in all), a
 with n_i microbatches in flight on stage i: 1 (none), m (gpipe), min(d - i, m) (flush,
 2bw).  For 2bw with recompute on a middle stage this is the paper's
 2|W|/d + |A_total(b)|/d + d |A_input(b)| (plus the optimizer state we make explicit).
+
+Profile-based costs (``CostModel(..., profile=Profile.load(path))``, see ``profile.py``):
+forward/backward times and per-microbatch stash bytes come from measurements of one
+block, the embedding and the head; the recompute overhead is the measured forward; the
+optimizer step of each stage (``StageCost.step_s``, a barrier across stages) is added
+to the batch time.  Without a profile ``step_s`` is 0, as in the paper's closed forms.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .hardware import HardwareSpec, Links, links_for, ring_allreduce_time
 from .model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 __all__ = ["SCHEDULES", "Config", "CostOptions", "StageCost", "Estimate", "CostModel",
            "ModelSpec", "in_flight"]
@@ -136,6 +145,8 @@ class StageCost:
     """|A_i(b)|: everything one microbatch keeps on this stage without recompute."""
     input_bytes: float
     """|A_input(b)|: the stage input stashed per in-flight microbatch."""
+    step_s: float = 0.0
+    """Optimizer step of the stage, once per batch (profile-based costs only)."""
 
     def with_in_flight(self, n: int, recompute: bool) -> "StageCost":
         """The same stage holding n microbatches (memory changes, times do not)."""
@@ -167,11 +178,18 @@ class Estimate:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Closed-form costs of ``model`` on ``hardware``."""
+    """Closed-form (or, given a ``profile``, measured) costs of ``model`` on ``hardware``."""
 
     model: ModelSpec
     hardware: HardwareSpec
     options: CostOptions = CostOptions()
+    profile: Optional["Profile"] = None
+    """Measured costs (tools/profile_model.py) replacing the closed-form compute and
+    activation sizes; None uses the closed forms."""
+
+    def __post_init__(self) -> None:
+        if self.profile is not None:
+            self.profile.check_model(self.model)
 
     def check(self, config: Config) -> None:
         """Raise ValueError when the model cannot be split as the config says."""
@@ -235,6 +253,21 @@ class CostModel:
             comp_f += layers * mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth
         comp_b = 2.0 * comp_f
         act = mdl.input_activation_bytes(b)
+        act_stage = layers * mdl.layer_activation_bytes(b, t)
+        if last:
+            act_stage += mdl.head_activation_bytes(b, t)
+        stash_one = mdl.input_activation_bytes(b)
+        recompute_extra = (opt.c_extra - 1.0) * (comp_f + comp_b)
+        step = 0.0
+        if self.profile is not None:
+            ps = self.profile.stage(layers, first, last, b, d, t)
+            comp_f, comp_b, recompute_extra, step = (ps.forward_s, ps.backward_s,
+                                                     ps.recompute_s, ps.step_s)
+            act = float(self.profile.stage_input_bytes(b))
+            # input_bytes = what a microbatch stashes under recompute; the rest of the
+            # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
+            stash_one = float(ps.recompute_stash_bytes)
+            act_stage = float(ps.stash_bytes) - stash_one
         # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
         # vocab-parallel embedding (forward) and the output layer's input grad (backward).
         ar = ring_allreduce_time(act, t, links.tensor)
@@ -243,7 +276,7 @@ class CostModel:
         forward = comp_f + tp_f
         backward = comp_b + tp_b
         if c.recompute:
-            backward += (opt.c_extra - 1.0) * (comp_f + comp_b) + tp_f
+            backward += recompute_extra + tp_f
         p2p = 0.0
         if not first:
             p2p += 2.0 * act / links.boundary[i - 1]
@@ -256,10 +289,6 @@ class CostModel:
             allreduce += ring_allreduce_time(emb, 2, links.embedding)
         n = in_flight(c.schedule, i, d, c.m)
         versions = 2 if c.schedule == "2bw" else 1
-        act_stage = layers * mdl.layer_activation_bytes(b, t)
-        if last:
-            act_stage += mdl.head_activation_bytes(b, t)
-        stash_one = mdl.input_activation_bytes(b)
         activations = act_stage if c.recompute else n * act_stage
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
@@ -267,7 +296,7 @@ class CostModel:
             weights_bytes=versions * params * opt.weight_bytes_per_param,
             optimizer_bytes=params * opt.optimizer_bytes_per_param,
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
-            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one)
+            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step)
 
     def estimate(self, config: Config, keep_stages: bool = True) -> Estimate:
         """Throughput, memory per GPU and bubble fraction of one configuration
@@ -287,6 +316,8 @@ class CostModel:
             else:
                 pipe = (m - 1) * slowest + sum(slots)
             batch = pipe + self.exposed_allreduce(stages)
+        # STEP is a barrier: every stage waits for the slowest optimizer update.
+        batch += max(s.step_s for s in kinds.values())
         busy = m * sum(slots)
         return Estimate(
             config=config, stages=tuple(self.stage_costs(config)) if keep_stages else (),

@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Union
 
 from .cost_model import SCHEDULES, Config, CostModel, CostOptions, Estimate
 from .hardware import GiB, HardwareSpec
 from .model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 
 class PlanningError(ValueError):
@@ -146,16 +149,18 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
            schedules: Iterable[str] = SCHEDULES, tensor_parallel: bool = False,
            max_tensor: Optional[int] = None, max_microbatch_size: int = 64,
            recompute: Sequence[bool] = (False, True), exact_batch: bool = False,
-           options: CostOptions = CostOptions()) -> List[PlanRow]:
+           options: CostOptions = CostOptions(),
+           profile: Optional["Profile"] = None) -> List[PlanRow]:
     """Ranked candidates: those that fit by predicted throughput, then the rejected.
 
     ``exact_batch`` keeps only (b, m) with w b m == B (the paper's fixed-batch
-    comparisons) instead of w b m <= B.
+    comparisons) instead of w b m <= B.  ``profile`` (``planner.profile.Profile``)
+    prices compute and activations from measurements instead of the closed forms.
     """
     schedules = list(schedules)
     _check_inputs(model, num_gpus, max_batch_size, schedules)
     schedules = [s for s in SCHEDULES if s in schedules]  # canonical order: none wins ties
-    cm = CostModel(model, hardware, options)
+    cm = CostModel(model, hardware, options, profile)
     rows: List[PlanRow] = []
     for t, w, d, why in _shapes(model, num_gpus, tensor_parallel, max_tensor):
         for schedule in schedules:

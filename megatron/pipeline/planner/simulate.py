@@ -12,15 +12,21 @@ order of sends and receives).  Both use the same per-stage costs:
   the next batch's compute hide it (Appendix A's max_i max(m slot_i, AR_i)): then it
   costs nothing on the stage and ``simulated_batch_time`` takes the longest all-reduce
   as a lower bound on the batch time;
-* STEP: free (a barrier across stages, as in the simulator).
+* STEP: a barrier across stages (as in the simulator), then the stage's optimizer
+  update ``StageCost.step_s`` (0 with closed-form costs; measured with a profile).
+
+``profile=Profile.load(path)`` (``profile.py``) prices F, B and STEP from measurements.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from .cost_model import Config, CostModel, CostOptions, StageCost
 from .hardware import HardwareSpec, Links
 from .model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from .profile import Profile
 
 
 def _simulator():
@@ -53,33 +59,42 @@ def action_cost(config: Config, stages: Sequence[StageCost], links: Links,
             # Hidden: it runs beside the next batch (simulated_batch_time bounds the
             # batch by its length, as the simulator has no asynchronous collectives).
             return 0.0 if hide_reduce else s.allreduce_s
+        if a.op is Op.STEP:
+            return s.step_s
         return 0.0
     return cost
 
 
 def simulate_config(config: Config, model: ModelSpec, hardware: HardwareSpec, *,
-                    num_batches: int = 1, options: CostOptions = CostOptions()):
-    """``SimResult`` of ``num_batches`` batches of one pipeline of ``config``."""
+                    num_batches: int = 1, options: CostOptions = CostOptions(),
+                    profile: Optional["Profile"] = None):
+    """``SimResult`` of ``num_batches`` batches of one pipeline of ``config``
+    (profile-based costs when ``profile`` is given)."""
     schedules, simulator = _simulator()
-    cm = CostModel(model, hardware, options)
+    cm = CostModel(model, hardware, options, profile)
     stages = cm.stage_costs(config)
     est = cm.estimate(config)
     schedule = schedules.build_schedule(config.schedule, config.d, config.m, num_batches)
-    cost = action_cost(config, stages, est.links, model.input_activation_bytes(config.b), options)
+    act = (profile.stage_input_bytes(config.b) if profile is not None
+           else model.input_activation_bytes(config.b))
+    cost = action_cost(config, stages, est.links, act, options)
     return simulator.simulate(schedule, cost, comm_latency=0.0)
 
 
 def simulated_batch_time(config: Config, model: ModelSpec, hardware: HardwareSpec, *,
-                         options: CostOptions = CostOptions(), batches: int = 3) -> float:
+                         options: CostOptions = CostOptions(), batches: int = 3,
+                         profile: Optional["Profile"] = None) -> float:
     """Steady-state seconds per batch: makespan(batches + 1) - makespan(batches), so
     2bw's one-off fill and drain drop out as they do in the closed form.  A hidden
     (asynchronous) all-reduce still needs its own duration per batch."""
     if batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
-    short = simulate_config(config, model, hardware, num_batches=batches, options=options)
-    longer = simulate_config(config, model, hardware, num_batches=batches + 1, options=options)
+    short = simulate_config(config, model, hardware, num_batches=batches, options=options,
+                            profile=profile)
+    longer = simulate_config(config, model, hardware, num_batches=batches + 1,
+                             options=options, profile=profile)
     per_batch = longer.makespan - short.makespan
     if config.schedule == "2bw" and options.overlap_grad_reduce_2bw:
-        stages = CostModel(model, hardware, options).stage_costs(config)
+        stages = CostModel(model, hardware, options, profile).stage_costs(config)
         per_batch = max(per_batch, max(s.allreduce_s for s in stages))
     return per_batch

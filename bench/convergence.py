@@ -1,0 +1,377 @@
+"""Convergence: PipeDream-2BW against PipeDream-Flush (vanilla Adam) on real text.
+
+    PYTHONPATH=. python bench/convergence.py            # ~20 min on 2 CPU cores
+    PYTHONPATH=. python bench/convergence.py --quick    # a few minutes, smaller model
+    PYTHONPATH=. python bench/convergence.py --quick --smoke   # seconds (tests)
+
+The same small GPT is pretrained twice on 2 gloo CPU ranks (d=2 pipeline stages, w=1 by
+default), once with ``--pipeline-schedule flush`` (vanilla optimizer semantics) and once
+with ``--pipeline-schedule 2bw`` (1-stale updates, paper section 3.1), with identical
+data order, hyperparameters and seeds.  The corpus is tinyshakespeare plus the
+WikiText-2 test split from ``../shared/data`` (cut into ~2,000-character documents and
+interleaved in a fixed order), tokenized with a SentencePiece model trained by
+tools/train_tokenizer.py and written by tools/preprocess_data.py; without
+``../shared/data`` the documentation-string corpus of tools/make_demo_corpus.py is used.
+
+Validation uses the same fixed held-out samples at every evaluation (so the curve is
+not noisier than the model).  Printed: final validation losses, their relative
+difference, and how many more iterations 2BW needs to reach the validation loss
+PipeDream-Flush ends with.  Figure (paper Figure 4 style):
+docs/figures/convergence_gpt.png.  Results: bench/results/convergence.json.
+
+The BERT pretraining + MNLI finetuning part of the paper's Table 1 is recorded as a
+TODO in the JSON until pretrain_bert.py and tasks/main.py exist in this repository.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import REPO_ROOT, RESULTS_DIR, format_table, write_results  # noqa: E402
+
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_gpt.png"
+SCHEDULES = ("flush", "2bw")
+
+
+# ---------------------------------------------------------------------------------------
+# corpus -> tokenizer -> indexed dataset
+# ---------------------------------------------------------------------------------------
+def _chunks(paragraphs: Sequence[str], target_chars: int) -> List[str]:
+    """Group consecutive paragraphs into documents of about ``target_chars``."""
+    docs, cur, size = [], [], 0
+    for p in paragraphs:
+        if not p.strip():
+            continue
+        cur.append(p)
+        size += len(p)
+        if size >= target_chars:
+            docs.append("\n\n".join(cur))
+            cur, size = [], 0
+    if cur:
+        docs.append("\n\n".join(cur))
+    return docs
+
+
+def real_text_documents(max_chars: Optional[int], doc_chars: int = 2000) -> Tuple[List[str], str]:
+    """(documents, description) from ../shared/data, or ([], reason) when it is absent."""
+    shakespeare = SHARED_DATA / "corpus" / "tinyshakespeare.txt"
+    wiki = SHARED_DATA / "wikitext" / "wikitext-2-raw" / "wiki.test.raw"
+    if not (shakespeare.is_file() and wiki.is_file()):
+        return [], f"{shakespeare} or {wiki} not found"
+    docs: List[str] = []
+    for path, sep in ((shakespeare, "\n\n"), (wiki, "\n \n")):
+        text = path.read_text(encoding="utf-8")
+        if max_chars:
+            text = text[:max_chars // 2]
+        docs += _chunks(text.split(sep), doc_chars)
+    # one fixed interleaving, so train and validation both hold both sources
+    random.Random(1234).shuffle(docs)
+    return docs, f"tinyshakespeare.txt + wikitext-2-raw/wiki.test.raw ({len(docs)} documents)"
+
+
+def _run_tool(args: List[str], log: io.StringIO) -> None:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    log.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/convergence.py: `{' '.join(args)}` failed:\n"
+                           f"{proc.stdout}\n{proc.stderr}")
+
+
+def prepare_data(work_dir: Path, vocab_size: int, max_chars: Optional[int]) -> Dict[str, str]:
+    """Build corpus.jsonl, a SentencePiece model and the indexed dataset (cached)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"v{vocab_size}_c{max_chars or 'all'}"
+    corpus = work_dir / f"corpus_{tag}.jsonl"
+    tok_prefix = work_dir / f"tokenizer_{tag}"
+    data_prefix = work_dir / f"corpus_{tag}"
+    log = io.StringIO()
+    docs, source = real_text_documents(max_chars)
+    if not corpus.is_file():
+        if docs:
+            with open(corpus, "w", encoding="utf-8") as f:
+                for d in docs:
+                    f.write(json.dumps({"text": d}) + "\n")
+        else:
+            print(f"[convergence] real text unavailable ({source}); using the demo corpus")
+            _run_tool(["tools/make_demo_corpus.py", "--output", str(corpus)], log)
+    if not docs:
+        source = "tools/make_demo_corpus.py (stdlib documentation strings)"
+    if not Path(str(tok_prefix) + ".model").is_file():
+        _run_tool(["tools/train_tokenizer.py", "--input", str(corpus), "--json-keys", "text",
+                   "--vocab-size", str(vocab_size), "--model-type", "bpe",
+                   "--output-prefix", str(tok_prefix)], log)
+    if not Path(str(data_prefix) + "_text_document.idx").is_file():
+        _run_tool(["tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "text",
+                   "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", str(tok_prefix) + ".model", "--append-eod",
+                   "--workers", "1", "--output-prefix", str(data_prefix)], log)
+    return {"data_path": str(data_prefix) + "_text_document",
+            "tokenizer_model": str(tok_prefix) + ".model", "source": source}
+
+
+# ---------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------
+def model_settings(quick: bool, smoke: bool) -> Dict[str, int]:
+    if smoke:
+        return dict(layers=2, hidden=32, heads=2, seq=32, mbs=2, m=2, iters=8, eval_interval=4,
+                    eval_iters=2, vocab=512, max_chars=60_000)
+    if quick:
+        return dict(layers=2, hidden=64, heads=4, seq=64, mbs=4, m=4, iters=150,
+                    eval_interval=25, eval_iters=4, vocab=1024, max_chars=400_000)
+    return dict(layers=4, hidden=128, heads=4, seq=128, mbs=4, m=4, iters=1000, eval_interval=25,
+                eval_iters=8, vocab=2048, max_chars=0)
+
+
+def gpt_argv(schedule: str, s: Dict[str, int], data: Dict[str, str], depth: int,
+             width: int, lr: float) -> List[str]:
+    gbs = s["mbs"] * s["m"] * width
+    return ["--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]),
+            "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
+            "--max-position-embeddings", str(s["seq"]),
+            "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(gbs),
+            "--pipeline-model-parallel-size", str(depth), "--pipeline-schedule", schedule,
+            "--distributed-backend", "gloo",
+            "--train-iters", str(s["iters"]), "--lr", str(lr), "--min-lr", str(lr / 10),
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, s["iters"] // 20)),
+            "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+            "--data-path", data["data_path"], "--split", "95,5,0",
+            "--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", data["tokenizer_model"],
+            "--log-interval", "100000", "--eval-interval", str(s["eval_interval"]),
+            "--eval-iters", str(s["eval_iters"]), "--num-workers", "0",
+            "--distributed-timeout-minutes", "30"]
+
+
+class _FirstSamples:
+    """The first ``n`` samples of a dataset: every evaluation sees the same samples."""
+
+    def __init__(self, ds: Any, n: int) -> None:
+        self.ds, self.n = ds, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ds[i]
+
+
+def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int]):
+    import pretrain_gpt
+
+    eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
+    n_train, _, n_test = num_samples
+    train, valid, test = pretrain_gpt.datasets_provider(cfg, tokenizer,
+                                                        (n_train, eval_samples, n_test))
+    return train, (_FirstSamples(valid, eval_samples) if valid is not None else None), test
+
+
+def _worker(rank: int, world: int, runs: List[Tuple[str, List[str]]]) -> Dict[str, Any]:
+    import torch
+
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, argv in runs:
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            res = pretrain(fixed_valid_datasets_provider, pretrain_gpt.model_provider,
+                           pretrain_gpt.forward_step, argv=argv)
+        out[name] = {"train": {it: v["lm loss"] for it, v in res.losses.items()},
+                     "valid": {it: v["lm loss"] for it, v in res.eval_losses.items()},
+                     "seconds_per_iteration": res.seconds_per_iteration,
+                     "wall_seconds": time.perf_counter() - t0}
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# analysis
+# ---------------------------------------------------------------------------------------
+def first_reach(curve: Dict[int, float], target: float) -> Optional[float]:
+    """First (linearly interpolated) iteration where ``curve`` gets to ``target`` or below."""
+    pts = sorted(curve.items())
+    for i, (it, v) in enumerate(pts):
+        if v <= target:
+            if i == 0:
+                return float(it)
+            it0, v0 = pts[i - 1]
+            return it0 + (it - it0) * (v0 - target) / (v0 - v)
+    return None
+
+
+def analyze(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    flush, tbw = runs["flush"]["valid"], runs["2bw"]["valid"]
+    last = max(flush)
+    f_final, t_final = flush[last], tbw[max(tbw)]
+    target = f_final
+    reach_flush = first_reach(flush, target)
+    reach_2bw = first_reach(tbw, target)
+    return {"final_iteration": last, "final_valid_flush": f_final, "final_valid_2bw": t_final,
+            "relative_difference": (t_final - f_final) / f_final,
+            "final_valid_ppl_flush": math.exp(min(f_final, 50.0)),
+            "final_valid_ppl_2bw": math.exp(min(t_final, 50.0)),
+            "target": target, "flush_reaches_target_at": reach_flush,
+            "2bw_reaches_target_at": reach_2bw,
+            "extra_iterations_2bw": (None if reach_2bw is None or reach_flush is None
+                                     else reach_2bw - reach_flush)}
+
+
+def smooth(values: Sequence[float], window: int) -> List[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot(runs: Dict[str, Dict[str, Any]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"flush": ("PipeDream-Flush (vanilla Adam)", "tab:blue", "-"),
+              "2bw": ("PipeDream-2BW (1-stale Adam)", "tab:red", "--")}
+    for name in SCHEDULES:
+        label, color, ls = styles[name]
+        its, vals = zip(*sorted(runs[name]["train"].items()))
+        window = max(1, len(vals) // 40)
+        ax_t.plot(its, vals, color=color, alpha=0.15, lw=0.8)
+        ax_t.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
+                  label=f"{label}, moving avg {window}")
+        its, vals = zip(*sorted(runs[name]["valid"].items()))
+        ax_v.plot(its, vals, color=color, ls=ls, marker="o", ms=3, lw=1.6, label=label)
+    for ax, what in ((ax_t, "training loss"), (ax_v, "validation loss (fixed held-out set)")):
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("lm loss (nats/token)")
+        ax.set_title(what)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bert_status() -> Dict[str, Any]:
+    """The BERT/MNLI part needs entry points this bench does not own."""
+    missing = [p for p in ("pretrain_bert.py", "tasks/main.py") if not (REPO_ROOT / p).is_file()]
+    if missing:
+        return {"status": "TODO", "reason": f"not run: {', '.join(missing)} missing in the "
+                                            "repository when this bench ran"}
+    return {"status": "TODO", "reason": "pretrain_bert.py and tasks/main.py exist but this "
+                                        "bench does not drive them yet"}
+
+
+def figure_title(s: Dict[str, int], depth: int, width: int, source: str) -> str:
+    return (f"GPT {s['layers']} layers, hidden {s['hidden']}, seq {s['seq']}, vocab "
+            f"{s['vocab']}; d={depth}, w={width}, m={s['m']}, b={s['mbs']}, global batch "
+            f"{s['mbs'] * s['m'] * width}\n{source}")
+
+
+def replot(results_dir: Path, figure: Optional[str]) -> Dict[str, Any]:
+    """Redraw the figure from convergence.json (JSON keys are strings: back to ints)."""
+    path = results_dir / "convergence.json"
+    if not path.is_file():
+        raise SystemExit(f"bench/convergence.py --replot: {path} not found; run the bench first")
+    data = json.loads(path.read_text())
+    runs = {name: {part: {int(k): v for k, v in c[part].items()} for part in ("train", "valid")}
+            for name, c in data["curves"].items()}
+    out = Path(figure) if figure else REPO_ROOT / data["figures"][0]
+    plot(runs, figure_title(data["settings"], data["depth"], data["width"], data["data_source"]),
+         out)
+    print(f"redrew {out} from {path}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller model, 150 iterations")
+    p.add_argument("--smoke", action="store_true", help="with --quick: seconds, for tests")
+    p.add_argument("--iters", type=int, default=None, help="override --train-iters")
+    p.add_argument("--depth", type=int, default=2, help="pipeline stages d (default 2)")
+    p.add_argument("--width", type=int, default=1, help="parallel pipelines w (default 1)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "megatron-bench"
+                                             / "convergence"),
+                   help="where the corpus, tokenizer and indexed dataset are cached")
+    p.add_argument("--out-dir", default=None, help="where to write convergence.json")
+    p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figure from an existing convergence.json")
+    args = p.parse_args(argv)
+    if args.smoke and not args.quick:
+        p.error("--smoke is a variant of --quick; pass both")
+    if args.replot:
+        return replot(Path(args.out_dir) if args.out_dir else RESULTS_DIR, args.figure)
+    from tests.dist_utils import run_distributed
+
+    s = model_settings(args.quick, args.smoke)
+    if args.iters:
+        s["iters"] = args.iters
+    t0 = time.perf_counter()
+    data = prepare_data(Path(args.work_dir), s["vocab"], s["max_chars"] or None)
+    prep_s = time.perf_counter() - t0
+    runs = [(name, gpt_argv(name, s, data, args.depth, args.width, args.lr))
+            for name in SCHEDULES]
+    world = args.depth * args.width
+    print(f"[convergence] data ready in {prep_s:.0f} s ({data['source']}); training "
+          f"{' and '.join(SCHEDULES)} for {s['iters']} iterations on {world} ranks ...",
+          flush=True)
+    per_rank = run_distributed(_worker, world, args=(runs,), timeout=6 * 3600)
+    results = per_rank[-1]  # the last pipeline stage computes the losses
+    summary = analyze(results)
+    gbs = s["mbs"] * s["m"] * args.width
+    title = figure_title(s, args.depth, args.width, data["source"])
+    figure = Path(args.figure) if args.figure else FIGURE
+    plot(results, title, figure)
+    rows = [[name, results[name]["valid"][summary["final_iteration"]],
+             results[name]["seconds_per_iteration"]] for name in SCHEDULES]
+    print(format_table(["schedule", "final valid loss", "s/iteration"], rows,
+                       title=f"convergence after {summary['final_iteration']} iterations"))
+    extra = summary["extra_iterations_2bw"]
+    print(f"relative difference of final validation loss (2bw vs flush): "
+          f"{summary['relative_difference'] * 100:+.2f}%")
+    print("iterations 2bw needs beyond flush to reach flush's final validation loss: "
+          + ("not reached" if extra is None else f"{extra:+.1f}"))
+    payload = {
+        "command": "PYTHONPATH=. python bench/convergence.py "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "quick": args.quick, "smoke": args.smoke, "settings": s, "depth": args.depth,
+        "width": args.width, "global_batch_size": gbs, "lr": args.lr, "data_source": data["source"],
+        "argv": {name: a for name, a in runs}, "summary": summary,
+        "table": [{"schedule": name, "final_valid_loss": r[1], "seconds_per_iteration": r[2]}
+                  for name, r in zip(SCHEDULES, rows)],
+        "curves": {name: {"train": results[name]["train"], "valid": results[name]["valid"]}
+                   for name in SCHEDULES},
+        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
+                    else str(figure)],
+        "bert_mnli": bert_status(), "bench_seconds": time.perf_counter() - t0}
+    path = write_results("convergence", payload, args.out_dir)
+    print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

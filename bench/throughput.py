@@ -1,0 +1,311 @@
+"""Throughput versus global batch size for none / gpipe / flush / 2bw.
+
+    PYTHONPATH=. python bench/throughput.py            # ~5 min on 2 CPU cores
+    PYTHONPATH=. python bench/throughput.py --quick    # ~1 min
+    PYTHONPATH=. python bench/throughput.py --quick --smoke   # seconds (tests)
+
+(a) Synthetic stages of fixed cost, d=4, w=1, b=1: every stage's forward sleeps F and
+its backward 2F (``SleepStage`` from bench/pipeline_schedules.py), so four ranks on two
+cores behave like four busy accelerators.  The global batch is m microbatches.
+(b) The real small GPT at d=2 (two gloo CPU ranks), global batch m x b.
+
+Both are trained by ``megatron.training.pretrain``; throughput is the global batch over
+the steady-state batch period on stage 0 (first forward of batch k to that of batch
+k+1, median over batches after the first).  Beside (a), the ideal periods (F+B units):
+none d*m, gpipe and flush m+d-1, 2bw m: 2BW's advantage (m+d-1)/m is largest at small
+batches, as in the paper's Figures 5 and 7.
+
+(c) With a CUDA GPU: single-GPU training throughput of GPT-345M (24 layers, hidden 1024,
+seq 1024) in TFLOP/s and model-FLOPs utilisation under bf16 and fp16, with the device
+named; skipped with a note on CPU-only machines.
+
+Figure: docs/figures/throughput_vs_batch.png.  Results: bench/results/throughput.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shlex
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import REPO_ROOT, format_table, median, write_results  # noqa: E402
+
+SCHEDULES = ("none", "gpipe", "flush", "2bw")
+FIGURE = REPO_ROOT / "docs" / "figures" / "throughput_vs_batch.png"
+SYNTHETIC_STAGES = 4
+# dense peak FLOP/s (tensor cores, bf16/fp16) by device-name fragment, for MFU
+PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
+              ("L40S", 362e12), ("A10", 125e12), ("L4", 121e12), ("V100", 125e12),
+              ("T4", 65e12))
+
+
+def ideal_period_units(schedule: str, d: int, m: int) -> int:
+    """Steady-state batch period in units of F+B."""
+    return {"none": d * m, "gpipe": m + d - 1, "flush": m + d - 1, "2bw": m}[schedule]
+
+
+def _timed(forward_step: Callable, m: int, stamps: List[float]) -> Callable:
+    calls = [0]
+
+    def step(data_iterator, model):
+        if calls[0] % m == 0:
+            stamps.append(time.perf_counter())
+        calls[0] += 1
+        return forward_step(data_iterator, model)
+
+    return step
+
+
+def _worker(rank: int, world: int, runs: List[Dict[str, Any]]) -> List[List[float]]:
+    """Stage-0 batch start times of each run (other ranks return empty lists)."""
+    import torch
+
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    out = []
+    for run in runs:
+        stamps: List[float] = []
+        if run["kind"] == "synthetic":
+            from bench.pipeline_schedules import sleep_forward_step, sleep_model_provider
+
+            provider = partial(sleep_model_provider, forward_s=run["forward_s"])
+            step = sleep_forward_step
+        else:
+            provider, step = pretrain_gpt.model_provider, pretrain_gpt.forward_step
+        with contextlib.redirect_stdout(io.StringIO()):
+            pretrain(pretrain_gpt.datasets_provider, provider, _timed(step, run["m"], stamps),
+                     argv=run["argv"])
+        out.append(stamps if rank == 0 else [])
+    return out
+
+
+def common_argv(schedule: str, d: int, m: int, b: int, batches: int) -> List[str]:
+    return ["--micro-batch-size", str(b), "--global-batch-size", str(b * m),
+            "--pipeline-model-parallel-size", str(d), "--pipeline-schedule", schedule,
+            "--distributed-backend", "gloo", "--train-iters", str(batches),
+            "--lr", "1e-4", "--seed", "1234", "--log-interval", "100000",
+            "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0",
+            "--tokenizer-type", "NullTokenizer", "--mock-data"]
+
+
+def synthetic_argv(schedule: str, m: int, batches: int) -> List[str]:
+    w = 8  # SleepStage's activation width; the model flags only satisfy the validator
+    return ["--num-layers", str(SYNTHETIC_STAGES), "--hidden-size", str(w),
+            "--num-attention-heads", "1", "--seq-length", str(w),
+            "--max-position-embeddings", str(w), "--vocab-size", "16",
+            *common_argv(schedule, SYNTHETIC_STAGES, m, 1, batches)]
+
+
+def gpt_argv(schedule: str, m: int, b: int, batches: int, smoke: bool) -> List[str]:
+    hidden, seq = (32, 16) if smoke else (128, 64)
+    return ["--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--vocab-size", "1024", "--hidden-dropout", "0", "--attention-dropout", "0",
+            *common_argv(schedule, 2, m, b, batches)]
+
+
+def measure(kind: str, world: int, runs: List[Dict[str, Any]], timeout: float
+            ) -> List[Dict[str, Any]]:
+    from tests.dist_utils import run_distributed
+
+    stamps = run_distributed(_worker, world, args=(runs,), timeout=timeout)[0]
+    rows = []
+    for run, st in zip(runs, stamps):
+        periods = [b - a for a, b in zip(st, st[1:])][1:]  # the first period warms up
+        period = median(periods)
+        row = {"kind": kind, "schedule": run["schedule"], "d": run["d"], "m": run["m"],
+               "b": run["b"], "global_batch_size": run["m"] * run["b"],
+               "seconds_per_batch": period, "samples_per_s": run["m"] * run["b"] / period,
+               "timed_batches": len(periods)}
+        if kind == "synthetic":
+            ideal = ideal_period_units(run["schedule"], run["d"], run["m"]) * 3 * run["forward_s"]
+            row.update(ideal_seconds_per_batch=ideal, ideal_samples_per_s=run["m"] / ideal,
+                       measured_over_ideal=ideal / period)
+        rows.append(row)
+    by = {(r["schedule"], r["m"]): r for r in rows}
+    for r in rows:
+        for other in ("flush", "gpipe"):
+            r[f"over_{other}"] = r["samples_per_s"] / by[(other, r["m"])]["samples_per_s"]
+    return rows
+
+
+def bench_synthetic(ms: Sequence[int], forward_s: float, batches: int) -> List[Dict[str, Any]]:
+    runs = [dict(kind="synthetic", schedule=s, d=SYNTHETIC_STAGES, m=m, b=1, forward_s=forward_s,
+                 argv=synthetic_argv(s, m, batches)) for m in ms for s in SCHEDULES]
+    return measure("synthetic", SYNTHETIC_STAGES, runs, timeout=1800)
+
+
+def bench_gpt(ms: Sequence[int], b: int, batches: int, smoke: bool) -> List[Dict[str, Any]]:
+    runs = [dict(kind="gpt", schedule=s, d=2, m=m, b=b, argv=gpt_argv(s, m, b, batches, smoke))
+            for m in ms for s in SCHEDULES]
+    return measure("gpt", 2, runs, timeout=1800)
+
+
+def _peak_flops(name: str) -> Optional[float]:
+    for fragment, flops in PEAK_FLOPS:
+        if fragment in name:
+            return flops
+    return None
+
+
+def bench_cuda_345m(iters: int = 8, warmup: int = 2) -> Dict[str, Any]:
+    """GPT-345M on one GPU through the trainer, bf16 and fp16 (skipped without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "reason": "no CUDA device on this machine"}
+    import pretrain_gpt
+    from bench.common import gpt_config
+    from megatron.model.flops import gpt_flops_per_iteration
+    from megatron.training import pretrain
+
+    device = torch.cuda.get_device_name(0)
+    peak = _peak_flops(device)
+    rows = []
+    for precision in ("bf16", "fp16"):
+        argv = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+                "--seq-length", "1024", "--max-position-embeddings", "1024",
+                "--vocab-size", "50257", "--tokenizer-type", "NullTokenizer", "--mock-data",
+                "--micro-batch-size", "8", "--global-batch-size", "32",
+                "--train-iters", str(iters), "--lr", "1.5e-4", "--clip-grad", "1.0",
+                f"--{precision}", "--log-interval", "100000", "--eval-interval", "100000",
+                "--eval-iters", "0", "--num-workers", "0"]
+        cfg, _ = gpt_config(argv)
+        flops = gpt_flops_per_iteration(cfg.model, cfg.training.global_batch_size,
+                                        cfg.model.seq_length)
+        stamps: List[float] = []
+        with contextlib.redirect_stdout(io.StringIO()):
+            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                     _timed(pretrain_gpt.forward_step, 4, stamps), argv=argv)
+        torch.cuda.synchronize()
+        period = median([b - a for a, b in zip(stamps, stamps[1:])][warmup:])
+        achieved = flops / period
+        rows.append({"precision": precision, "micro_batch_size": 8, "global_batch_size": 32,
+                     "seconds_per_iteration": period, "tflops": achieved / 1e12,
+                     "mfu": achieved / peak if peak else None, "argv": argv})
+        torch.cuda.empty_cache()
+    return {"status": "measured", "device": device, "peak_flops": peak,
+            "peak_note": "dense tensor-core peak assumed from the device name",
+            "model": "GPT-345M (24 layers, hidden 1024, 16 heads, seq 1024, vocab 50257)",
+            "rows": rows}
+
+
+def plot(synthetic: List[Dict[str, Any]], gpt: List[Dict[str, Any]], forward_s: float,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"none": "tab:gray", "gpipe": "tab:green", "flush": "tab:blue", "2bw": "tab:red"}
+    markers = {"none": "s", "gpipe": "^", "flush": "o", "2bw": "D"}
+    panels = [(synthetic, f"(a) synthetic stages, d={SYNTHETIC_STAGES}, b=1, "
+                          f"F={forward_s * 1e3:g} ms, B=2F")]
+    if gpt:
+        panels.append((gpt, f"(b) small GPT, d=2, b={gpt[0]['b']}, 2 CPU ranks"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.3), squeeze=False)
+    for ax, (rows, title) in zip(axes[0], panels):
+        for s in SCHEDULES:
+            mine = sorted((r for r in rows if r["schedule"] == s),
+                          key=lambda r: r["global_batch_size"])
+            x = [r["global_batch_size"] for r in mine]
+            ax.plot(x, [r["samples_per_s"] for r in mine], color=colors[s], marker=markers[s],
+                    lw=1.6, label=s)
+            if "ideal_samples_per_s" in mine[0]:
+                ax.plot(x, [r["ideal_samples_per_s"] for r in mine], color=colors[s], ls=":",
+                        lw=1.0)
+        ax.set_xscale("log", base=2)
+        xs = sorted({r["global_batch_size"] for r in rows})
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(v) for v in xs])
+        ax.set_xlabel("global batch size (samples)")
+        ax.set_ylabel("throughput (samples/s)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.legend(title="dotted: ideal" if "ideal_samples_per_s" in rows[0] else None,
+                  fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_rows(rows: List[Dict[str, Any]], title: str) -> None:
+    table = [[r["schedule"], r["m"], r["global_batch_size"], r["samples_per_s"],
+              r.get("ideal_samples_per_s"), r.get("measured_over_ideal"), r["over_flush"],
+              r["over_gpipe"]] for r in rows]
+    print(format_table(["schedule", "m", "global batch", "samples/s", "ideal", "meas/ideal",
+                        "/flush", "/gpipe"], table, title=title))
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer batch sizes, shorter runs")
+    p.add_argument("--smoke", action="store_true", help="with --quick: seconds (tests)")
+    p.add_argument("--forward-ms", type=float, default=None,
+                   help="synthetic forward time F in ms (default 20, quick 5, smoke 2); B = 2F")
+    p.add_argument("--skip-gpt", action="store_true", help="synthetic stages only")
+    p.add_argument("--skip-cuda", action="store_true", help="no GPT-345M GPU measurement")
+    p.add_argument("--out-dir", default=None, help="where to write throughput.json")
+    p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    args = p.parse_args(argv)
+    if args.smoke and not args.quick:
+        p.error("--smoke is a variant of --quick; pass both")
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    if args.smoke:
+        ms, gpt_ms, batches, fwd = [4], [2], 3, 2.0
+    elif args.quick:
+        ms, gpt_ms, batches, fwd = [4, 8, 16], [2, 8], 4, 5.0
+    else:
+        ms, gpt_ms, batches, fwd = [4, 8, 16, 32], [2, 4, 8, 16], 5, 20.0
+    forward_s = (args.forward_ms or fwd) / 1e3
+    synthetic = bench_synthetic(ms, forward_s, batches)
+    print_rows(synthetic, f"(a) synthetic stages, d={SYNTHETIC_STAGES}, w=1, b=1, "
+                          f"F={forward_s * 1e3:g} ms, B=2F")
+    gpt: List[Dict[str, Any]] = []
+    if not args.skip_gpt:
+        gpt = bench_gpt(gpt_ms, 2, batches, args.smoke)
+        ex = gpt_argv("2bw", gpt_ms[0], 2, batches, args.smoke)
+        print_rows(gpt, f"(b) small GPT (4 layers, hidden {ex[ex.index('--hidden-size') + 1]}, "
+                        f"seq {ex[ex.index('--seq-length') + 1]}), d=2, b=2")
+    cuda = ({"status": "skipped", "reason": "--skip-cuda"} if args.skip_cuda
+            else bench_cuda_345m())
+    if cuda["status"] == "measured":
+        print(format_table(["precision", "s/iteration", "TFLOP/s", "MFU"],
+                           [[r["precision"], r["seconds_per_iteration"], r["tflops"], r["mfu"]]
+                            for r in cuda["rows"]], title=f"(c) GPT-345M on {cuda['device']}"))
+    else:
+        print(f"(c) GPT-345M single-GPU throughput: {cuda['status']} ({cuda['reason']})")
+    figure = Path(args.figure) if args.figure else FIGURE
+    plot(synthetic, gpt, forward_s, figure)
+    payload = {
+        "command": "PYTHONPATH=. python bench/throughput.py "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "quick": args.quick, "smoke": args.smoke, "forward_s": forward_s,
+        "backward_s": 2 * forward_s, "batches_per_run": batches,
+        "synthetic": synthetic, "gpt": gpt, "gpt_argv_example": gpt_argv("2bw", gpt_ms[0], 2,
+                                                                          batches, args.smoke),
+        "cuda_gpt_345m": cuda,
+        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
+                    else str(figure)],
+        "bench_seconds": time.perf_counter() - t0}
+    path = write_results("throughput", payload, args.out_dir)
+    print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Profile-based cost functions: measured per-block costs instead of closed forms.
+
+The paper's planner (section 4) prices a configuration with "profile-based cost
+functions": the forward/backward time and activation size of one transformer block,
+measured once per microbatch size, scaled to any stage.  ``tools/profile_model.py``
+writes such a profile (JSON; schema in that file's docstring); this module reads it
+and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
+
+* forward / backward seconds: layers x block + embedding (first stage) + head (last);
+* bytes stashed per microbatch, exactly as the pipeline executor counts them
+  (``megatron.pipeline.memory.StashTracker``): without recomputation the tensors autograd
+  saves (layers x block + embedding + head); with recomputation the stage input
+  (s b h values, none on the first stage) plus the microbatch's token ids;
+* optimizer step seconds of the stage's parameters (the last stage of a pipeline also
+  updates its copy of the tied word embedding).
+
+Sizes the profile did not measure are interpolated linearly between the two nearest
+measured sizes and extrapolated linearly from the two nearest ends (byte counts are
+affine in b, so this is exact for them).  Profiles are taken with one tensor rank; for
+t > 1 compute time and non-input activations are divided by t (an approximation: the
+elementwise work and LayerNorms are not split by Megatron's tensor parallelism).
+
+    profile = Profile.load("profile.json")
+    cm = CostModel(profile.model_spec(num_layers=24), get_hardware("cpu"), profile=profile)
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from .model_spec import ModelSpec
+
+SCHEMA = "megatron-pipedream-profile/1"
+PIECES = ("block", "embedding", "head")
+_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+                 "vocab_size")
+
+
+@dataclass(frozen=True)
+class PieceCost:
+    """Per-microbatch cost of one profiled piece at one microbatch size."""
+
+    forward_s: float
+    backward_s: float
+    stash_bytes: float
+
+
+@dataclass(frozen=True)
+class ProfiledStage:
+    """What the cost model needs of one stage, from a profile (per microbatch)."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    """Extra backward time with recomputation: the stage's forward, run again."""
+    stash_bytes: int
+    """Bytes the executor counts per microbatch without recomputation."""
+    recompute_stash_bytes: int
+    """Bytes it counts per microbatch with recomputation (stage input + token ids)."""
+    step_s: float
+    """Optimizer step over the stage's parameters, once per batch."""
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing), extended linearly past
+    both ends; one point means y proportional to x.  Exact at measured points."""
+    if not xs or len(xs) != len(ys):
+        raise ValueError("interpolate: need as many (non-zero) xs as ys")
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return ys[i]
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    lo = min(max(i - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[lo], xs[lo + 1], ys[lo], ys[lo + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class Profile:
+    """A loaded profile of one model shape on one device (see the module docstring)."""
+
+    def __init__(self, data: Dict[str, Any], source: str = "<dict>") -> None:
+        self.source = source
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"--profile {source}: schema {data.get('schema')!r}, expected "
+                             f"{SCHEMA!r} (written by tools/profile_model.py)")
+        try:
+            self.model: Dict[str, Any] = dict(data["model"])
+            self.device: Dict[str, Any] = dict(data["device"])
+            self.weights: Dict[str, int] = dict(data["weights"])
+            self.optimizer_step_s: Dict[str, float] = dict(data["optimizer_step_s"])
+            rows = sorted(data["microbatches"], key=lambda r: r["micro_batch_size"])
+            self.micro_batch_sizes: Tuple[int, ...] = tuple(int(r["micro_batch_size"])
+                                                            for r in rows)
+            self._pieces = {name: [PieceCost(float(r[name]["forward_s"]),
+                                             float(r[name]["backward_s"]),
+                                             r[name]["stash_bytes"]) for r in rows]
+                            for name in PIECES}
+            self._input = [r["stage_input_bytes"] for r in rows]
+            self._data = [r["data_bytes"] for r in rows]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"--profile {source}: malformed profile, missing {exc}") from None
+        if not rows or len(set(self.micro_batch_sizes)) != len(rows) or \
+                min(self.micro_batch_sizes) < 1:
+            raise ValueError(f"--profile {source}: needs distinct positive microbatch sizes, "
+                             f"got {list(self.micro_batch_sizes)}")
+        self.raw = data
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Profile":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"--profile {path}: no such file (run tools/profile_model.py "
+                             "first)") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--profile {path}: not JSON ({exc})") from None
+        return cls(data, str(path))
+
+    def scaled(self, time_factor: float) -> "Profile":
+        """The same profile with every time multiplied by ``time_factor`` (e.g. k ranks
+        sharing one core run k times slower); byte counts are unchanged."""
+        if time_factor <= 0:
+            raise ValueError(f"time_factor must be > 0, got {time_factor}")
+        data = json.loads(json.dumps(self.raw))
+        for row in data["microbatches"]:
+            for name in PIECES:
+                for key in ("forward_s", "backward_s"):
+                    row[name][key] *= time_factor
+        data["optimizer_step_s"] = {k: v * time_factor
+                                    for k, v in data["optimizer_step_s"].items()}
+        data.setdefault("settings", {})["time_factor"] = time_factor
+        return Profile(data, f"{self.source} x{time_factor:g}")
+
+    # -- per piece --------------------------------------------------------------------
+    def piece(self, name: str, b: int) -> PieceCost:
+        """Forward/backward seconds and stash bytes of one piece at microbatch size b."""
+        if name not in self._pieces:
+            raise ValueError(f"profile piece {name!r}: expected one of {PIECES}")
+        xs, rows = self.micro_batch_sizes, self._pieces[name]
+        f = interpolate(xs, [r.forward_s for r in rows], b)
+        bw = interpolate(xs, [r.backward_s for r in rows], b)
+        st = interpolate(xs, [r.stash_bytes for r in rows], b)
+        return PieceCost(max(f, 0.0), max(bw, 0.0), max(round(st), 0))
+
+    def stage_input_bytes(self, b: int) -> int:
+        """[s, b, h] activation received by a non-first stage."""
+        return max(round(interpolate(self.micro_batch_sizes, self._input, b)), 0)
+
+    def data_bytes(self, b: int) -> int:
+        """Token ids of one microbatch ([b, s+1] int64), stashed under recomputation."""
+        return max(round(interpolate(self.micro_batch_sizes, self._data, b)), 0)
+
+    # -- per stage --------------------------------------------------------------------
+    def stage(self, layers: int, first: bool, last: bool, b: int, d: int = 1,
+              t: int = 1) -> ProfiledStage:
+        """Costs of a stage of ``layers`` blocks (plus embedding/head where it has them)."""
+        parts: List[Tuple[PieceCost, int]] = [(self.piece("block", b), layers)]
+        if first:
+            parts.append((self.piece("embedding", b), 1))
+        if last:
+            parts.append((self.piece("head", b), 1))
+        fwd = sum(p.forward_s * n for p, n in parts) / t
+        bwd = sum(p.backward_s * n for p, n in parts) / t
+        stash = sum(p.stash_bytes * n for p, n in parts)
+        inp = 0 if first else self.stage_input_bytes(b)
+        if t > 1:
+            stash = inp + round((stash - inp) / t)
+        steps = self.optimizer_step_s
+        step = layers * steps["block"] + (steps["embedding"] if first else 0.0)
+        if last:
+            step += steps["head"] + (steps["tied_embedding"] if d > 1 else 0.0)
+        return ProfiledStage(forward_s=fwd, backward_s=bwd, recompute_s=fwd,
+                             stash_bytes=int(stash),
+                             recompute_stash_bytes=inp + self.data_bytes(b), step_s=step / t)
+
+    def stage_stash_bytes(self, layers: int, first: bool, last: bool, b: int,
+                          recompute: bool = False) -> int:
+        """Bytes the executor counts per in-flight microbatch on such a stage."""
+        st = self.stage(layers, first, last, b)
+        return st.recompute_stash_bytes if recompute else st.stash_bytes
+
+    # -- the model it was taken of ------------------------------------------------------
+    def model_spec(self, num_layers: Optional[int] = None, name: str = "") -> ModelSpec:
+        """The ``ModelSpec`` of the profiled shape (``num_layers`` defaults to the profile's)."""
+        m = self.model
+        return ModelSpec(num_layers=int(num_layers or m["num_layers"]),
+                         hidden_size=m["hidden_size"],
+                         num_attention_heads=m["num_attention_heads"],
+                         seq_length=m["seq_length"], vocab_size=m["vocab_size"],
+                         ffn_hidden_size=m["ffn_hidden_size"], kind=m.get("kind", "gpt"),
+                         name=name or f"profiled {m.get('kind', 'gpt')}")
+
+    def check_model(self, model: ModelSpec) -> None:
+        """Raise ValueError when ``model`` does not have the profiled block shape."""
+        if model.kind != self.model.get("kind", "gpt"):
+            raise ValueError(f"--profile {self.source}: profiled a {self.model.get('kind')} "
+                             f"model, planning a {model.kind} model")
+        wrong = [f"--{k.replace('_', '-')} {getattr(model, k)} (profiled {self.model[k]})"
+                 for k in _SHAPE_FIELDS if getattr(model, k) != self.model[k]]
+        if wrong:
+            raise ValueError(f"--profile {self.source} was taken for another model shape: "
+                             + ", ".join(wrong))
+
+    def describe(self) -> str:
+        d, m = self.device, self.model
+        return (f"profile {self.source}: {d.get('name')} ({d.get('type')}, "
+                f"{d.get('threads')} threads, torch {d.get('torch')}), {m.get('dtype')}, "
+                f"b in {list(self.micro_batch_sizes)}")

@@ -1,0 +1,1 @@
+"""Downstream tasks: GLUE MNLI, RACE (finetuning BERT) and zero-shot GPT perplexity."""

@@ -1,0 +1,97 @@
+"""Pieces shared by the finetuning datasets: read reports, BERT pair layout, datasets."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ReadReport:
+    """What a reader found: samples kept and malformed rows (with file and line)."""
+
+    what: str
+    files: List[str] = field(default_factory=list)
+    samples: int = 0
+    malformed: List[str] = field(default_factory=list)
+
+    def bad(self, path: str, line: int, reason: str) -> None:
+        self.malformed.append(f"{path}:{line}: {reason}")
+
+    def merge(self, other: "ReadReport") -> "ReadReport":
+        self.files += other.files
+        self.samples += other.samples
+        self.malformed += other.malformed
+        return self
+
+    def summary(self) -> str:
+        names = ", ".join(self.files[:3]) + (f" and {len(self.files) - 3} more"
+                                             if len(self.files) > 3 else "")
+        return (f"{self.what}: {self.samples} samples from {names}; "
+                f"{len(self.malformed)} malformed rows skipped")
+
+    def print(self, show: int = 10, file=None) -> None:
+        """The summary line and the first ``show`` malformed rows (to stderr)."""
+        out = file or sys.stderr
+        for line in self.malformed[:show]:
+            print(f"WARNING: malformed {self.what} row skipped: {line}", file=out)
+        if len(self.malformed) > show:
+            print(f"WARNING: ... and {len(self.malformed) - show} more malformed rows",
+                  file=out)
+        print(self.summary(), file=out, flush=True)
+
+
+def clean_text(text: str) -> str:
+    """Collapse whitespace runs (tabs, newlines) to single spaces."""
+    return " ".join(text.split())
+
+
+def truncate_pair_from_end(a: List[int], b: List[int], max_tokens: int) -> None:
+    """Drop tokens from the end of the longer sequence until both fit (deterministic)."""
+    while len(a) + len(b) > max_tokens:
+        (a if len(a) > len(b) else b).pop()
+
+
+def build_pair_sample(ids_a: Sequence[int], ids_b: Optional[Sequence[int]], max_seq_length: int,
+                      cls: int, sep: int, pad: int) -> Dict[str, np.ndarray]:
+    """``[CLS] a [SEP] b [SEP]`` padded to ``max_seq_length``: text, types, padding_mask."""
+    a = list(ids_a)
+    b = list(ids_b) if ids_b is not None else []
+    specials = 3 if ids_b is not None else 2
+    truncate_pair_from_end(a, b, max_seq_length - specials)
+    tokens = [cls] + a + [sep]
+    types = [0] * len(tokens)
+    if ids_b is not None:
+        tokens += b + [sep]
+        types += [1] * (len(b) + 1)
+    pad_n = max_seq_length - len(tokens)
+    return {"text": np.asarray(tokens + [pad] * pad_n, dtype=np.int64),
+            "types": np.asarray(types + [0] * pad_n, dtype=np.int64),
+            "padding_mask": np.asarray([1] * len(tokens) + [0] * pad_n, dtype=np.int64)}
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """Samples held in memory (finetuning sets are small)."""
+
+    def __init__(self, name: str, samples: List[Dict[str, np.ndarray]]) -> None:
+        self.name = name
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        return self.samples[idx]
+
+
+def special_ids(tokenizer):
+    """(cls, sep, pad) of a BERT tokenizer, with a clear error for other tokenizers."""
+    try:
+        return int(tokenizer.cls), int(tokenizer.sep), int(tokenizer.pad)
+    except NotImplementedError:
+        raise ValueError(f"--tokenizer-type: finetuning BERT needs a WordPiece tokenizer with "
+                         f"[CLS]/[SEP]/[PAD] (BertWordPieceLowerCase or BertWordPieceCase), "
+                         f"got {type(tokenizer).__name__}") from None

@@ -1,0 +1,275 @@
+"""Finetuning loop shared by MNLI and RACE, built from the trainer's pieces.
+
+Same flags, process groups, pipeline engine, optimizer, checkpoints and logging as
+pretraining; what differs: the data are labelled examples read from --train-data and
+--valid-data, training runs for --epochs passes over a shuffled training set, and after
+every epoch each validation set is scored by a forward-only pass of the engine whose
+loss function reports the number of correct answers.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tasks.arguments import add_task_args
+from tasks.data_utils import ReadReport
+
+
+@dataclass
+class FinetuneTask:
+    """What a task contributes: reading, dataset building and the model."""
+
+    name: str
+    read: Callable[[Sequence[str]], Tuple[List[Any], ReadReport]]
+    build: Callable[[str, Sequence[Any], Any, int], torch.utils.data.Dataset]
+    model_provider: Callable
+    head_prefixes: Tuple[str, ...]
+    """Parameters a pretraining checkpoint does not have (the new task head)."""
+
+
+@dataclass
+class FinetuneResult:
+    accuracy: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    """epoch (1-based; 0 = before training) -> {validation set: accuracy} (last stage)."""
+    reports: Dict[str, ReadReport] = field(default_factory=dict)
+    training: Any = None
+    iteration: int = 0
+
+
+def finetune_args(parser):
+    """Task flags, plus BERT's token-type embeddings (sentence A / B)."""
+    add_task_args(parser)
+    parser.set_defaults(num_tokentypes=2)
+    return parser
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ------------------------------------------------------------------------ forward step
+def _loss_fn(label: torch.Tensor, weight: torch.Tensor, training: bool, logits: torch.Tensor):
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    ce = F.cross_entropy(logits, label, reduction="none")
+    w = weight.to(ce.dtype)
+    count = w.sum()
+    loss = (ce * w).sum() / count.clamp(min=1.0)
+    correct = ((logits.argmax(dim=-1) == label).to(ce.dtype) * w).sum()
+    if training:
+        return loss, {"loss": loss.detach(), "accuracy": (correct / count.clamp(min=1.0)).detach()}
+    # Sums, so that padded evaluation microbatches (weight 0) do not skew the ratios.
+    return loss, {"loss_sum": (ce * w).sum().detach(), "correct": correct.detach(),
+                  "count": count.detach()}
+
+
+def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
+    device = next(model.parameters()).device
+    data = {k: v.to(device) for k, v in next(data_iterator).items()}
+    logits = model(data["text"], data["padding_mask"], data["types"])
+    return logits, partial(_loss_fn, data["label"], data["weight"], model.training)
+
+
+# ------------------------------------------------------------------------------ data
+class _Padded(torch.utils.data.Dataset):
+    """``dataset`` extended to ``size`` with weight-0 copies of its first sample."""
+
+    def __init__(self, dataset, size: int) -> None:
+        self.dataset, self.size = dataset, size
+        self.pad = dict(dataset[0], weight=0)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        return self.dataset[i] if i < len(self.dataset) else self.pad
+
+
+def microbatches(dataset, order: Sequence[int], micro_batch_size: int, dp_rank: int,
+                 dp_size: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """This data-parallel rank's microbatches over ``order`` (cut as the trainer does:
+    groups of micro_batch_size * dp_size, rank r taking the r-th slice)."""
+    from megatron.data.samplers import collate_samples
+
+    group = micro_batch_size * dp_size
+    for g0 in range(0, len(order) - group + 1, group):
+        idx = order[g0 + dp_rank * micro_batch_size: g0 + (dp_rank + 1) * micro_batch_size]
+        yield collate_samples([dataset[int(i)] for i in idx])
+
+
+def evaluate_accuracy(engine, dataset, cfg, groups) -> Optional[Dict[str, float]]:
+    """{accuracy, loss, correct, count} over the whole dataset (last stage; else None)."""
+    gbs = cfg.training.global_batch_size
+    n = len(dataset)
+    num_batches = max(1, math.ceil(n / gbs))
+    padded = _Padded(dataset, num_batches * gbs)
+    it = microbatches(padded, range(len(padded)), cfg.training.micro_batch_size,
+                      groups.dp_rank, groups.dp_size)
+    out = engine.evaluate(it, num_batches)
+    if out is None:
+        return None
+    count = max(out["count"], 1e-12)
+    return {"accuracy": out["correct"] / count, "loss": out["loss_sum"] / count,
+            "correct": round(out["correct"] / count * n), "count": n}
+
+
+# ------------------------------------------------------------------------- set-up
+def _read_all(task: FinetuneTask, raw) -> Tuple[List[Any], List[Tuple[str, List[Any]]],
+                                                Dict[str, ReadReport]]:
+    reports: Dict[str, ReadReport] = {}
+    train: List[Any] = []
+    if raw.train_data:
+        train, reports["train"] = task.read(raw.train_data)
+    valid = []
+    for path in raw.valid_data or []:
+        examples, rep = task.read([path])
+        if not examples:
+            _fail(f"--valid-data {path}: no usable {task.name} examples")
+        valid.append((path, examples))
+        reports[path] = rep
+    if _is_rank0():
+        for rep in reports.values():
+            rep.print()
+    return train, valid, reports
+
+
+def _iterations_argv(argv: List[str], raw, n_train: int) -> Tuple[List[str], int]:
+    """Add --train-iters from --epochs; returns (argv, iterations per epoch)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model_parallel = raw.tensor_model_parallel_size * raw.pipeline_model_parallel_size
+    dp = world // model_parallel if model_parallel and world % model_parallel == 0 else 1
+    gbs = raw.global_batch_size or (raw.micro_batch_size or 1) * dp
+    per_epoch = n_train // gbs
+    if raw.skip_train or raw.epochs == 0:
+        return argv + ([] if raw.skip_train else ["--skip-train"]), max(per_epoch, 1)
+    if per_epoch == 0:
+        _fail(f"--train-data holds {n_train} examples, fewer than one global batch "
+              f"(--global-batch-size {gbs}); use more data or a smaller batch")
+    if raw.train_iters is None and raw.train_samples is None:
+        if raw.epochs is None or raw.epochs < 0:
+            _fail("finetuning needs --epochs N (or --train-iters)")
+        argv = argv + ["--train-iters", str(raw.epochs * per_epoch)]
+    return argv, per_epoch
+
+
+def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequence[str]) -> None:
+    """Initialise the stage from any-layout checkpoint ``path`` (weights only)."""
+    from megatron.training_log import print_rank_last
+    from tools.checkpoint_util import load_into_stage
+
+    engine.weights.install(engine.latest_buffer)
+    model = engine.model
+    report = load_into_stage(model, path, layer_offset=model.layer_numbers.start,
+                             tp_rank=groups.tp_rank, tp_size=groups.tp_size,
+                             allow_missing=head_prefixes)
+    engine.weights.sync_all_from(engine.latest_buffer)
+    optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
+    print_rank_last(f"loaded pretrained weights of iteration {report.iteration} from {path} "
+                    f"(saved with tensor {report.source_layout[0]}, pipeline "
+                    f"{report.source_layout[1]}); newly initialised: {report.missing or 'none'}")
+
+
+def _setup(task: FinetuneTask, argv: List[str]):
+    from megatron.arguments import parse_and_validate, parse_args
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+    raw = parse_args(argv, extra_args_provider=finetune_args)
+    if not raw.train_data and not raw.skip_train and raw.epochs != 0:
+        _fail(f"--task {task.name} needs --train-data (or --epochs 0 / --skip-train to only "
+              f"evaluate)")
+    train, valid, reports = _read_all(task, raw)
+    argv, per_epoch = _iterations_argv(argv, raw, len(train))
+    args, cfg = parse_and_validate(argv, extra_args_provider=finetune_args)
+    if cfg.data.tokenizer_type is None:
+        _fail(f"--task {task.name} needs --tokenizer-type BertWordPieceLowerCase (or Case) "
+              f"and --vocab-file")
+    tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
+                                vocab_size=args.vocab_size)
+    cfg.model.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
+        cfg.parallel.tensor_model_parallel_size)
+    groups, device = initialize_distributed(cfg.parallel)
+    set_random_seed(cfg.training.seed, groups, device)
+    seq = cfg.model.seq_length
+    train_ds = task.build("train", train, tokenizer, seq) if train else None
+    valid_ds = [(path, task.build(path, ex, tokenizer, seq)) for path, ex in valid]
+    return args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch
+
+
+def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> FinetuneResult:
+    """Run a finetuning task end to end; returns this rank's result."""
+    from megatron.checkpointing import read_tracker
+    from megatron.initialize import barrier_with_message
+    from megatron.training import (TrainingResult, maybe_load, save,
+                                   setup_model_and_optimizer, train)
+    from megatron.training_log import TrainingLogger, print_rank_last
+
+    argv = list(argv if argv is not None else sys.argv[1:])
+    args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch = _setup(task, argv)
+    model, optimizer, scheduler, engine = setup_model_and_optimizer(
+        cfg, groups, device, task.model_provider, forward_step)
+    tr = cfg.training
+    if tr.load and read_tracker(tr.load) is not None:
+        state = maybe_load(cfg, groups, engine, optimizer, scheduler)
+    else:
+        from megatron.checkpointing import TrainState
+        state = TrainState()
+        if args.pretrained_checkpoint:
+            load_pretrained(engine, optimizer, args.pretrained_checkpoint, groups,
+                            task.head_prefixes)
+        else:
+            print_rank_last(f"WARNING: no --pretrained-checkpoint: finetuning {task.name} from "
+                            f"randomly initialised weights")
+    logger = TrainingLogger(cfg, groups)
+    logger.banner(engine, model)
+    result = FinetuneResult(reports=reports, training=TrainingResult())
+    barrier_with_message(f"start of {task.name} finetuning")
+
+    def score(epoch: int) -> None:
+        for name, ds in valid_ds:
+            out = evaluate_accuracy(engine, ds, cfg, groups)
+            if out is not None:
+                result.accuracy.setdefault(epoch, {})[name] = out["accuracy"]
+                print_rank_last(f" {task.name} epoch {epoch} | validation {name} | accuracy "
+                                f"{out['accuracy']:.4f} ({out['correct']}/{out['count']}) | "
+                                f"loss {out['loss']:.6E}")
+
+    total = tr.train_iters or 0
+    if tr.skip_train or train_ds is None or total == 0:
+        score(state.iteration // per_epoch)
+    else:
+        epochs = math.ceil(total / per_epoch)
+        gbs = tr.global_batch_size
+        for epoch in range(state.iteration // per_epoch, epochs):
+            skip = state.iteration - epoch * per_epoch
+            order = np.random.RandomState(tr.seed + epoch).permutation(len(train_ds))
+            order = order[:per_epoch * gbs][skip * gbs:]
+            train_iter = microbatches(train_ds, order, tr.micro_batch_size, groups.dp_rank,
+                                      groups.dp_size)
+            tr.train_iters = min((epoch + 1) * per_epoch, total)
+            train(cfg, groups, engine, optimizer, scheduler, state, train_iter, None, logger,
+                  result.training)
+            if result.training.exited_early:
+                break
+            score(epoch + 1)
+        tr.train_iters = total
+        if tr.save and state.iteration > 0 and not result.training.exited_early and not (
+                tr.save_interval and state.iteration % tr.save_interval == 0):
+            save(cfg, groups, engine, optimizer, scheduler, state)
+    result.iteration = state.iteration
+    logger.close()
+    return result

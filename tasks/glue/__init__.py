@@ -1,0 +1,1 @@
+"""GLUE tasks (MNLI)."""

@@ -1,0 +1,1 @@
+"""RACE reading comprehension (multiple choice)."""

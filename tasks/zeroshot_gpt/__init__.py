@@ -1,0 +1,1 @@
+"""Zero-shot evaluation of GPT (WikiText-103 perplexity)."""

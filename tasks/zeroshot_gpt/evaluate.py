@@ -1,0 +1,140 @@
+"""--task WIKITEXT103: zero-shot perplexity of a GPT checkpoint on a text file.
+
+    python tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens \\
+        --load gpt_checkpoint --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+        --merge-file gpt2-merges.txt --num-layers 24 --hidden-size 1024 \\
+        --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --overlapping-eval 32
+
+The checkpoint (``--load``, or ``--pretrained-checkpoint``) may have any tensor/pipeline
+layout.  Reported, as Megatron does:
+
+* token perplexity  ``exp(L / (T - 1))``: L = summed loss over all T - 1 targets;
+* adjusted (word-level) perplexity ``exp(L / (W - 1))`` = ``exp(avg loss * ratio)`` with
+  ratio = (T - 1) / (W - 1), W the whitespace-separated words of the original file, so
+  models with different tokenizers are comparable.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator, List, Optional, Sequence
+
+import torch
+
+from tasks.arguments import add_task_args
+from tasks.zeroshot_gpt.datasets import (LMWindowDataset, PaddingWindows, count_words,
+                                         read_wikitext, wikitext_detokenize)
+
+
+@dataclass
+class PerplexityResult:
+    total_loss: float
+    num_targets: int
+    num_tokens: int
+    num_words: int
+    avg_loss: float
+    ppl: float
+    adjusted_ppl: float
+    token_ratio: float
+
+
+def _loss_fn(loss_mask: torch.Tensor, losses: torch.Tensor):
+    if losses.dtype in (torch.float16, torch.bfloat16):
+        losses = losses.float()
+    mask = loss_mask.to(losses.dtype)
+    total = (losses * mask).sum()
+    count = mask.sum()
+    return total / count.clamp(min=1.0), {"loss_sum": total.detach(), "targets": count.detach()}
+
+
+def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
+    device = next(model.parameters()).device
+    data = next(data_iterator)
+    text = data["text"].long().to(device)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    pos = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    losses = model(tokens, pos, None, labels=labels)
+    return losses, partial(_loss_fn, data["loss_mask"].to(device))
+
+
+def perplexity(total_loss: float, num_tokens: int, num_words: int) -> PerplexityResult:
+    """Megatron's token and word-adjusted perplexities from a summed loss."""
+    targets = num_tokens - 1
+    avg = total_loss / targets
+    ratio = targets / max(num_words - 1, 1)
+    return PerplexityResult(total_loss=total_loss, num_targets=targets, num_tokens=num_tokens,
+                            num_words=num_words, avg_loss=avg, ppl=math.exp(min(avg, 700.0)),
+                            adjusted_ppl=math.exp(min(avg * ratio, 700.0)), token_ratio=ratio)
+
+
+def _setup(argv: List[str]):
+    from megatron.arguments import parse_and_validate, parse_args
+
+    raw = parse_args(argv, extra_args_provider=add_task_args)
+    if not raw.valid_data:
+        print("error: --task WIKITEXT103 needs --valid-data (the WikiText test file)",
+              file=sys.stderr)
+        sys.exit(2)
+    if not (raw.load or raw.pretrained_checkpoint):
+        print("error: --task WIKITEXT103 needs --load (or --pretrained-checkpoint): the GPT "
+              "checkpoint to evaluate", file=sys.stderr)
+        sys.exit(2)
+    if not raw.skip_train:
+        argv = argv + ["--skip-train"]  # evaluation only: no data corpus, lr or iterations
+    if raw.train_iters is None and raw.lr_decay_iters is None and raw.lr_decay_samples is None:
+        # The (unused) learning-rate schedule would otherwise need a decay length.
+        argv = argv + ["--lr-decay-style", "constant"]
+    return parse_and_validate(argv, extra_args_provider=add_task_args)
+
+
+def evaluate(argv: Optional[Sequence[str]] = None) -> Optional[PerplexityResult]:
+    """Run the evaluation; the last pipeline stage returns the result, others None."""
+    import pretrain_gpt
+    from megatron.initialize import initialize_distributed, set_random_seed
+    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+    from megatron.training import setup_model_and_optimizer
+    from megatron.training_log import print_rank_last
+    from tasks.finetune_utils import load_pretrained, microbatches
+
+    args, cfg = _setup(list(argv if argv is not None else sys.argv[1:]))
+    tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
+                                vocab_size=args.vocab_size)
+    cfg.model.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
+        cfg.parallel.tensor_model_parallel_size)
+    groups, device = initialize_distributed(cfg.parallel)
+    set_random_seed(cfg.training.seed, groups, device)
+    _, optimizer, _, engine = setup_model_and_optimizer(
+        cfg, groups, device, pretrain_gpt.model_provider, forward_step)
+    load_pretrained(engine, optimizer, args.load or args.pretrained_checkpoint, groups, ())
+
+    original = read_wikitext(args.valid_data)
+    tokens = tokenizer.tokenize(wikitext_detokenize(original))
+    seq = cfg.model.seq_length
+    stride = args.overlapping_eval or seq
+    windows = LMWindowDataset(tokens, seq, stride, pad_id=tokenizer.eod)
+    gbs = cfg.training.global_batch_size
+    num_batches = max(1, math.ceil(len(windows) / gbs))
+    padded = PaddingWindows(windows, num_batches * gbs)
+    it = microbatches(padded, range(len(padded)), cfg.training.micro_batch_size,
+                      groups.dp_rank, groups.dp_size)
+    out = engine.evaluate(it, num_batches)
+    if out is None:
+        return None
+    # evaluate() averages per microbatch and replica; the ratio of the two averages is
+    # the exact mean over targets, and the target count is known exactly.
+    avg = out["loss_sum"] / out["targets"]
+    result = perplexity(avg * (len(tokens) - 1), len(tokens), count_words(original))
+    print_rank_last(
+        f"{'-' * 80}\n WIKITEXT103 | {', '.join(args.valid_data)} | windows {len(windows)} "
+        f"(seq {seq}, stride {stride})\n avg loss: {result.avg_loss:.4E} | ppl: "
+        f"{result.ppl:.4E} | adjusted ppl: {result.adjusted_ppl:.4E} | token ratio: "
+        f"{result.token_ratio:.4f} ({result.num_tokens} tokens, {result.num_words} words)"
+        f"\n{'-' * 80}")
+    return result
+
+
+def main(argv: Optional[List[str]] = None):
+    return evaluate(argv)

@@ -1,0 +1,66 @@
+"""The benches' --quick modes run end to end and write well-formed JSON.
+
+Timings on a shared CI machine say nothing, so only the structure and the values that
+do not depend on speed are asserted: the machine block, losses that must agree, and
+the ideal-time formulas of the synthetic pipeline part.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_bench(script: str, out_dir: Path, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick",
+                           "--out-dir", str(out_dir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    name = script.removesuffix(".py")
+    with open(out_dir / f"{name}.json") as f:
+        data = json.load(f)
+    assert data["bench"] == name
+    for key in ("platform", "cpu_count", "torch", "date"):
+        assert data["machine"][key], key
+    assert data["quick"] is True
+    return data
+
+
+def test_trainer_overhead_quick(tmp_path: Path) -> None:
+    data = _run_bench("trainer_overhead.py", tmp_path, timeout=120)
+    # same model, same data, same update: the losses must agree (fp32, same op order)
+    assert data["max_rel_loss_diff"] < 1e-4
+    assert data["trainer_ms_per_step"] > 0 and data["plain_ms_per_step"] > 0
+    assert data["ratio"] == pytest.approx(data["trainer_ms_per_step"] / data["plain_ms_per_step"])
+    assert len(data["per_round"]) == data["rounds"] == 2
+    assert len(data["step_times_s"]["trainer"]) == data["rounds"] * data["timed_steps_per_run"]
+
+
+def test_pipeline_schedules_quick(tmp_path: Path) -> None:
+    data = _run_bench("pipeline_schedules.py", tmp_path, timeout=180)
+    syn = data["synthetic"]
+    f_plus_b = syn["forward_s"] + syn["backward_s"]
+    rows = {r["schedule"]: r for r in syn["rows"]}
+    assert set(rows) == {"none", "gpipe", "flush", "2bw"}
+    d = syn["stages"]
+    for s, r in rows.items():
+        m, nb = r["m"], r["batches"]
+        units = {"none": nb * d * m, "gpipe": nb * (m + d - 1), "flush": nb * (m + d - 1),
+                 "2bw": nb * m + d - 1}[s]
+        assert r["ideal_seconds"] == pytest.approx(units * f_plus_b)
+        # sleeping stages can only be slower than the ideal, never much faster
+        assert r["seconds"] >= 0.97 * r["ideal_seconds"], (s, r)
+    assert rows["2bw"]["theoretical_speedup_steady"] == pytest.approx((4 + d - 1) / 4)
+    gpt = {r["variant"]: r for r in data["gpt"]["rows"]}
+    assert set(gpt) == {"flush", "2bw", "torch Schedule1F1B", "torch ScheduleGPipe"}
+    assert data["gpt"]["max_rel_first_loss_diff"] < 1e-4
+    losses = [r["first_step_loss"] for r in gpt.values()]
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
+    assert all(r["samples_per_s"] > 0 for r in gpt.values())

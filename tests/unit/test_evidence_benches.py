@@ -1,0 +1,160 @@
+"""The evidence benches (convergence, memory, throughput) run end to end in their
+``--quick --smoke`` mode, and docs/RESULTS.md regenerates from the JSON they write.
+
+Timings on a shared machine say little, so the assertions are about values that do
+not depend on speed: identical first-batch losses of Flush and 2BW (same data order and
+seeds), weight-version and in-flight counts, the paper's memory formula, and the page.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def _run(script: str, out_dir: Path, extra: List[str], timeout: float = 150) -> Dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    name = Path(script).stem
+    cmd = [sys.executable, str(REPO / script), "--quick", "--smoke", "--out-dir", str(out_dir),
+           "--figure", str(out_dir / f"{name}.png"), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(out_dir / f"{name}.json") as f:
+        data = json.load(f)
+    assert data["bench"] == name and data["quick"] and data["smoke"]
+    assert data["command"].startswith(f"PYTHONPATH=. python bench/{name}.py --quick --smoke")
+    for key in ("platform", "cpu_count", "torch", "date"):
+        assert data["machine"][key], key
+    png = out_dir / f"{name}.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return data
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """One smoke run of each bench into one results folder (shared by the tests)."""
+    out = tmp_path_factory.mktemp("results")
+    _run("bench/convergence.py", out, ["--work-dir", str(out / "work")])
+    _run("bench/memory.py", out, [])
+    _run("bench/throughput.py", out, ["--skip-cuda"])
+    return out
+
+
+def _load(results: Path, name: str) -> Dict:
+    with open(results / f"{name}.json") as f:
+        return json.load(f)
+
+
+def test_convergence_smoke(results: Path) -> None:
+    data = _load(results, "convergence")
+    curves = data["curves"]
+    iters = data["settings"]["iters"]
+    for name in ("flush", "2bw"):
+        train = {int(k): v for k, v in curves[name]["train"].items()}
+        assert sorted(train) == list(range(1, iters + 1))
+        assert all(math.isfinite(v) and 0 < v < 10 for v in train.values())
+        assert curves[name]["valid"], name
+    # batch 0 runs on the initial weights under both schedules: same data, same seeds,
+    # so the first training loss must agree; 2BW's batch 1 still uses version 0, so
+    # from iteration 2 on the curves may differ
+    assert curves["2bw"]["train"]["1"] == pytest.approx(curves["flush"]["train"]["1"], rel=1e-5)
+    s = data["summary"]
+    last = str(s["final_iteration"])
+    assert s["final_valid_flush"] == curves["flush"]["valid"][last]
+    assert s["final_valid_2bw"] == curves["2bw"]["valid"][last]
+    assert s["relative_difference"] == pytest.approx(
+        (s["final_valid_2bw"] - s["final_valid_flush"]) / s["final_valid_flush"])
+    assert data["bert_mnli"]["status"] in ("TODO", "measured")
+
+
+def test_first_reach_interpolates() -> None:
+    from bench.convergence import first_reach
+
+    curve = {10: 5.0, 20: 4.0, 30: 3.0}
+    assert first_reach(curve, 3.5) == pytest.approx(25.0)
+    assert first_reach(curve, 6.0) == 10.0
+    assert first_reach(curve, 2.0) is None
+
+
+def test_memory_smoke(results: Path) -> None:
+    data = _load(results, "memory")
+    rows = data["rows"]
+    assert data["formula_mismatches"] == []
+    by = {(r["schedule"], r["recompute"], r["stage"]): r for r in rows}
+    (cfg,) = data["configs"]
+    d, m = cfg["d"], cfg["m"]
+    assert {k[0] for k in by} == {"none", "gpipe", "flush", "2bw"}
+    for (s, rc, stage), r in by.items():
+        assert r["weight_versions"] == (2 if s == "2bw" else 1), (s, rc, stage)
+        expected = {"none": 1, "gpipe": m, "flush": min(d - stage, m),
+                    "2bw": min(d - stage, m)}[s]
+        assert r["peak_in_flight"] == expected, (s, rc, stage)
+        # fp32 AdamW: two moments per parameter, no master copy
+        assert r["master_bytes"] == 0
+        assert r["optimizer_state_bytes"] == pytest.approx(
+            2 * r["weight_bytes_per_version"], rel=0.01)
+        if not rc:
+            assert by[(s, True, stage)]["stash_bytes"] < r["stash_bytes"] / 5, (s, stage)
+    # the last stage stashes the same per microbatch under every schedule
+    last = {r["microbatch_stash_bytes"] for r in rows if r["stage"] == d - 1 and not r["recompute"]}
+    assert len(last) == 1
+
+
+def test_throughput_smoke(results: Path) -> None:
+    data = _load(results, "throughput")
+    syn = {r["schedule"]: r for r in data["synthetic"]}
+    assert set(syn) == {"none", "gpipe", "flush", "2bw"}
+    f_plus_b = data["forward_s"] + data["backward_s"]
+    for s, r in syn.items():
+        units = {"none": r["d"] * r["m"], "gpipe": r["m"] + r["d"] - 1,
+                 "flush": r["m"] + r["d"] - 1, "2bw": r["m"]}[s]
+        assert r["ideal_seconds_per_batch"] == pytest.approx(units * f_plus_b)
+        # sleeping stages can be slower than ideal, never faster
+        assert r["seconds_per_batch"] >= 0.95 * r["ideal_seconds_per_batch"], s
+    # without pipelining the d stages take turns: clearly the slowest
+    assert syn["none"]["samples_per_s"] < syn["2bw"]["samples_per_s"]
+    assert {r["schedule"] for r in data["gpt"]} == {"none", "gpipe", "flush", "2bw"}
+    assert data["cuda_gpt_345m"]["status"] == "skipped"
+
+
+def test_results_page_regenerates(results: Path) -> None:
+    from tools.make_results import build_page, main
+
+    page_path = results / "RESULTS.md"  # beside the figures: links are plain file names
+    assert main(["--results", str(results), "--output", str(page_path)]) == 0
+    page = page_path.read_text()
+    # regenerating from the same JSON gives the same bytes, and --check agrees
+    assert build_page(results, page_path) == page
+    assert main(["--results", str(results), "--output", str(page_path), "--check"]) == 0
+    for name in ("convergence", "memory", "throughput"):
+        data = _load(results, name)
+        assert f"## {name}" in page
+        assert data["command"] in page
+        assert data["machine"]["date"] in page
+        assert f"]({name}.png)" in page  # figure linked relative to the page
+    conv = _load(results, "convergence")["summary"]
+    assert f"{conv['final_valid_flush']:.4f}" in page
+    assert "## Headline numbers" in page
+    assert "Not run yet" in page  # benches of others absent from this folder
+    page_path.write_text(page + "edited by hand\n")
+    assert main(["--results", str(results), "--output", str(page_path), "--check"]) == 1
+
+
+def test_committed_results_page_is_current() -> None:
+    """docs/RESULTS.md is what tools/make_results.py makes of bench/results/*.json."""
+    from tools.make_results import DEFAULT_OUTPUT, DEFAULT_RESULTS, build_page
+
+    if not DEFAULT_OUTPUT.is_file():
+        pytest.skip("docs/RESULTS.md not generated yet")
+    assert DEFAULT_OUTPUT.read_text() == build_page(DEFAULT_RESULTS, DEFAULT_OUTPUT), (
+        "docs/RESULTS.md is stale: run `python tools/make_results.py`")

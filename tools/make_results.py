@@ -1,0 +1,373 @@
+"""Generate docs/RESULTS.md from the JSON the benches write (bench/results/*.json).
+
+    python tools/make_results.py                       # rewrite docs/RESULTS.md
+    python tools/make_results.py --check               # exit 1 if the page is stale
+    python tools/make_results.py --results DIR --output FILE
+
+Nothing on the page is typed by hand: for every bench it shows the table(s), the
+figure(s), the exact command that made the numbers, the machine and the date, all read
+from the bench's JSON.  The convergence, memory and throughput benches get a headline
+and tables of their own; every other bench's JSON is rendered generically (its scalar
+fields and its lists of records).  Benches whose JSON is missing are listed with the
+command that would produce it.  The output depends only on the JSON files and the
+figures present, so regenerating an unchanged tree gives the same bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = REPO_ROOT / "bench" / "results"
+DEFAULT_OUTPUT = REPO_ROOT / "docs" / "RESULTS.md"
+
+# Benches the page expects, in page order (others found in the results folder follow).
+KNOWN = ("convergence", "memory", "throughput", "pipeline_schedules", "trainer_overhead",
+         "preprocess_throughput", "planner_runtime", "paper_reproduction")
+# Figures of benches whose JSON does not list them (globs under the repository root).
+FIGURE_GLOBS = {"pipeline_schedules": ["docs/figures/timeline_real_*.png"],
+                "paper_reproduction": ["docs/figures/paper_*.png"]}
+MAX_ROWS = 40
+SKIP_KEYS = {"bench", "machine", "command", "figures"}
+
+
+# ---------------------------------------------------------------------------------------
+# formatting helpers
+# ---------------------------------------------------------------------------------------
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        if abs(v) >= 1e5 or abs(v) < 1e-3:
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        if len(v) > 8 or any(isinstance(x, (dict, list)) for x in v):
+            return f"({len(v)} values)"
+        return ", ".join(fmt(x) for x in v)
+    if isinstance(v, dict):
+        return f"({len(v)} fields)"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def records_table(records: List[Dict[str, Any]], max_rows: int = MAX_ROWS) -> str:
+    """A list of flat-ish dicts as a table (scalar fields only, first-seen column order)."""
+    cols: List[str] = []
+    for r in records:
+        for k, v in r.items():
+            if k not in cols and is_scalar(v):
+                cols.append(k)
+    text = md_table(cols, [[r.get(c) for c in cols] for r in records[:max_rows]])
+    if len(records) > max_rows:
+        text += f"\n\n({len(records) - max_rows} more rows in the JSON)"
+    return text
+
+
+def bench_summary(name: str) -> Optional[str]:
+    """First line of bench/<name>.py's module docstring (read without importing it)."""
+    path = REPO_ROOT / "bench" / f"{name}.py"
+    if not path.is_file():
+        return None
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    except SyntaxError:
+        return None
+    return doc.strip().splitlines()[0] if doc else None
+
+
+def figure_paths(name: str, data: Dict[str, Any], repo: Path) -> List[str]:
+    listed = data.get("figures")
+    if isinstance(listed, list) and listed:
+        return [str(p) for p in listed]
+    globs = FIGURE_GLOBS.get(name, [f"docs/figures/{name}_*.png"])
+    found: List[str] = []
+    for g in globs:
+        found += sorted(str(p.relative_to(repo)) for p in repo.glob(g))
+    return found
+
+
+def command_of(name: str, data: Dict[str, Any]) -> str:
+    if data.get("command"):
+        return f"`{data['command']}`"
+    quick = " --quick" if data.get("quick") else ""
+    return (f"`PYTHONPATH=. python bench/{name}.py{quick}` (not recorded in the JSON: the "
+            f"bench's documented invocation)")
+
+
+def machine_of(data: Dict[str, Any]) -> str:
+    m = data.get("machine")
+    if not isinstance(m, dict):
+        extra = [f"{k} {data[k]}" for k in ("python", "machine", "device") if is_scalar(data.get(k))
+                 and data.get(k) is not None]
+        return "not recorded" + (f" ({', '.join(extra)})" if extra else "")
+    parts = [m.get("platform"), m.get("processor"),
+             f"{m.get('cpu_count')} CPUs" if m.get("cpu_count") else None,
+             f"torch {m.get('torch')}" if m.get("torch") else None,
+             f"{m.get('torch_threads')} torch threads" if m.get("torch_threads") else None,
+             f"GPU {m['cuda']}" if m.get("cuda") else "no GPU",
+             ("load average " + ", ".join(f"{x:.1f}" for x in m["load_average"]))
+             if m.get("load_average") else None]
+    return "; ".join(p for p in parts if p)
+
+
+def date_of(data: Dict[str, Any]) -> str:
+    m = data.get("machine")
+    if isinstance(m, dict) and m.get("date"):
+        return str(m["date"])
+    return "not recorded in the JSON"
+
+
+# ---------------------------------------------------------------------------------------
+# bench-specific sections
+# ---------------------------------------------------------------------------------------
+def render_convergence(d: Dict[str, Any]) -> List[str]:
+    s = d["summary"]
+    extra = s.get("extra_iterations_2bw")
+    reach = ("2BW does not reach it within the run" if extra is None else
+             f"2BW reaches it {extra:+.0f} iterations after PipeDream-Flush does "
+             f"(at {s['2bw_reaches_target_at']:.0f} vs {s['flush_reaches_target_at']:.0f})")
+    st = d["settings"]
+    out = [f"**Headline:** after {s['final_iteration']} iterations the validation loss is "
+           f"{s['final_valid_2bw']:.4f} with 2BW and {s['final_valid_flush']:.4f} with "
+           f"PipeDream-Flush (vanilla Adam), a relative difference of "
+           f"{s['relative_difference'] * 100:+.2f}%; {reach}.",
+           f"Model: GPT, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads, "
+           f"seq {st['seq']}, vocab {st['vocab']}; d={d['depth']}, w={d['width']}, "
+           f"m={st['m']}, b={st['mbs']}, global batch {d['global_batch_size']}, lr {d['lr']}. "
+           f"Data: {d['data_source']}.",
+           md_table(["schedule", "final validation loss", "seconds/iteration"],
+                    [[r["schedule"], r["final_valid_loss"], r["seconds_per_iteration"]]
+                     for r in d["table"]])]
+    bert = d.get("bert_mnli") or {}
+    out.append(f"BERT pretraining + MNLI finetuning (paper Table 1): "
+               f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")
+    return out
+
+
+def render_memory(d: Dict[str, Any]) -> List[str]:
+    rows = d["rows"]
+    mib = 2.0 ** 20
+    worst: Dict[tuple, Dict[str, Any]] = {}
+    for r in rows:
+        key = (r["d"], r["m"], r["b"], r["precision"], r["recompute"], r["schedule"])
+        if key not in worst or r["total_bytes"] > worst[key]["total_bytes"]:
+            worst[key] = r
+    table = [[f"d={r['d']} m={r['m']} b={r['b']} {r['precision']}", r["schedule"],
+              r["recompute"], r["stage"], r["weight_versions"], r["weight_bytes"] / mib,
+              r["master_bytes"] / mib, r["optimizer_state_bytes"] / mib, r["peak_in_flight"],
+              r["stash_bytes"] / mib, r["formula_bytes"] / mib, r["total_bytes"] / mib]
+             for r in worst.values()]
+    mism = d.get("formula_mismatches") or []
+    out = [_memory_headline(list(worst.values()), mism),
+           md_table(["config", "schedule", "recompute", "worst stage", "weight versions",
+                     "weights MiB", "fp32 masters MiB", "optimizer state MiB",
+                     "in-flight microbatches", "stash MiB", "paper formula (W + stash) MiB",
+                     "total MiB"], table),
+           f"Per-stage rows ({len(rows)}) are in the JSON. "
+           + ("Measured weights + stash equal the formula on every stage of every run."
+              if not mism else f"Formula mismatches: {'; '.join(mism)}")]
+    return out
+
+
+def _memory_headline(worst: List[Dict[str, Any]], mismatches: List[str]) -> str:
+    # the configuration where the schedules differ most: most microbatches per stage
+    big = max(worst, key=lambda r: (r["precision"] == "fp32", r["m"] / r["d"], r["m"]))
+    pick = {r["schedule"]: r for r in worst if not r["recompute"] and r["d"] == big["d"]
+            and r["m"] == big["m"] and r["b"] == big["b"] and r["precision"] == big["precision"]}
+    if not all(s in pick for s in ("gpipe", "flush", "2bw")):
+        return "**Headline:** (incomplete memory results)"
+    g, f, t = (pick[s]["stash_bytes"] for s in ("gpipe", "flush", "2bw"))
+    w = pick["2bw"]["weight_bytes"] / max(1, pick["flush"]["weight_bytes"])
+    return (f"**Headline:** at d={big['d']}, m={big['m']}, b={big['b']} the worst stage "
+            f"stashes {g / f:.2f}x more activation bytes under GPipe than under "
+            f"PipeDream-Flush ({pick['gpipe']['peak_in_flight']} vs "
+            f"{pick['flush']['peak_in_flight']} microbatches in flight); 2BW stashes as much "
+            f"as Flush ({t / max(1, f):.2f}x) and holds {w:.0f}x the weights (2 versions).")
+
+
+def render_throughput(d: Dict[str, Any]) -> List[str]:
+    syn, gpt = d.get("synthetic") or [], d.get("gpt") or []
+    out = []
+    if syn:
+        small = min(r["global_batch_size"] for r in syn)
+        big = max(r["global_batch_size"] for r in syn)
+        sp = {r["global_batch_size"]: r["over_flush"] for r in syn if r["schedule"] == "2bw"}
+        out.append(f"**Headline:** with synthetic stages (d={syn[0]['d']}), 2BW is "
+                   f"{sp[small]:.2f}x as fast as PipeDream-Flush at global batch {small} and "
+                   f"{sp[big]:.2f}x at {big} (ideal {(small + syn[0]['d'] - 1) / small:.2f}x "
+                   f"and {(big + syn[0]['d'] - 1) / big:.2f}x): the advantage shrinks as the "
+                   f"batch grows.")
+        out.append(f"(a) Synthetic stages, forward {d['forward_s'] * 1e3:g} ms, backward "
+                   f"{d['backward_s'] * 1e3:g} ms per microbatch per stage:")
+        out.append(md_table(["schedule", "global batch", "samples/s", "ideal samples/s",
+                             "measured/ideal", "vs flush", "vs gpipe"],
+                            [[r["schedule"], r["global_batch_size"], r["samples_per_s"],
+                              r["ideal_samples_per_s"], r["measured_over_ideal"],
+                              r["over_flush"], r["over_gpipe"]] for r in syn]))
+    if gpt:
+        out.append(f"(b) Small GPT on 2 CPU ranks (d=2, b={gpt[0]['b']}):")
+        out.append(md_table(["schedule", "global batch", "samples/s", "vs flush", "vs gpipe"],
+                            [[r["schedule"], r["global_batch_size"], r["samples_per_s"],
+                              r["over_flush"], r["over_gpipe"]] for r in gpt]))
+    cuda = d.get("cuda_gpt_345m") or {}
+    if cuda.get("status") == "measured":
+        out.append(f"(c) GPT-345M on one {cuda['device']} (peak {fmt(cuda.get('peak_flops'))} "
+                   f"FLOP/s, {cuda.get('peak_note', '')}):")
+        out.append(md_table(["precision", "seconds/iteration", "TFLOP/s", "MFU"],
+                            [[r["precision"], r["seconds_per_iteration"], r["tflops"], r["mfu"]]
+                             for r in cuda["rows"]]))
+    else:
+        out.append(f"(c) GPT-345M single-GPU TFLOP/s and MFU: **{cuda.get('status', 'not run')}**"
+                   f" ({cuda.get('reason', 'not recorded')}).")
+    return out
+
+
+def render_generic(d: Dict[str, Any]) -> List[str]:
+    out = []
+    scalars = [(k, v) for k, v in d.items() if k not in SKIP_KEYS and is_scalar(v)]
+    if scalars:
+        out.append(md_table(["field", "value"], scalars))
+    for k, v in d.items():
+        if k in SKIP_KEYS:
+            continue
+        out += _generic_value(k, v, depth=0)
+    return out
+
+
+def _generic_value(key: str, v: Any, depth: int) -> List[str]:
+    if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+        return [f"`{key}`:", records_table(v)]
+    if isinstance(v, dict) and depth < 2:
+        out = []
+        sc = [(k, x) for k, x in v.items() if is_scalar(x)]
+        nested = [(k, x) for k, x in v.items() if not is_scalar(x)]
+        if sc and len(sc) <= 30:
+            out += [f"`{key}`:", md_table(["field", "value"], sc)]
+        for k, x in nested:
+            out += _generic_value(f"{key}.{k}", x, depth + 1)
+        return out
+    return []
+
+
+RENDERERS: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
+    "convergence": render_convergence, "memory": render_memory, "throughput": render_throughput}
+
+
+# ---------------------------------------------------------------------------------------
+# the page
+# ---------------------------------------------------------------------------------------
+def section(name: str, data: Optional[Dict[str, Any]], repo: Path, out_md: Path) -> str:
+    lines = [f"## {name}"]
+    summary = bench_summary(name)
+    if summary:
+        lines.append(f"*{summary}* (`bench/{name}.py`)")
+    if data is None:
+        lines.append(f"Not run yet: `PYTHONPATH=. python bench/{name}.py` writes "
+                     f"`bench/results/{name}.json`.")
+        return "\n\n".join(lines)
+    if data.get("smoke") or data.get("quick"):
+        lines.append("**Quick mode** (`--quick`): a reduced run, indicative only.")
+    lines.append(f"- command: {command_of(name, data)}\n- machine: {machine_of(data)}\n"
+                 f"- date: {date_of(data)}")
+    renderer = RENDERERS.get(name, render_generic)
+    try:
+        lines += renderer(data)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        lines.append(f"(the JSON does not have the fields this page expects: "
+                     f"{type(exc).__name__}: {exc}; shown generically)")
+        lines += render_generic(data)
+    for fig in figure_paths(name, data, repo):
+        target = repo / fig
+        rel = os.path.relpath(target, out_md.parent).replace(os.sep, "/")
+        lines.append(f"![{Path(fig).stem}]({rel})" if target.is_file()
+                     else f"(figure `{fig}` is missing)")
+    return "\n\n".join(lines)
+
+
+def load_results(results_dir: Path) -> Dict[str, Dict[str, Any]]:
+    out = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            data = {"error": f"could not read {path.name}: {exc}"}
+        if isinstance(data, dict):
+            out[path.stem] = data
+    return out
+
+
+def build_page(results_dir: Path, out_md: Path, repo: Path = REPO_ROOT) -> str:
+    results = load_results(results_dir)
+    names = list(KNOWN) + sorted(n for n in results if n not in KNOWN)
+    rel_results = os.path.relpath(results_dir, repo) if results_dir.is_relative_to(repo) \
+        else str(results_dir)
+    parts = ["# Results",
+             f"Generated by `python tools/make_results.py` from `{rel_results}/*.json`; do "
+             "not edit by hand (rerun a bench, then the tool).  Absolute times come from "
+             "shared CPU machines and are indicative; ratios between schedules measured in "
+             "the same run are the evidence.",
+             "Contents: " + ", ".join(f"[{n}](#{n})" for n in names)]
+    heads = []
+    for n in ("convergence", "memory", "throughput"):
+        if n in results:
+            try:
+                first = RENDERERS[n](results[n])[0]
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                continue
+            if first.startswith("**Headline:**"):
+                heads.append(f"- {n}: " + first[len("**Headline:** "):])
+    if heads:
+        parts.append("## Headline numbers\n\n" + "\n".join(heads))
+    parts += [section(n, results.get(n), repo, out_md) for n in names]
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="folder of bench JSON files")
+    p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="Markdown page to write")
+    p.add_argument("--check", action="store_true",
+                   help="do not write; exit 1 when the page differs from what the JSON gives")
+    args = p.parse_args(argv)
+    results_dir, out_md = Path(args.results).resolve(), Path(args.output).resolve()
+    if not results_dir.is_dir():
+        p.error(f"--results {results_dir}: no such folder (run a bench first)")
+    page = build_page(results_dir, out_md)
+    if args.check:
+        current = out_md.read_text(encoding="utf-8") if out_md.is_file() else ""
+        if current != page:
+            print(f"{out_md} is stale: run `python tools/make_results.py`", file=sys.stderr)
+            return 1
+        print(f"{out_md} is up to date")
+        return 0
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(page, encoding="utf-8")
+    print(f"wrote {out_md} from {len(load_results(results_dir))} result files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

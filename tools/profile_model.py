@@ -1,0 +1,377 @@
+#!/usr/bin/env python
+"""Profile one GPT transformer block, the embedding and the head on this device.
+
+    PYTHONPATH=. python tools/profile_model.py --num-layers 4 --hidden-size 128 \\
+        --num-attention-heads 4 --seq-length 64 --vocab-size 500 \\
+        --micro-batch-sizes 1 2 4 8 --threads 1 --output profile.json
+    python tools/plan.py --profile profile.json --num-gpus 4 --cluster cpu --max-batch-size 32
+
+For each microbatch size b the three pieces a pipeline stage is made of are run as the
+trainer runs them (``pretrain_gpt.get_batch`` and ``pretrain_gpt.loss_func``, the
+model's own modules, the executor's ``StashTracker`` counting saved tensors), with
+warm-up runs first and the median of the timed runs kept:
+
+* ``block``: one ``ParallelTransformerLayer`` on an [s, b, h] input;
+* ``embedding`` (first stage): word + position embeddings, tokens -> [s, b, h];
+* ``head`` (last stage): final LayerNorm, logits against the word embedding, the
+  vocab-parallel cross-entropy and the masked mean loss.
+
+Measured per component: forward and backward seconds; ``stash_bytes``, the bytes
+autograd keeps for the backward pass (distinct storages, weights left out: exactly what
+the pipeline executor counts per microbatch); on CUDA also the allocator's
+``cuda_forward_peak_bytes`` (max_memory_allocated during the forward minus the memory
+before it) and ``cuda_retained_bytes`` (allocated after the forward minus before:
+saved tensors plus the output).  Plus the weight bytes of each component and the
+optimizer step time over its parameters (the trainer's optimizer, fake gradients).
+
+JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
+
+    {"schema": "megatron-pipedream-profile/1",
+     "device": {"type": "cpu"|"cuda", "name": str, "torch": str, "threads": int},
+     "settings": {"warmup": int, "repeat": int, "statistic": "median", "seed": int},
+     "model": {"kind": "gpt", "num_layers", "hidden_size", "num_attention_heads",
+               "seq_length", "ffn_hidden_size", "vocab_size" (padded), "dtype",
+               "dtype_bytes", "hidden_dropout", "attention_dropout", "optimizer"},
+     "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
+                 "head_params", "head_bytes",
+                 "tied_embedding_params", "tied_embedding_bytes"},
+                 # the last stage's copy of the word embedding when d > 1
+     "optimizer_step_s": {"block", "embedding", "head", "tied_embedding"},
+     "microbatches": [{"micro_batch_size": b,
+                       "stage_input_bytes": s*b*h*dtype_bytes,
+                       "data_bytes": b*(s+1)*8,   # int64 token ids of one microbatch
+                       "block" | "embedding" | "head": {
+                           "forward_s", "backward_s", "stash_bytes",
+                           "forward_samples_s": [...], "backward_samples_s": [...],
+                           "cuda_forward_peak_bytes"?, "cuda_retained_bytes"?}}, ...]}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from megatron.config import ModelConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
+from megatron.pipeline.memory import StashTracker  # noqa: E402
+
+SCHEMA = "megatron-pipedream-profile/1"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp64": torch.float64}
+COMPONENTS = ("block", "embedding", "head")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_storage_ptrs(module: nn.Module) -> set:
+    """Storages of a module's parameters (left out of activation counts, as the engine)."""
+    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+
+def param_count(module: nn.Module) -> Tuple[int, int]:
+    """(parameters, bytes) of a module."""
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def saved_activation_bytes(run: Callable[[], Any], weight_ptrs: set) -> Tuple[Any, int]:
+    """Run ``run()`` and count the bytes autograd saves for backward during it
+    (``megatron.pipeline.memory.StashTracker``: distinct storages, weights excluded)."""
+    tracker = StashTracker(weight_ptrs)
+    with tracker.counting(0):
+        out = run()
+    return out, tracker.in_flight.get(0, 0)
+
+
+class EmbeddingPiece(nn.Module):
+    """First-stage piece: tokens of a microbatch -> [s, b, h] (the model's Embedding)."""
+
+    def __init__(self, config: ModelConfig, seed: int) -> None:
+        super().__init__()
+        from megatron.model.language_model import Embedding
+        from megatron.tensor_parallel import TPInfo
+        self.embedding = Embedding(config, TPInfo.single(), seed=seed)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.embedding(batch["tokens"], batch["position_ids"])
+
+
+class HeadPiece(nn.Module):
+    """Last-stage piece: final LayerNorm -> logits (tied word embedding) -> per-token
+    cross-entropy -> ``pretrain_gpt.loss_func``, the same calls ``GPTModel`` makes."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        from megatron.model.transformer import layer_norm
+        self.final_layernorm = layer_norm(config)
+        # Stands for the word embedding (first stage's or the last stage's tied copy);
+        # it is not counted as a head weight (see ``tied_embedding_*``).
+        self.word_embeddings = nn.Parameter(
+            torch.randn(config.padded_vocab_size, config.hidden_size,
+                        dtype=config.params_dtype) * config.init_method_std)
+
+    def own_parameters(self) -> List[nn.Parameter]:
+        return list(self.final_layernorm.parameters())
+
+    def forward(self, hidden: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        from megatron.model.language_model import parallel_lm_logits
+        from megatron.tensor_parallel import TPInfo, vocab_parallel_cross_entropy
+        from pretrain_gpt import loss_func
+        tp = TPInfo.single()
+        logits = parallel_lm_logits(self.final_layernorm(hidden), self.word_embeddings, tp)
+        losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), tp)
+        loss, _ = loss_func(batch["loss_mask"], losses.transpose(0, 1).contiguous())
+        return loss
+
+
+def make_batch(config: ModelConfig, b: int, device: torch.device,
+               generator: torch.Generator) -> Dict[str, torch.Tensor]:
+    """A microbatch as ``pretrain_gpt.get_batch`` builds it from b samples of s+1 ids."""
+    from pretrain_gpt import get_batch
+    text = torch.randint(0, config.padded_vocab_size, (b, config.seq_length + 1),
+                         generator=generator)
+    return get_batch({"text": text}, device)
+
+
+def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
+             module: nn.Module, weight_ptrs: set, device: torch.device, warmup: int,
+             repeat: int) -> Dict[str, Any]:
+    """Median forward/backward time, counted stash bytes (identical every run) and,
+    on CUDA, the allocator's view of the forward."""
+    fwd, bwd, counts = [], [], set()
+    cuda_stats: Dict[str, int] = {}
+    for i in range(warmup + repeat):
+        for p in module.parameters():
+            p.grad = None
+        _sync(device)
+        if device.type == "cuda" and i == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        out, nbytes = saved_activation_bytes(forward, weight_ptrs)
+        _sync(device)
+        t1 = time.perf_counter()
+        if device.type == "cuda" and i == warmup:
+            cuda_stats = {
+                "cuda_forward_peak_bytes": torch.cuda.max_memory_allocated(device) - base,
+                "cuda_retained_bytes": torch.cuda.memory_allocated(device) - base}
+        backward(out)
+        _sync(device)
+        t2 = time.perf_counter()
+        counts.add(nbytes)
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        del out
+    if len(counts) != 1:
+        raise RuntimeError(f"saved-activation bytes changed between runs: {sorted(counts)}")
+    return {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "stash_bytes": counts.pop(), "forward_samples_s": fwd, "backward_samples_s": bwd,
+            **cuda_stats}
+
+
+def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
+                         optimizer: str, warmup: int, repeat: int,
+                         device: torch.device) -> float:
+    """Median seconds of the trainer's optimizer step over ``params`` (fake gradients)."""
+    from megatron.optimizer import get_megatron_optimizer
+    dtype = config.params_dtype
+    prec = PrecisionConfig(fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
+                           fp64=dtype == torch.float64, loss_scale=1.0)
+    params = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer), prec, params)
+    times = []
+    for i in range(warmup + repeat):
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step(grads_from=params, write_to=params, base=params, lr=1e-4)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
+                  device: Optional[torch.device] = None, warmup: int = 2, repeat: int = 5,
+                  seed: int = 1234, optimizer: str = "adam") -> Dict[str, Any]:
+    """The profile (schema in the module docstring) of ``config`` on ``device``."""
+    from megatron.model.transformer import ParallelTransformerLayer
+    from megatron.tensor_parallel import TPInfo, model_parallel_seed
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not micro_batch_sizes or min(micro_batch_sizes) < 1:
+        raise ValueError(f"--micro-batch-sizes {list(micro_batch_sizes)}: expected positive sizes")
+    if warmup < 0 or repeat < 1:
+        raise ValueError(f"--warmup {warmup} / --repeat {repeat}: need warmup >= 0, repeat >= 1")
+    model_parallel_seed(seed, 0, device)
+    block = ParallelTransformerLayer(config, TPInfo.single(), 0, seed=seed).to(device)
+    embedding = EmbeddingPiece(config, seed).to(device)
+    head = HeadPiece(config).to(device)
+    for m in (block, embedding, head):
+        m.train()
+    dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in sorted(set(int(x) for x in micro_batch_sizes)):
+        batch = make_batch(config, b, device, gen)
+        x = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)
+        grad = torch.randn(s, b, h, dtype=dtype, device=device)
+
+        def push(out: torch.Tensor) -> None:
+            torch.autograd.backward(out, grad_tensors=grad)
+
+        def push_loss(out: torch.Tensor) -> None:
+            torch.autograd.backward(out)
+
+        row: Dict[str, Any] = {"micro_batch_size": b, "stage_input_bytes": s * b * h * dtype_bytes,
+                               "data_bytes": b * (s + 1) * 8}
+        row["block"] = _measure(lambda: block(x), push, block, weight_storage_ptrs(block),
+                                device, warmup, repeat)
+        row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
+                                    weight_storage_ptrs(embedding), device, warmup, repeat)
+        row["head"] = _measure(lambda: head(x, batch), push_loss, head,
+                               weight_storage_ptrs(head), device, warmup, repeat)
+        rows.append(row)
+    bp, bb = param_count(block)
+    ep, eb = param_count(embedding)
+    head_own = head.own_parameters()
+    hp = sum(p.numel() for p in head_own)
+    word = embedding.embedding.word_embeddings.weight
+    steps = {
+        "block": _optimizer_step_time(list(block.parameters()), config, optimizer, warmup,
+                                      repeat, device),
+        "embedding": _optimizer_step_time(list(embedding.parameters()), config, optimizer,
+                                          warmup, repeat, device),
+        "head": _optimizer_step_time(head_own, config, optimizer, warmup, repeat, device),
+        "tied_embedding": _optimizer_step_time([word], config, optimizer, warmup, repeat,
+                                               device),
+    }
+    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+    return {
+        "schema": SCHEMA,
+        "device": {"type": device.type, "name": device_name(device), "torch": torch.__version__,
+                   "threads": torch.get_num_threads()},
+        "settings": {"warmup": warmup, "repeat": repeat, "statistic": "median", "seed": seed},
+        "model": {"kind": "gpt", "num_layers": config.num_layers, "hidden_size": h,
+                  "num_attention_heads": config.num_attention_heads, "seq_length": s,
+                  "ffn_hidden_size": config.ffn_hidden_size,
+                  "vocab_size": config.padded_vocab_size, "dtype": dtype_name,
+                  "dtype_bytes": dtype_bytes, "hidden_dropout": config.hidden_dropout,
+                  "attention_dropout": config.attention_dropout, "optimizer": optimizer},
+        "weights": {"block_params": bp, "block_bytes": bb, "embedding_params": ep,
+                    "embedding_bytes": eb, "head_params": hp, "head_bytes": hp * dtype_bytes,
+                    "tied_embedding_params": word.numel(),
+                    "tied_embedding_bytes": word.numel() * dtype_bytes},
+        "optimizer_step_s": steps,
+        "microbatches": rows,
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (Megatron's flags)")
+    g.add_argument("--num-layers", type=int, required=True,
+                   help="recorded only: the profile is per block")
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, required=True, help="before padding")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    d = g.add_mutually_exclusive_group()
+    for name in DTYPES:
+        d.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    m.add_argument("--warmup", type=int, default=2)
+    m.add_argument("--repeat", type=int, default=5)
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (match the threads of one training rank)")
+    m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
+    m.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--output", default="profile.json", help="where to write the JSON profile")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ModelConfig:
+    from megatron.tokenizer import vocab_size_with_padding
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by "
+                         f"--num-attention-heads {args.num_attention_heads}")
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        padded_vocab_size=vocab_size_with_padding(args.vocab_size,
+                                                  args.make_vocab_size_divisible_by, 1),
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        params_dtype=DTYPES[args.dtype or "fp32"])
+
+
+def summary(profile: Dict[str, Any]) -> str:
+    """A short table of the profile."""
+    lines = [f"device {profile['device']['name']} ({profile['device']['type']}, "
+             f"{profile['device']['threads']} threads), torch {profile['device']['torch']}",
+             f"{'b':>4} {'piece':10} {'fwd ms':>9} {'bwd ms':>9} {'stash MiB':>10}"]
+    for row in profile["microbatches"]:
+        for name in COMPONENTS:
+            c = row[name]
+            lines.append(f"{row['micro_batch_size']:>4} {name:10} {1e3 * c['forward_s']:9.3f} "
+                         f"{1e3 * c['backward_s']:9.3f} {c['stash_bytes'] / 2 ** 20:10.3f}")
+    w = profile["weights"]
+    lines.append(f"weights: block {w['block_bytes']} B, embedding {w['embedding_bytes']} B, "
+                 f"head {w['head_bytes']} B")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        device = torch.device(args.device) if args.device else None
+        profile = profile_model(config, args.micro_batch_sizes, device=device,
+                                warmup=args.warmup, repeat=args.repeat, seed=args.seed,
+                                optimizer=args.optimizer)
+    except ValueError as exc:
+        print(f"profile_model.py: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1))
+    print(summary(profile))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
