@@ -30,15 +30,7 @@ from megatron.config import (
     TrainingConfig,
 )
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "NullTokenizer",
-    "CharTokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-)
+from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402 - one list of names
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 

@@ -91,7 +91,10 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
     model.to(device=device)
     optimizer = get_megatron_optimizer(cfg.optimizer, cfg.precision, list(model.parameters()),
                                        model_groups=groups.model, tp_rank=groups.tp_rank)
-    scheduler = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training.train_iters)
+    if cfg.training.skip_train:  # evaluation only: no step is taken, any schedule will do
+        scheduler = OptimizerParamScheduler(cfg.optimizer.lr or 0.0, 0.0, 0, 1, "constant")
+    else:
+        scheduler = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training.train_iters)
     engine = PipelineEngine(
         model=model, optimizer=optimizer, groups=groups,
         schedule=cfg.parallel.pipeline_schedule,

@@ -164,7 +164,9 @@ def _fit_vocab(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.shape[0] == rows:
         return tensor
     warnings.warn(f"{name}: checkpoint has {tensor.shape[0]} vocabulary rows, the model "
-                  f"{rows} (different vocabulary padding); padding/trimming the unused rows")
+                  f"{rows} (different vocabulary padding); padding/trimming the unused rows. "
+                  f"Output logits of padding rows enter the softmax, so results differ "
+                  f"slightly: choose --make-vocab-size-divisible-by to keep the padded size")
     if tensor.shape[0] > rows:
         return tensor[:rows].clone()
     pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)

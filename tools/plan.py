@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", metavar="PATH",
                    help="JSON profile from tools/profile_model.py: measured compute and "
                         "activation costs instead of the closed forms")
+    s.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
+                   help="profile times to use: elapsed (default) or the profiling thread's "
+                        "CPU time (CPU profiles taken on a machine shared with others)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     o.add_argument("--json", metavar="PATH", help="write all rows and the best plan as JSON")
@@ -135,7 +138,7 @@ def check_gpus(num_gpus: int, hw: HardwareSpec) -> None:
 def run(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        profile = Profile.load(args.profile) if args.profile else None
+        profile = Profile.load(args.profile, args.profile_clock) if args.profile else None
         model = model_from_args(args, profile)
         hw = hardware_from_args(args)
         check_gpus(args.num_gpus, hw)

@@ -16,7 +16,10 @@ warm-up runs first and the median of the timed runs kept:
 * ``head`` (last stage): final LayerNorm, logits against the word embedding, the
   vocab-parallel cross-entropy and the masked mean loss.
 
-Measured per component: forward and backward seconds; ``stash_bytes``, the bytes
+Measured per component: forward and backward seconds, as wall-clock time and as the
+CPU time of the profiling thread (on a CPU shared with other processes the CPU time is
+what the work costs when it has a core to itself; on CUDA use the wall clock, the CPU
+only launches kernels); ``stash_bytes``, the bytes
 autograd keeps for the backward pass (distinct storages, weights left out: exactly what
 the pipeline executor counts per microbatch); on CUDA also the allocator's
 ``cuda_forward_peak_bytes`` (max_memory_allocated during the forward minus the memory
@@ -37,11 +40,14 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                  "tied_embedding_params", "tied_embedding_bytes"},
                  # the last stage's copy of the word embedding when d > 1
      "optimizer_step_s": {"block", "embedding", "head", "tied_embedding"},
+     "optimizer_step_cpu_s": {...the same, thread CPU time},
      "microbatches": [{"micro_batch_size": b,
                        "stage_input_bytes": s*b*h*dtype_bytes,
                        "data_bytes": b*(s+1)*8,   # int64 token ids of one microbatch
                        "block" | "embedding" | "head": {
-                           "forward_s", "backward_s", "stash_bytes",
+                           "forward_s", "backward_s",            # wall clock
+                           "forward_cpu_s", "backward_cpu_s",    # this thread's CPU time
+                           "stash_bytes",
                            "forward_samples_s": [...], "backward_samples_s": [...],
                            "cuda_forward_peak_bytes"?, "cuda_retained_bytes"?}}, ...]}
 """
@@ -150,7 +156,7 @@ def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tens
              repeat: int) -> Dict[str, Any]:
     """Median forward/backward time, counted stash bytes (identical every run) and,
     on CUDA, the allocator's view of the forward."""
-    fwd, bwd, counts = [], [], set()
+    fwd, bwd, fwd_cpu, bwd_cpu, counts = [], [], [], [], set()
     cuda_stats: Dict[str, int] = {}
     for i in range(warmup + repeat):
         for p in module.parameters():
@@ -159,50 +165,56 @@ def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tens
         if device.type == "cuda" and i == warmup:
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out, nbytes = saved_activation_bytes(forward, weight_ptrs)
         _sync(device)
-        t1 = time.perf_counter()
+        c1, t1 = time.thread_time(), time.perf_counter()
         if device.type == "cuda" and i == warmup:
             cuda_stats = {
                 "cuda_forward_peak_bytes": torch.cuda.max_memory_allocated(device) - base,
                 "cuda_retained_bytes": torch.cuda.memory_allocated(device) - base}
         backward(out)
         _sync(device)
-        t2 = time.perf_counter()
+        c2, t2 = time.thread_time(), time.perf_counter()
         counts.add(nbytes)
         if i >= warmup:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
+            fwd_cpu.append(c1 - c0)
+            bwd_cpu.append(c2 - c1)
         del out
     if len(counts) != 1:
         raise RuntimeError(f"saved-activation bytes changed between runs: {sorted(counts)}")
     return {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "forward_cpu_s": statistics.median(fwd_cpu),
+            "backward_cpu_s": statistics.median(bwd_cpu),
             "stash_bytes": counts.pop(), "forward_samples_s": fwd, "backward_samples_s": bwd,
             **cuda_stats}
 
 
 def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
                          optimizer: str, warmup: int, repeat: int,
-                         device: torch.device) -> float:
-    """Median seconds of the trainer's optimizer step over ``params`` (fake gradients)."""
+                         device: torch.device) -> Tuple[float, float]:
+    """Median (wall, thread CPU) seconds of the trainer's optimizer step over ``params``
+    (fake gradients)."""
     from megatron.optimizer import get_megatron_optimizer
     dtype = config.params_dtype
     prec = PrecisionConfig(fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
                            fp64=dtype == torch.float64, loss_scale=1.0)
     params = [nn.Parameter(p.detach().clone()) for p in params]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer), prec, params)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + repeat):
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         _sync(device)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         opt.step(grads_from=params, write_to=params, base=params, lr=1e-4)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            cpu.append(time.thread_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
@@ -252,15 +264,10 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     head_own = head.own_parameters()
     hp = sum(p.numel() for p in head_own)
     word = embedding.embedding.word_embeddings.weight
-    steps = {
-        "block": _optimizer_step_time(list(block.parameters()), config, optimizer, warmup,
-                                      repeat, device),
-        "embedding": _optimizer_step_time(list(embedding.parameters()), config, optimizer,
-                                          warmup, repeat, device),
-        "head": _optimizer_step_time(head_own, config, optimizer, warmup, repeat, device),
-        "tied_embedding": _optimizer_step_time([word], config, optimizer, warmup, repeat,
-                                               device),
-    }
+    pieces = {"block": list(block.parameters()), "embedding": list(embedding.parameters()),
+              "head": head_own, "tied_embedding": [word]}
+    steps = {k: _optimizer_step_time(v, config, optimizer, warmup, repeat, device)
+             for k, v in pieces.items()}
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     return {
         "schema": SCHEMA,
@@ -277,7 +284,8 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                     "embedding_bytes": eb, "head_params": hp, "head_bytes": hp * dtype_bytes,
                     "tied_embedding_params": word.numel(),
                     "tied_embedding_bytes": word.numel() * dtype_bytes},
-        "optimizer_step_s": steps,
+        "optimizer_step_s": {k: v[0] for k, v in steps.items()},
+        "optimizer_step_cpu_s": {k: v[1] for k, v in steps.items()},
         "microbatches": rows,
     }
 

@@ -19,6 +19,12 @@ _EXPORTS = {
     "MegatronPretrainingSampler": "samplers",
     "build_pretraining_data_loader": "samplers",
     "parse_split": "dataset_utils",
+    "BertDataset": "bert_dataset",
+    "MockBertDataset": "bert_dataset",
+    "BertVocabInfo": "bert_dataset",
+    "MaskingConfig": "bert_dataset",
+    "build_training_sample": "bert_dataset",
+    "split_sentences": "sentence_split",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,7 +25,7 @@ class MnliExample:
     """Index into LABELS' order, or -1 for unlabelled (test) rows."""
 
 
-def _column(header: List[str], name: str, path: str) -> Optional[int]:
+def _column(header: List[str], name: str) -> Optional[int]:
     return header.index(name) if name in header else None
 
 
@@ -41,15 +41,15 @@ def read_mnli(path: str, require_labels: bool = True) -> Tuple[List[MnliExample]
     if not lines:
         raise ValueError(f"{path}: empty file; expected a GLUE MNLI TSV with a header row")
     header = lines[0].split("\t")
-    s1, s2 = _column(header, "sentence1", path), _column(header, "sentence2", path)
+    s1, s2 = _column(header, "sentence1"), _column(header, "sentence2")
     if s1 is None or s2 is None:
         raise ValueError(f"{path}:1: header has no 'sentence1'/'sentence2' columns; is this a "
                          f"GLUE MNLI TSV file? (header: {header[:6]}...)")
-    label_col = _column(header, "gold_label", path)
+    label_col = _column(header, "gold_label")
     if label_col is None and require_labels:
         raise ValueError(f"{path}: no 'gold_label' column (an unlabelled test file?); training "
                          f"and accuracy need labelled files such as dev_matched.tsv")
-    uid_col = _column(header, "pairID", path)
+    uid_col = _column(header, "pairID")
     examples = []
     for lineno, line in enumerate(lines[1:], start=2):
         if not line.strip():

@@ -15,8 +15,10 @@ and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
   updates its copy of the tied word embedding).
 
 Sizes the profile did not measure are interpolated linearly between the two nearest
-measured sizes and extrapolated linearly from the two nearest ends (byte counts are
-affine in b, so this is exact for them).  Profiles are taken with one tensor rank; for
+measured sizes and extrapolated linearly from the two nearest ends.  Byte counts are
+affine in b (the causal mask does not grow with b), so this is exact for them between
+and beyond measured sizes >= 2; at b = 1 the token slice shares its sample's storage
+([1, s+1] instead of [1, s]), 8 bytes off the affine line.  Profiles are taken with one tensor rank; for
 t > 1 compute time and non-input activations are divided by t (an approximation: the
 elementwise work and LayerNorms are not split by Megatron's tensor parallelism).
 
@@ -35,6 +37,7 @@ from .model_spec import ModelSpec
 
 SCHEMA = "megatron-pipedream-profile/1"
 PIECES = ("block", "embedding", "head")
+CLOCKS = ("wall", "cpu")
 _SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
                  "vocab_size")
 
@@ -82,8 +85,16 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 class Profile:
     """A loaded profile of one model shape on one device (see the module docstring)."""
 
-    def __init__(self, data: Dict[str, Any], source: str = "<dict>") -> None:
+    def __init__(self, data: Dict[str, Any], source: str = "<dict>",
+                 clock: str = "wall") -> None:
+        """``clock``: 'wall' (elapsed time, the default) or 'cpu' (the profiling thread's
+        CPU time: what the work costs on a core of its own, for CPU profiles taken with
+        one thread on a machine shared with other processes)."""
         self.source = source
+        if clock not in CLOCKS:
+            raise ValueError(f"profile clock {clock!r}: expected one of {CLOCKS}")
+        self.clock = clock
+        suffix = "_cpu_s" if clock == "cpu" else "_s"
         if data.get("schema") != SCHEMA:
             raise ValueError(f"--profile {source}: schema {data.get('schema')!r}, expected "
                              f"{SCHEMA!r} (written by tools/profile_model.py)")
@@ -91,12 +102,12 @@ class Profile:
             self.model: Dict[str, Any] = dict(data["model"])
             self.device: Dict[str, Any] = dict(data["device"])
             self.weights: Dict[str, int] = dict(data["weights"])
-            self.optimizer_step_s: Dict[str, float] = dict(data["optimizer_step_s"])
+            self.optimizer_step_s: Dict[str, float] = dict(data[f"optimizer_step{suffix}"])
             rows = sorted(data["microbatches"], key=lambda r: r["micro_batch_size"])
             self.micro_batch_sizes: Tuple[int, ...] = tuple(int(r["micro_batch_size"])
                                                             for r in rows)
-            self._pieces = {name: [PieceCost(float(r[name]["forward_s"]),
-                                             float(r[name]["backward_s"]),
+            self._pieces = {name: [PieceCost(float(r[name][f"forward{suffix}"]),
+                                             float(r[name][f"backward{suffix}"]),
                                              r[name]["stash_bytes"]) for r in rows]
                             for name in PIECES}
             self._input = [r["stage_input_bytes"] for r in rows]
@@ -110,7 +121,7 @@ class Profile:
         self.raw = data
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "Profile":
+    def load(cls, path: Union[str, Path], clock: str = "wall") -> "Profile":
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -119,7 +130,7 @@ class Profile:
                              "first)") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"--profile {path}: not JSON ({exc})") from None
-        return cls(data, str(path))
+        return cls(data, str(path), clock)
 
     def scaled(self, time_factor: float) -> "Profile":
         """The same profile with every time multiplied by ``time_factor`` (e.g. k ranks
@@ -127,14 +138,15 @@ class Profile:
         if time_factor <= 0:
             raise ValueError(f"time_factor must be > 0, got {time_factor}")
         data = json.loads(json.dumps(self.raw))
+        suffix = "_cpu_s" if self.clock == "cpu" else "_s"
         for row in data["microbatches"]:
             for name in PIECES:
-                for key in ("forward_s", "backward_s"):
-                    row[name][key] *= time_factor
-        data["optimizer_step_s"] = {k: v * time_factor
-                                    for k, v in data["optimizer_step_s"].items()}
+                for key in ("forward", "backward"):
+                    row[name][key + suffix] *= time_factor
+        key = f"optimizer_step{suffix}"
+        data[key] = {k: v * time_factor for k, v in data[key].items()}
         data.setdefault("settings", {})["time_factor"] = time_factor
-        return Profile(data, f"{self.source} x{time_factor:g}")
+        return Profile(data, f"{self.source} x{time_factor:g}", self.clock)
 
     # -- per piece --------------------------------------------------------------------
     def piece(self, name: str, b: int) -> PieceCost:
@@ -210,4 +222,4 @@ class Profile:
         d, m = self.device, self.model
         return (f"profile {self.source}: {d.get('name')} ({d.get('type')}, "
                 f"{d.get('threads')} threads, torch {d.get('torch')}), {m.get('dtype')}, "
-                f"b in {list(self.micro_batch_sizes)}")
+                f"b in {list(self.micro_batch_sizes)}, {self.clock} clock")

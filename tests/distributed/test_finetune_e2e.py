@@ -1,0 +1,64 @@
+"""End to end on two gloo ranks: pretrain a tiny BERT (real vocabulary, d = 2), save,
+finetune it on the MNLI sample (d = 2, 2BW) and on a few RACE passages (d = 1, w = 2,
+so the d = 2 checkpoint is re-split), and evaluate a d = 2 GPT checkpoint's WikiText
+perplexity with tensor parallelism (t = 2) against the same checkpoint in one process."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed.test_bert_harness import DATA, GPT, ROOT, spawn_all
+
+pytestmark = pytest.mark.skipif(
+    not ((DATA / "bert" / "vocab.txt").exists() and (DATA / "glue" / "MNLI").exists()
+         and (DATA / "race").exists()), reason="../shared/data (BERT vocab, MNLI, RACE) absent")
+
+
+@pytest.fixture(scope="module")
+def last():
+    return spawn_all()[-1]
+
+
+def test_pretraining_saved_a_pipeline_checkpoint(last):
+    losses = last["bert_pretrain"]["losses"]
+    assert sorted(losses) == [1, 2]
+    assert all(math.isfinite(v) for step in losses.values() for v in step.values())
+    assert (ROOT / "bert_real" / "iter_0000002" / "mp_rank_00_001").is_dir()
+
+
+def test_mnli_finetuning_reports_accuracy_per_epoch_and_set(last):
+    mnli = last["mnli"]
+    dev = [str(DATA / "glue" / "MNLI" / f) for f in ("dev_matched.tsv", "dev_mismatched.tsv")]
+    assert sorted(mnli["accuracy"]) == [1, 2]  # epochs
+    for epoch in (1, 2):
+        assert sorted(mnli["accuracy"][epoch]) == sorted(dev)
+        for acc in mnli["accuracy"][epoch].values():
+            assert 0.0 <= acc <= 1.0 and abs(acc * 5 - round(acc * 5)) < 1e-9  # k / 5 rows
+    assert mnli["samples"]["train"] == 6 and mnli["malformed"]["train"] == 0
+    assert mnli["iteration"] == 2 * (6 // 4)
+    assert (ROOT / "mnli" / "iter_0000002" / "mp_rank_00_001").is_dir()
+
+
+def test_race_finetuning_on_a_resplit_checkpoint(last):
+    race = last["race"]
+    assert sorted(race["accuracy"]) == [1]
+    accs = race["accuracy"][1]
+    assert len(accs) == 2 and all(0.0 <= a <= 1.0 for a in accs.values())
+    n_train = race["samples"]["train"]
+    assert n_train >= 4 and race["iteration"] == n_train // 4
+    losses = race["train_losses"]
+    assert losses and all(math.isfinite(v["loss"]) for v in losses.values())
+
+
+def test_wikitext_perplexity_same_with_tensor_parallelism_and_without(last):
+    from tasks.main import main
+
+    torch.set_num_threads(1)
+    t2 = last["wikitext_t2"]["perplexity"]
+    t1 = main(GPT + ["--task", "WIKITEXT103", "--valid-data", str(ROOT / "wiki.txt"),
+                     "--load", str(ROOT / "gpt"), "--overlapping-eval", "6"])
+    assert t2.num_tokens == t1.num_tokens and t2.num_words == t1.num_words
+    assert t2.total_loss == pytest.approx(t1.total_loss, rel=1e-10)
+    assert t2.adjusted_ppl == pytest.approx(t1.adjusted_ppl, rel=1e-9)

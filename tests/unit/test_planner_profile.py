@@ -1,0 +1,195 @@
+"""megatron/pipeline/planner/profile.py: loading, interpolation, and the cost model,
+simulator, search and CLI pricing configurations from a (hand-made) profile."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.pipeline.planner import Config, CostModel, CostOptions, search
+from megatron.pipeline.planner.hardware import HardwareSpec
+from megatron.pipeline.planner.profile import SCHEMA, Profile, interpolate
+from megatron.pipeline.planner.simulate import simulated_batch_time
+
+REPO = Path(__file__).resolve().parents[2]
+S, H, V = 16, 32, 64
+
+
+def piece(f: float, b: float, stash: int, scale: float) -> dict:
+    return {"forward_s": f * scale, "backward_s": b * scale, "forward_cpu_s": f * scale / 2,
+            "backward_cpu_s": b * scale / 2, "stash_bytes": int(stash * scale)}
+
+
+def make_profile(sizes=(2, 4)) -> dict:
+    """Times and stash linear in b: block F=1 ms, B=2 ms, 1000 B per sample; embedding
+    0.1/0.05 ms, 10 B; head 0.5/0.5 ms, 300 B (all x b)."""
+    rows = []
+    for b in sizes:
+        rows.append({"micro_batch_size": b, "stage_input_bytes": S * b * H * 4,
+                     "data_bytes": b * (S + 1) * 8,
+                     "block": piece(1e-3, 2e-3, 1000, b),
+                     "embedding": piece(1e-4, 5e-5, 10, b),
+                     "head": piece(5e-4, 5e-4, 300, b)})
+    return {"schema": SCHEMA,
+            "device": {"type": "cpu", "name": "test", "torch": "x", "threads": 1},
+            "settings": {"warmup": 0, "repeat": 1, "statistic": "median", "seed": 0},
+            "model": {"kind": "gpt", "num_layers": 4, "hidden_size": H,
+                      "num_attention_heads": 4, "seq_length": S, "ffn_hidden_size": 4 * H,
+                      "vocab_size": V, "dtype": "fp32", "dtype_bytes": 4},
+            "weights": {"block_params": 12 * H * H + 13 * H, "block_bytes": 4 * (12 * H * H + 13 * H),
+                        "embedding_params": (V + S) * H, "embedding_bytes": 4 * (V + S) * H,
+                        "head_params": 2 * H, "head_bytes": 8 * H,
+                        "tied_embedding_params": V * H, "tied_embedding_bytes": 4 * V * H},
+            "optimizer_step_s": {"block": 1e-3, "embedding": 2e-3, "head": 1e-5,
+                                 "tied_embedding": 1.5e-3},
+            "optimizer_step_cpu_s": {"block": 5e-4, "embedding": 1e-3, "head": 5e-6,
+                                     "tied_embedding": 7.5e-4},
+            "microbatches": rows}
+
+
+# a cluster whose links cost nothing, so times are the profile's compute alone
+FAST = HardwareSpec(name="fast", gpus_per_server=8, gpu_memory_bytes=16e9, peak_flops=1e12,
+                    achieved_flops=1e12, intra_server_bandwidth=1e30,
+                    inter_server_bandwidth=1e30)
+
+
+def test_interpolate_exact_linear_and_extrapolated():
+    xs, ys = [1, 2, 4], [10.0, 20.0, 60.0]
+    assert interpolate(xs, ys, 2) == 20.0
+    assert interpolate(xs, ys, 3) == pytest.approx(40.0)
+    assert interpolate(xs, ys, 8) == pytest.approx(140.0)   # slope of the last segment
+    assert interpolate(xs, ys, 0.5) == pytest.approx(5.0)   # slope of the first segment
+    assert interpolate([4], [8.0], 2) == pytest.approx(4.0)  # one point: proportional
+    with pytest.raises(ValueError):
+        interpolate([], [], 1)
+
+
+def test_pieces_interpolated_across_microbatch_sizes():
+    prof = Profile(make_profile((2, 4)))
+    blk = prof.piece("block", 3)
+    assert blk.forward_s == pytest.approx(3e-3) and blk.backward_s == pytest.approx(6e-3)
+    assert blk.stash_bytes == 3000
+    assert prof.piece("head", 8).stash_bytes == 2400          # extrapolated
+    assert prof.stage_input_bytes(1) == S * H * 4 and prof.data_bytes(6) == 6 * (S + 1) * 8
+    cpu = Profile(make_profile((2, 4)), clock="cpu")
+    assert cpu.piece("block", 2).forward_s == pytest.approx(1e-3)
+    assert cpu.optimizer_step_s["block"] == pytest.approx(5e-4)
+
+
+def test_stage_sums_layers_embedding_head_and_step():
+    prof = Profile(make_profile())
+    first = prof.stage(2, True, False, 4, d=2)
+    last = prof.stage(2, False, True, 4, d=2)
+    alone = prof.stage(4, True, True, 4, d=1)
+    assert first.forward_s == pytest.approx(2 * 4e-3 + 4e-4)
+    assert last.backward_s == pytest.approx(2 * 8e-3 + 2e-3)
+    assert first.stash_bytes == 2 * 4000 + 40 and last.stash_bytes == 2 * 4000 + 1200
+    assert alone.stash_bytes == 4 * 4000 + 40 + 1200
+    # recomputation stashes the stage input (none on the first stage) and the token ids
+    assert first.recompute_stash_bytes == 4 * (S + 1) * 8
+    assert last.recompute_stash_bytes == S * 4 * H * 4 + 4 * (S + 1) * 8
+    assert first.step_s == pytest.approx(2e-3 + 2e-3)
+    assert last.step_s == pytest.approx(2e-3 + 1e-5 + 1.5e-3)  # + its tied embedding copy
+    assert alone.step_s == pytest.approx(4e-3 + 2e-3 + 1e-5)
+    assert prof.stage_stash_bytes(2, False, True, 4, recompute=True) == last.recompute_stash_bytes
+
+
+def test_bad_profiles_are_rejected_with_the_flag_named(tmp_path):
+    with pytest.raises(ValueError, match="schema"):
+        Profile({**make_profile(), "schema": "other"})
+    broken = make_profile()
+    del broken["microbatches"][0]["head"]
+    with pytest.raises(ValueError, match="malformed"):
+        Profile(broken)
+    with pytest.raises(ValueError, match="no such file"):
+        Profile.load(tmp_path / "missing.json")
+    prof = Profile(make_profile())
+    other = prof.model_spec().__class__(num_layers=4, hidden_size=64, num_attention_heads=4,
+                                        seq_length=S, vocab_size=V)
+    with pytest.raises(ValueError, match="--hidden-size 64 .profiled 32."):
+        CostModel(other, FAST, profile=prof)
+
+
+def test_scaled_profile_scales_times_not_bytes():
+    prof = Profile(make_profile())
+    slow = prof.scaled(3.0)
+    assert slow.piece("block", 4).forward_s == pytest.approx(3 * prof.piece("block", 4).forward_s)
+    assert slow.optimizer_step_s["embedding"] == pytest.approx(6e-3)
+    assert slow.piece("block", 4).stash_bytes == prof.piece("block", 4).stash_bytes
+    assert prof.piece("block", 4).forward_s == pytest.approx(4e-3)  # original untouched
+
+
+def test_cost_model_uses_profile_times_memory_and_step():
+    prof = Profile(make_profile())
+    model = prof.model_spec()
+    cm = CostModel(model, FAST, profile=prof)
+    m, d = 8, 2
+    est = cm.estimate(Config(w=1, d=d, b=4, m=m, schedule="flush"))
+    st = [prof.stage(2, s == 0, s == d - 1, 4, d) for s in range(d)]
+    slots = [x.forward_s + x.backward_s for x in st]
+    step = max(x.step_s for x in st)
+    assert est.batch_time_s == pytest.approx((m - 1) * max(slots) + sum(slots) + step)
+    # memory: in-flight microbatches x the executor's per-microbatch count, exactly
+    for i, stage in enumerate(est.stages):
+        assert stage.activation_bytes + stage.stash_bytes == pytest.approx(
+            min(d - i, m) * st[i].stash_bytes)
+    rc = cm.estimate(Config(w=1, d=d, b=4, m=m, schedule="gpipe", recompute=True))
+    for i, stage in enumerate(rc.stages):
+        assert stage.backward_s == pytest.approx(st[i].backward_s + st[i].forward_s)
+        assert stage.stash_bytes == m * st[i].recompute_stash_bytes
+    none = cm.estimate(Config(w=1, d=d, b=4, m=m, schedule="none"))
+    assert none.batch_time_s == pytest.approx(m * sum(slots) + step)
+    closed = CostModel(model, FAST).estimate(Config(w=1, d=d, b=4, m=m, schedule="flush"))
+    assert closed.batch_time_s != pytest.approx(est.batch_time_s)
+
+
+@pytest.mark.parametrize("schedule", ["none", "gpipe", "flush", "2bw"])
+def test_simulator_agrees_with_cost_model_on_profile_costs(schedule):
+    prof = Profile(make_profile())
+    model = prof.model_spec()
+    opts = CostOptions(overlap_grad_reduce_2bw=False)
+    for d in (1, 2, 4):
+        cfg = Config(w=1, d=d, b=4, m=8, schedule=schedule)
+        est = CostModel(model, FAST, opts, prof).estimate(cfg)
+        sim = simulated_batch_time(cfg, model, FAST, options=opts, profile=prof)
+        # 2bw's closed form, m max_i slot_i + max_i step_i, is a steady-state bound: with
+        # unequal stages (the last one, with the head, is slowest) the per-batch STEP
+        # barrier stalls the real action lists a little, and steps overlap other stages'
+        # work differently; the simulator runs those lists, so it is the reference.
+        rel = 0.05 if schedule == "2bw" else 1e-9
+        assert sim == pytest.approx(est.batch_time_s, rel=rel), (schedule, d)
+
+
+def test_search_ranks_with_profile_costs():
+    prof = Profile(make_profile())
+    model = prof.model_spec()
+    rows = search(model, FAST, 4, 32, schedules=["flush", "2bw"], profile=prof)
+    best = rows[0]
+    est = CostModel(model, FAST, profile=prof).estimate(best.config)
+    assert best.predicted_samples_per_s == pytest.approx(est.samples_per_s)
+    fitting = [r.predicted_samples_per_s for r in rows if r.fits]
+    assert fitting == sorted(fitting, reverse=True)
+
+
+def test_plan_cli_takes_a_profile(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(make_profile()))
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), "--profile",
+                          str(path), "--cluster", "cpu", "--num-gpus", "4",
+                          "--max-batch-size", "32", "--json", str(tmp_path / "plan.json")],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "costs:   profile" in res.stdout and "hidden 32" in res.stdout
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["profile"] == str(path) and data["best"]["fits"]
+    bad = copy.deepcopy(make_profile())
+    bad["schema"] = "nope"
+    path.write_text(json.dumps(bad))
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), "--profile",
+                          str(path), "--num-gpus", "4", "--max-batch-size", "32"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 2 and "--profile" in res.stderr and "schema" in res.stderr

@@ -1,0 +1,161 @@
+"""tools/profile_model.py: byte counts against sizes computed by hand, and the JSON it writes.
+
+Tiny shapes (h=32, s=16, 4 heads, vocab 64), dropout 0, one timed run: the byte counts
+do not depend on speed, so only they and the file's structure are asserted.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.pipeline.planner.profile import Profile
+from tools.profile_model import (main, profile_model, saved_activation_bytes,
+                                 weight_storage_ptrs)
+
+S, H, HEADS, V = 16, 32, 4, 64
+
+
+def _config(dtype: torch.dtype, ffn=None) -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=HEADS, seq_length=S,
+                       ffn_hidden_size=ffn, padded_vocab_size=V, hidden_dropout=0.0,
+                       attention_dropout=0.0, params_dtype=dtype)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.float64], ids=["fp32", "fp64"])
+def profiled(request):
+    torch.set_num_threads(1)
+    dtype = request.param
+    return dtype, profile_model(_config(dtype), [1, 2, 3], warmup=0, repeat=1,
+                                device=torch.device("cpu"))
+
+
+def test_linear_chain_saved_bytes_by_hand():
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.Sigmoid())
+    x = torch.randn(5, 8, requires_grad=True)
+    out, nbytes = saved_activation_bytes(lambda: chain(x), weight_storage_ptrs(chain))
+    # Linear 1 keeps x; Tanh keeps its output, which Linear 2 keeps too (one storage,
+    # counted once); Sigmoid keeps its output.  Weights are left out.
+    assert nbytes == (5 * 8 + 5 * 16 + 5 * 4) * 4
+    assert out.shape == (5, 4)
+    # a chain that saves nothing that is not a weight: scaling by a constant
+    _, none = saved_activation_bytes(lambda: x * 2.0, set())
+    assert none == 0
+
+
+def test_block_weight_bytes_are_12h2_plus_13h_params(profiled):
+    dtype, prof = profiled
+    e = torch.empty((), dtype=dtype).element_size()
+    w = prof["weights"]
+    assert w["block_params"] == 12 * H * H + 13 * H
+    assert w["block_bytes"] == (12 * H * H + 13 * H) * e
+    assert w["embedding_params"] == V * H + S * H  # word + position tables
+    assert w["head_bytes"] == 2 * H * e  # final LayerNorm; the word embedding is tied
+    assert w["tied_embedding_bytes"] == V * H * e
+
+
+def test_stage_input_and_data_bytes_exact(profiled):
+    dtype, prof = profiled
+    e = torch.empty((), dtype=dtype).element_size()
+    for row in prof["microbatches"]:
+        b = row["micro_batch_size"]
+        assert row["stage_input_bytes"] == S * b * H * e
+        assert row["data_bytes"] == b * (S + 1) * 8
+
+
+def test_block_stash_bytes_by_hand(profiled):
+    """Saved by one block (dropout 0, CPU attention with an explicit mask), per microbatch:
+    x, LN1 out, attention context, x after attention, LN2 out: 5 [s,b,h]; the fused QKV
+    output (q, k, v are views of it): 3 [s,b,h]; GeLU input and output: 2 [s,b,f];
+    LayerNorm mean and rstd: 4 [s,b]; softmax probabilities: [b,a,s,s]; the causal
+    mask: s*s bools (one per call, not per sample)."""
+    dtype, prof = profiled
+    e = torch.empty((), dtype=dtype).element_size()
+    f = 4 * H
+    for row in prof["microbatches"]:
+        b = row["micro_batch_size"]
+        hand = (8 * S * b * H + 2 * S * b * f + 4 * S * b + HEADS * b * S * S) * e + S * S
+        assert row["block"]["stash_bytes"] == hand, (b, row["block"]["stash_bytes"], hand)
+
+
+def test_embedding_and_head_stash_bytes_by_hand(profiled):
+    dtype, prof = profiled
+    e = torch.empty((), dtype=dtype).element_size()
+    for row in prof["microbatches"]:
+        b = row["micro_batch_size"]
+        # token ids [b, s] int64 (at b = 1 the slice shares the [1, s+1] sample) and the
+        # position ids, an expanded view of one arange(s)
+        tokens = (S + 1) * 8 if b == 1 else b * S * 8
+        assert row["embedding"]["stash_bytes"] == tokens + S * 8
+        # final LN input + its output (kept by the logits matmul), LN mean/rstd, softmax
+        # of the cross-entropy, local targets (int64), out-of-range mask (bool), the
+        # fp32 loss mask and the fp32 denominator of the masked mean
+        head = (2 * S * b * H + 2 * S * b + S * b * V) * e + S * b * (8 + 1 + 4) + 4
+        assert row["head"]["stash_bytes"] == head
+
+
+def test_stash_bytes_affine_in_b_from_2(profiled):
+    dtype, prof = profiled
+    rows = {r["micro_batch_size"]: r for r in prof["microbatches"]}
+    for name in ("block", "head"):
+        s1, s2, s3 = (rows[b][name]["stash_bytes"] for b in (1, 2, 3))
+        assert s3 - s2 == s2 - s1 > 0
+    # extrapolating from measured b = 2, 3 gives the count measured at b = 4 exactly
+    direct = profile_model(_config(dtype), [2, 3, 4], warmup=0, repeat=1)
+    two_three = Profile({**direct, "microbatches": direct["microbatches"][:2]})
+    want = direct["microbatches"][2]
+    for name in ("block", "embedding", "head"):
+        assert two_three.piece(name, 4).stash_bytes == want[name]["stash_bytes"]
+
+
+def test_times_are_positive_and_json_round_trips(tmp_path):
+    out = tmp_path / "p.json"
+    rc = main(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+               "--seq-length", "16", "--vocab-size", "50", "--make-vocab-size-divisible-by",
+               "32", "--micro-batch-sizes", "2", "1", "--warmup", "1", "--repeat", "2",
+               "--threads", "1", "--device", "cpu", "--output", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == "megatron-pipedream-profile/1"
+    assert data["device"]["type"] == "cpu" and data["device"]["torch"] == torch.__version__
+    assert data["device"]["threads"] == 1
+    assert data["model"]["vocab_size"] == 64  # padded like the trainer does
+    assert [r["micro_batch_size"] for r in data["microbatches"]] == [1, 2]
+    for row in data["microbatches"]:
+        for name in ("block", "embedding", "head"):
+            piece = row[name]
+            assert piece["forward_s"] > 0 and piece["backward_s"] > 0
+            assert piece["forward_cpu_s"] >= 0 and len(piece["forward_samples_s"]) == 2
+    assert all(v > 0 for v in data["optimizer_step_s"].values())
+    prof = Profile.load(out)
+    assert prof.micro_batch_sizes == (1, 2)
+    assert prof.model_spec().hidden_size == 32
+
+
+def test_bad_flags_give_one_clear_error(tmp_path, capsys):
+    rc = main(["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
+               "--seq-length", "16", "--vocab-size", "64", "--output", str(tmp_path / "x")])
+    assert rc == 2
+    assert "--hidden-size 30 must be divisible by --num-attention-heads 4" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="micro-batch-sizes"):
+        profile_model(_config(torch.float32), [0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_allocator_peaks_cover_counted_stash():
+    prof = profile_model(_config(torch.float32), [2], warmup=1, repeat=2,
+                         device=torch.device("cuda"))
+    row = prof["microbatches"][0]
+    assert prof["device"]["type"] == "cuda"
+    # inputs allocated before the forward (stage input, token ids, masks) are saved but
+    # not part of the allocator's delta
+    before = row["stage_input_bytes"] + 3 * row["data_bytes"]
+    for name in ("block", "embedding", "head"):
+        piece = row[name]
+        assert piece["cuda_retained_bytes"] >= piece["stash_bytes"] - before
+        assert piece["cuda_forward_peak_bytes"] >= piece["cuda_retained_bytes"] > 0
