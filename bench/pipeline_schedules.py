@@ -29,6 +29,7 @@ import contextlib
 import io
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -127,22 +128,30 @@ def synthetic_argv(schedule: str, m: int, batches: int) -> List[str]:
             "--eval-iters", "0", "--num-workers", "0"]
 
 
-def _synthetic_worker(rank: int, world: int, runs: List[Dict[str, Any]]) -> List[Dict[str, float]]:
+def _synthetic_worker(rank: int, world: int, runs: List[Dict[str, Any]],
+                      trace_dir: str) -> List[Dict[str, float]]:
     import pretrain_gpt
+    from megatron.pipeline.trace import load_trace
     from megatron.training import pretrain
 
     out = []
-    for run in runs:
+    for i, run in enumerate(runs):
         _STAMPS["F"].clear()
         _STAMPS["B"].clear()
         provider = partial(sleep_model_provider, forward_s=run["forward_s"])
+        trace = f"{trace_dir}/run{i}.json"
         with contextlib.redirect_stdout(io.StringIO()):
             pretrain(pretrain_gpt.datasets_provider, provider, sleep_forward_step,
-                     argv=synthetic_argv(run["schedule"], run["m"], run["batches"]))
+                     argv=synthetic_argv(run["schedule"], run["m"], run["batches"])
+                     + ["--timeline-file", trace])
         f, b = _STAMPS["F"], _STAMPS["B"]
+        events, _ = load_trace(f"{trace_dir}/run{i}_rank{rank}.json")
         out.append({"first": min(s for s, _ in f), "last": max(e for _, e in b),
                     "f_sum": sum(e - s for s, e in f), "f_n": len(f),
-                    "b_sum": sum(e - s for s, e in b), "b_n": len(b)})
+                    "b_sum": sum(e - s for s, e in b), "b_n": len(b),
+                    # STEP agrees on the global norm with every stage: time in it is
+                    # mostly waiting for the slowest stage
+                    "step_sum": sum(e.duration for e in events if e.op in ("S@", "STEP"))})
     return out
 
 
@@ -162,7 +171,9 @@ def bench_synthetic(ms: List[int], batches: Dict[str, int], forward_s: float,
     runs = [{"schedule": "flush", "m": 4, "batches": 1, "forward_s": forward_s, "warmup": True}]
     runs += [{"schedule": s, "m": m, "batches": batches[s], "forward_s": forward_s}
              for m in ms for s in SCHEDULES]
-    per_rank = run_distributed(_synthetic_worker, STAGES, args=(runs,), timeout=timeout)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        per_rank = run_distributed(_synthetic_worker, STAGES, args=(runs, trace_dir),
+                                   timeout=timeout)
     rows = []
     for i, run in enumerate(runs):
         if run.get("warmup"):
@@ -181,7 +192,8 @@ def bench_synthetic(ms: List[int], batches: Dict[str, int], forward_s: float,
                      "ideal_seconds": ideal, "samples_per_s": m * nb / seconds,
                      "ideal_samples_per_s": m * nb / ideal, "measured_over_ideal": ideal / seconds,
                      "measured_forward_s": f_real, "measured_backward_s": b_real,
-                     "measured_over_ideal_at_measured_costs": ideal_real / seconds})
+                     "measured_over_ideal_at_measured_costs": ideal_real / seconds,
+                     "step_seconds_per_batch": sum(r["step_sum"] for r in mine) / len(mine) / nb})
     by = {(r["schedule"], r["m"]): r for r in rows}
     for r in rows:
         if r["schedule"] == "2bw":
@@ -199,12 +211,13 @@ def print_synthetic(rows: List[Dict[str, Any]], forward_s: float) -> None:
     table = [[r["schedule"], r["m"], r["batches"], r["samples_per_s"], r["ideal_samples_per_s"],
               r["measured_over_ideal"], r["measured_forward_s"] * 1e3,
               r["measured_backward_s"] * 1e3, r["measured_over_ideal_at_measured_costs"],
+              r["step_seconds_per_batch"] * 1e3,
               r.get("speedup_over_flush"), r.get("speedup_over_gpipe"),
               r.get("theoretical_speedup_segment"), r.get("theoretical_speedup_steady")]
              for r in rows]
     print(format_table(
         ["schedule", "m", "nb", "samples/s", "ideal", "meas/ideal", "F ms", "B ms",
-         "meas/ideal@F,B", "2bw/flush", "2bw/gpipe", "theory nb", "(m+d-1)/m"], table,
+         "meas/ideal@F,B", "STEP ms/batch", "2bw/flush", "2bw/gpipe", "theory nb", "(m+d-1)/m"], table,
         title=f"(a) synthetic stages, d={STAGES}, w=1, F={forward_s * 1e3:g} ms, B=2F "
               f"(goal meas/ideal >= 0.95)"))
 
@@ -390,8 +403,10 @@ def print_gpt(res: Dict[str, Any]) -> None:
 # traced timelines of a real GPT run for the docs
 # ---------------------------------------------------------------------------------------
 def timeline_argv(schedule: str, batches: int, trace_file: str) -> List[str]:
-    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-            "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "1024",
+    # big enough that a microbatch's compute (~10-30 ms per stage) outweighs Python,
+    # gloo and the scheduling noise of a shared CPU, small enough to run in seconds
+    return ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+            "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "1024",
             "--tokenizer-type", "NullTokenizer", "--mock-data", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
             "--train-iters", str(batches), "--pipeline-model-parallel-size", "4",
@@ -435,8 +450,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--out-dir", default=None, help="where to write pipeline_schedules.json")
     args = p.parse_args(argv)
     if args.timelines:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             for path in draw_real_timelines(REPO_ROOT / "docs" / "figures", Path(tmp)):
                 print(f"wrote {path}")

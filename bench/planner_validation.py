@@ -6,10 +6,12 @@
    thread, at the microbatch size of the runs: forward/backward time of a block, the
    embedding and the head, their counted saved-activation bytes, optimizer step times.
    The profile's CPU clock is used (the profiling thread's CPU time: what each piece
-   costs on a core of its own).  The profile is taken before and again after the runs
-   and the two are averaged, as other users' load drifts during the bench (it inflates
-   CPU time too, through caches and context switches); ``profile_drift`` stores how far
-   the two differ, an error bar on every prediction.
+   costs on a core of its own).  Other users' load drifts during the bench and inflates
+   CPU time too (shared caches and memory bandwidth, context switches), so a profile is
+   taken before the first runs and again after the runs of each pipeline depth, and
+   each configuration is predicted from the mean of the two profiles that bracket its
+   runs; ``profile_drift`` stores how far those two differ, an error bar on the
+   predictions of that depth.
 2. Train the same GPT with ``megatron.training.pretrain`` on d gloo ranks (w = 1, one
    thread per rank) for each (d, schedule, m), with the executor's tracing on.  Measured
    per rank over the batches after warm-up (one window: from the first forward of batch
@@ -194,7 +196,8 @@ def predict_samples_per_s(cfg: Dict[str, Any], profile, bandwidth: float,
 
     model = profile.model_spec()
     hw = get_hardware("cpu").with_overrides(intra_server_bandwidth=bandwidth)
-    # Our executor all-reduces the tied embedding inside STEP, synchronously: no overlap.
+    # w = 1: no data-parallel all-reduce; the executor sums the tied embedding gradient
+    # inside STEP, synchronously, so nothing is hidden behind the next batch.
     options = CostOptions(grad_bytes_per_param=float(profile.model["dtype_bytes"]),
                           overlap_grad_reduce_2bw=False)
     config = Config(w=1, d=cfg["d"], b=MICRO_BATCH, m=cfg["m"], recompute=cfg["recompute"],
@@ -265,25 +268,41 @@ def profile_drift(first: Dict[str, Any], second: Dict[str, Any]) -> float:
     return work(second) / work(first) - 1.0
 
 
-def measure(cfgs: List[Dict[str, Any]], iters: int, act_bytes: int,
-            timeout: float) -> Tuple[Dict[str, List[Dict[str, Any]]], Optional[float]]:
-    """Run every configuration, one spawn per pipeline depth; per-rank results."""
+def measure(cfgs: List[Dict[str, Any]], iters: int, repeat: int,
+            timeout: float) -> Dict[str, Any]:
+    """Profile, then per pipeline depth: one spawn running its configurations, and a
+    profile again.  Returns per-rank results, the bracketing profiles and p2p time."""
     from tests.dist_utils import run_distributed
-    out: Dict[str, List[Dict[str, Any]]] = {}
-    p2p = None
+    from tools.profile_model import profile_model
+
+    model, _ = gpt_config(run_argv(1, "flush", 4, 1))
+    take = lambda: profile_model(model.model, [MICRO_BATCH], warmup=2, repeat=repeat)  # noqa: E731
+    profiles = [take()]
+    act_bytes = profiles[0]["microbatches"][0]["stage_input_bytes"]
+    out: Dict[str, Any] = {"ranks": {}, "profile_of": {}, "drift": {}, "profiles": profiles,
+                           "p2p_s": None}
     for d in sorted({c["d"] for c in cfgs}):
         runs = [(c["name"], run_argv(d, c["schedule"], c["m"], iters, c["recompute"]), c["m"])
                 for c in cfgs if c["d"] == d]
         per_rank = run_distributed(_worker, d, args=(runs, act_bytes), timeout=timeout)
-        out.update({name: [r[name] for r in per_rank] for name, _, _ in runs})
-        p2p = p2p or per_rank[0]["p2p_s"]
-    return out, p2p
+        profiles.append(take())
+        raw = average_profiles(profiles[-2], profiles[-1])
+        out["drift"][d] = profile_drift(profiles[-2], profiles[-1])
+        for name, _, _ in runs:
+            out["ranks"][name] = [r[name] for r in per_rank]
+            out["profile_of"][name] = raw
+        out["p2p_s"] = out["p2p_s"] or per_rank[0]["p2p_s"]
+    return out
 
 
-def compare(cfgs, measured, profile, bandwidth: float, cores: int) -> List[Dict[str, Any]]:
+def compare(cfgs, measured: Dict[str, Any], bandwidth: float,
+            cores: int) -> List[Dict[str, Any]]:
+    from megatron.pipeline.planner.profile import Profile
+
     rows = []
     for c in cfgs:
-        ranks = measured[c["name"]]
+        ranks = measured["ranks"][c["name"]]
+        profile = Profile(measured["profile_of"][c["name"]], "bracketing profiles", clock="cpu")
         d = c["d"]
         mem = {r["stage"]: r for r in ranks[0]["memory"]}
         stages = predict_stages(c, profile)
@@ -297,6 +316,7 @@ def compare(cfgs, measured, profile, bandwidth: float, cores: int) -> List[Dict[
         weights = [mem[s]["weight_bytes_per_version"] for s in range(d)]
         rows.append({
             **c, "measured_samples_per_s": meas, "periods_s": ranks[0]["periods"],
+            "profile_drift": measured["drift"][d],
             "slowdown_per_rank": slowdowns, "slowdown": statistics.mean(slowdowns),
             "predicted_idle_samples_per_s": sim_idle, "idle_time_factor": idle,
             "predicted_idle_closed_form_samples_per_s": closed_idle,
@@ -323,11 +343,11 @@ def compare(cfgs, measured, profile, bandwidth: float, cores: int) -> List[Dict[
 def print_tables(rows: List[Dict[str, Any]]) -> None:
     print(format_table(
         ["configuration", "work pred ms", "work meas ms", "pred/meas", "slowdown",
-         "pred idle", "pred at slowdown", "closed form", "measured", "pred/meas"],
+         "pred idle", "idle/meas", "pred at slowdown", "closed form", "measured", "pred/meas"],
         [[r["name"], " ".join(f"{1e3 * x:.0f}" for x in r["predicted_work_s"]),
           " ".join(f"{1e3 * x:.0f}" for x in r["measured_work_s"]),
           " ".join(f"{x:.2f}" for x in r["work_ratio"]), r["slowdown"],
-          r["predicted_idle_samples_per_s"], r["predicted_samples_per_s"],
+          r["predicted_idle_samples_per_s"], r["ratio_idle"], r["predicted_samples_per_s"],
           r["predicted_closed_form_samples_per_s"], r["measured_samples_per_s"], r["ratio"]]
          for r in rows],
         title=f"CPU work per batch per stage, and samples/s (b={MICRO_BATCH}, w=1): "
@@ -354,9 +374,6 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    from megatron.pipeline.planner.profile import Profile
-    from tools.profile_model import profile_model
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="d in {1, 2}, m=4, short runs")
     p.add_argument("--iters", type=int, default=None, help="batches per run (5 quick, 10)")
@@ -369,18 +386,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     iters = args.iters or (5 if args.quick else 10)
     if iters < WARMUP_BATCHES + 3:
         raise SystemExit(f"--iters must be >= {WARMUP_BATCHES + 3}")
-    cfg, _ = gpt_config(run_argv(1, "flush", 4, 1))
-    repeat = 5 if args.quick else 15
-    before = profile_model(cfg.model, [MICRO_BATCH], warmup=2, repeat=repeat)
-    act_bytes = before["microbatches"][0]["stage_input_bytes"]
     cfgs = configurations(args.quick)
-    measured, p2p = measure(cfgs, iters, act_bytes, timeout=600)
-    after = profile_model(cfg.model, [MICRO_BATCH], warmup=2, repeat=repeat)
-    raw = average_profiles(before, after)
-    drift = profile_drift(before, after)
-    profile = Profile(raw, "in-process profile (mean of before and after)", clock="cpu")
+    measured = measure(cfgs, iters, repeat=5 if args.quick else 11, timeout=600)
+    p2p = measured["p2p_s"]
+    act_bytes = measured["profiles"][0]["microbatches"][0]["stage_input_bytes"]
     bandwidth = act_bytes / p2p if p2p else 5e9
-    rows = compare(cfgs, measured, profile, bandwidth, cores)
+    rows = compare(cfgs, measured, bandwidth, cores)
+    drift = measured["drift"]
     print_tables(rows)
     work_ok = sum(all(abs(x - 1) <= GOAL for x in r["work_ratio"]) for r in rows)
     time_ok = sum(abs(r["ratio"] - 1) <= GOAL for r in rows)
@@ -388,7 +400,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     load_after = list(os.getloadavg())
     print(f"\nwithin {100 * GOAL:.0f}%: work {work_ok}/{len(rows)}, samples/s at the measured "
           f"slowdown {time_ok}/{len(rows)}; bytes {'all exact' if exact else 'MISMATCH'}; "
-          f"gloo p2p {bandwidth / 1e9:.2f} GB/s; profile drift {100 * drift:+.0f}%; load average {load_before[0]:.1f} -> "
+          f"gloo p2p {bandwidth / 1e9:.2f} GB/s; profile drift per depth "
+          f"{', '.join(f'{d}: {100 * x:+.0f}%' for d, x in drift.items())}; load average {load_before[0]:.1f} -> "
           f"{load_after[0]:.1f} on {cores} cores")
     payload = {"quick": args.quick, "model_argv": MODEL, "micro_batch_size": MICRO_BATCH,
                "iters": iters, "warmup_batches": WARMUP_BATCHES, "cores": cores, "goal": GOAL,
@@ -398,7 +411,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                "load_average_before": load_before,
                "load_average_after": load_after, "profile_clock": "cpu",
                "idle_rule": "profiled CPU times x d / cores when d > cores",
-               "profile": raw, "rows": rows, "bench_seconds": time.perf_counter() - t0}
+               "profiles": measured["profiles"], "rows": rows, "bench_seconds": time.perf_counter() - t0}
     path = write_results("planner_validation", payload, args.out_dir)
     print(f"wrote {path} ({payload['bench_seconds']:.0f} s)")
     return payload

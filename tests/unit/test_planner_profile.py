@@ -193,3 +193,25 @@ def test_plan_cli_takes_a_profile(tmp_path):
                           str(path), "--num-gpus", "4", "--max-batch-size", "32"],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert res.returncode == 2 and "--profile" in res.stderr and "schema" in res.stderr
+
+
+def test_validation_bench_predicts_stash_as_in_flight_times_profiled_bytes():
+    from bench.planner_validation import MICRO_BATCH, predict_stages
+
+    prof = Profile(make_profile((2, 4)))
+    w = prof.weights
+    for schedule, in_flight in (("flush", [4, 3, 2, 1]), ("2bw", [4, 3, 2, 1]),
+                                ("gpipe", [8] * 4), ("none", [1] * 4)):
+        for rc in (False, True):
+            got = predict_stages({"d": 4, "m": 8, "schedule": schedule, "recompute": rc}, prof)
+            assert got["in_flight"] == in_flight, schedule
+            for s in range(4):
+                st = prof.stage(1, s == 0, s == 3, MICRO_BATCH, 4)
+                per = st.recompute_stash_bytes if rc else st.stash_bytes
+                assert got["stash_bytes"][s] == in_flight[s] * per
+                assert got["work_s"][s] == pytest.approx(
+                    8 * (st.forward_s + st.backward_s + (st.forward_s if rc else 0)) + st.step_s)
+    got = predict_stages({"d": 2, "m": 4, "schedule": "flush", "recompute": False}, prof)
+    assert got["weight_bytes_per_version"] == [
+        2 * w["block_bytes"] + w["embedding_bytes"],
+        2 * w["block_bytes"] + w["head_bytes"] + w["tied_embedding_bytes"]]
