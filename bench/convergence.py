@@ -133,7 +133,7 @@ def model_settings(quick: bool, smoke: bool) -> Dict[str, int]:
     if quick:
         return dict(layers=2, hidden=64, heads=4, seq=64, mbs=4, m=4, iters=150,
                     eval_interval=25, eval_iters=4, vocab=1024, max_chars=400_000)
-    return dict(layers=4, hidden=128, heads=4, seq=128, mbs=4, m=4, iters=1000, eval_interval=25,
+    return dict(layers=4, hidden=128, heads=4, seq=128, mbs=4, m=4, iters=600, eval_interval=25,
                 eval_iters=8, vocab=2048, max_chars=0)
 
 
@@ -242,30 +242,35 @@ def smooth(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def plot(runs: Dict[str, Dict[str, Any]], title: str, path: Path) -> None:
+def plot(by_lr: Dict[float, Dict[str, Dict[str, Any]]], title: str, path: Path) -> None:
+    """One row per learning rate: training loss (left), validation loss (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(len(by_lr), 2, figsize=(11, 0.6 + 3.8 * len(by_lr)),
+                             squeeze=False)
     styles = {"flush": ("PipeDream-Flush (vanilla Adam)", "tab:blue", "-"),
               "2bw": ("PipeDream-2BW (1-stale Adam)", "tab:red", "--")}
-    for name in SCHEDULES:
-        label, color, ls = styles[name]
-        its, vals = zip(*sorted(runs[name]["train"].items()))
-        window = max(1, len(vals) // 40)
-        ax_t.plot(its, vals, color=color, alpha=0.15, lw=0.8)
-        ax_t.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
-                  label=f"{label}, moving avg {window}")
-        its, vals = zip(*sorted(runs[name]["valid"].items()))
-        ax_v.plot(its, vals, color=color, ls=ls, marker="o", ms=3, lw=1.6, label=label)
-    for ax, what in ((ax_t, "training loss"), (ax_v, "validation loss (fixed held-out set)")):
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("lm loss (nats/token)")
-        ax.set_title(what)
-        ax.grid(alpha=0.3)
-        ax.legend()
+    for (ax_t, ax_v), (lr, runs) in zip(axes, by_lr.items()):
+        for name in SCHEDULES:
+            label, color, ls = styles[name]
+            its, vals = zip(*sorted(runs[name]["train"].items()))
+            window = max(1, len(vals) // 40)
+            ax_t.plot(its, vals, color=color, alpha=0.15, lw=0.8)
+            ax_t.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
+                      label=f"{label}, moving avg {window}")
+            its, vals = zip(*sorted(runs[name]["valid"].items()))
+            ax_v.plot(its, vals, color=color, ls=ls, marker="o", ms=3, lw=1.6,
+                      label=f"{label}: {vals[-1]:.3f}")
+        for ax, what in ((ax_t, "training loss"),
+                         (ax_v, "validation loss (fixed held-out set)")):
+            ax.set_xlabel("iteration")
+            ax.set_ylabel("lm loss (nats/token)")
+            ax.set_title(f"{what}, peak lr {lr:g}", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,13 +279,23 @@ def plot(runs: Dict[str, Dict[str, Any]], title: str, path: Path) -> None:
 
 
 def bert_status() -> Dict[str, Any]:
-    """The BERT/MNLI part needs entry points this bench does not own."""
+    """The BERT/MNLI part (paper Table 1) is not run by this bench; say why, with facts."""
     missing = [p for p in ("pretrain_bert.py", "tasks/main.py") if not (REPO_ROOT / p).is_file()]
     if missing:
         return {"status": "TODO", "reason": f"not run: {', '.join(missing)} missing in the "
                                             "repository when this bench ran"}
-    return {"status": "TODO", "reason": "pretrain_bert.py and tasks/main.py exist but this "
-                                        "bench does not drive them yet"}
+    mnli = SHARED_DATA / "glue" / "MNLI"
+    sizes = {}
+    for split in ("train", "dev_matched", "dev_mismatched"):
+        path = mnli / f"{split}.tsv"
+        if path.is_file():
+            with open(path, encoding="utf-8") as f:
+                sizes[split] = max(0, sum(1 for line in f if line.strip()) - 1)  # minus header
+    return {"status": "TODO", "mnli_examples": sizes,
+            "reason": "not run yet: BERT pretraining with both schedules would double this "
+                      "bench's CPU time, and the MNLI sample in ../shared/data has "
+                      f"{sizes or 'no'} examples, too few for an accuracy that could tell "
+                      "the schedules apart"}
 
 
 def figure_title(s: Dict[str, int], depth: int, width: int, source: str) -> str:
@@ -295,13 +310,33 @@ def replot(results_dir: Path, figure: Optional[str]) -> Dict[str, Any]:
     if not path.is_file():
         raise SystemExit(f"bench/convergence.py --replot: {path} not found; run the bench first")
     data = json.loads(path.read_text())
-    runs = {name: {part: {int(k): v for k, v in c[part].items()} for part in ("train", "valid")}
-            for name, c in data["curves"].items()}
+    by_lr = {r["lr"]: {name: {part: {int(k): v for k, v in c[part].items()}
+                              for part in ("train", "valid")}
+                       for name, c in r["curves"].items()} for r in data["runs"]}
     out = Path(figure) if figure else REPO_ROOT / data["figures"][0]
-    plot(runs, figure_title(data["settings"], data["depth"], data["width"], data["data_source"]),
-         out)
+    plot(by_lr, figure_title(data["settings"], data["depth"], data["width"],
+                             data["data_source"]), out)
     print(f"redrew {out} from {path}")
     return data
+
+
+def report(lr: float, runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Print one learning rate's comparison; return its JSON record."""
+    summary = analyze(runs)
+    rows = [[name, runs[name]["valid"][summary["final_iteration"]],
+             runs[name]["seconds_per_iteration"]] for name in SCHEDULES]
+    print(format_table(["schedule", "final valid loss", "s/iteration"], rows,
+                       title=f"peak lr {lr:g}: after {summary['final_iteration']} iterations"))
+    extra = summary["extra_iterations_2bw"]
+    print(f"relative difference of final validation loss (2bw vs flush): "
+          f"{summary['relative_difference'] * 100:+.2f}%")
+    print("iterations 2bw needs beyond flush to reach flush's final validation loss: "
+          + ("not reached within the run" if extra is None else f"{extra:+.1f}"))
+    return {"lr": lr, "summary": summary,
+            "table": [{"schedule": r[0], "final_valid_loss": r[1], "seconds_per_iteration": r[2]}
+                      for r in rows],
+            "curves": {name: {"train": runs[name]["train"], "valid": runs[name]["valid"]}
+                       for name in SCHEDULES}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,7 +347,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--iters", type=int, default=None, help="override --train-iters")
     p.add_argument("--depth", type=int, default=2, help="pipeline stages d (default 2)")
     p.add_argument("--width", type=int, default=1, help="parallel pipelines w (default 1)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, nargs="+", default=None,
+                   help="peak learning rates, one pair of runs each (default 1e-3 3e-4; "
+                        "quick: 1e-3)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "megatron-bench"
                                              / "convergence"),
                    help="where the corpus, tokenizer and indexed dataset are cached")
@@ -333,38 +370,25 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     t0 = time.perf_counter()
     data = prepare_data(Path(args.work_dir), s["vocab"], s["max_chars"] or None)
     prep_s = time.perf_counter() - t0
-    runs = [(name, gpt_argv(name, s, data, args.depth, args.width, args.lr))
-            for name in SCHEDULES]
+    lrs = args.lr or ([1e-3] if args.quick else [1e-3, 3e-4])
+    runs = [(f"{name}@{lr:g}", gpt_argv(name, s, data, args.depth, args.width, lr))
+            for lr in lrs for name in SCHEDULES]
     world = args.depth * args.width
     print(f"[convergence] data ready in {prep_s:.0f} s ({data['source']}); training "
-          f"{' and '.join(SCHEDULES)} for {s['iters']} iterations on {world} ranks ...",
-          flush=True)
+          f"{' and '.join(SCHEDULES)} at lr {', '.join(f'{lr:g}' for lr in lrs)} for "
+          f"{s['iters']} iterations on {world} ranks ...", flush=True)
     per_rank = run_distributed(_worker, world, args=(runs,), timeout=6 * 3600)
     results = per_rank[-1]  # the last pipeline stage computes the losses
-    summary = analyze(results)
-    gbs = s["mbs"] * s["m"] * args.width
-    title = figure_title(s, args.depth, args.width, data["source"])
+    by_lr = {lr: {name: results[f"{name}@{lr:g}"] for name in SCHEDULES} for lr in lrs}
     figure = Path(args.figure) if args.figure else FIGURE
-    plot(results, title, figure)
-    rows = [[name, results[name]["valid"][summary["final_iteration"]],
-             results[name]["seconds_per_iteration"]] for name in SCHEDULES]
-    print(format_table(["schedule", "final valid loss", "s/iteration"], rows,
-                       title=f"convergence after {summary['final_iteration']} iterations"))
-    extra = summary["extra_iterations_2bw"]
-    print(f"relative difference of final validation loss (2bw vs flush): "
-          f"{summary['relative_difference'] * 100:+.2f}%")
-    print("iterations 2bw needs beyond flush to reach flush's final validation loss: "
-          + ("not reached" if extra is None else f"{extra:+.1f}"))
+    plot(by_lr, figure_title(s, args.depth, args.width, data["source"]), figure)
+    out_runs = [report(lr, r) for lr, r in by_lr.items()]
     payload = {
         "command": "PYTHONPATH=. python bench/convergence.py "
                    + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "quick": args.quick, "smoke": args.smoke, "settings": s, "depth": args.depth,
-        "width": args.width, "global_batch_size": gbs, "lr": args.lr, "data_source": data["source"],
-        "argv": {name: a for name, a in runs}, "summary": summary,
-        "table": [{"schedule": name, "final_valid_loss": r[1], "seconds_per_iteration": r[2]}
-                  for name, r in zip(SCHEDULES, rows)],
-        "curves": {name: {"train": results[name]["train"], "valid": results[name]["valid"]}
-                   for name in SCHEDULES},
+        "width": args.width, "global_batch_size": s["mbs"] * s["m"] * args.width, "lrs": lrs,
+        "data_source": data["source"], "argv": {name: a for name, a in runs}, "runs": out_runs,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],
         "bert_mnli": bert_status(), "bench_seconds": time.perf_counter() - t0}

@@ -164,6 +164,18 @@ def ideal_segment_units(schedule: str, d: int, m: int, batches: int) -> int:
     return batches * m + d - 1
 
 
+def simulated_segment_seconds(schedule: str, d: int, m: int, batches: int,
+                              forward_s: float) -> float:
+    """Makespan of the project's own schedule under the project's simulator (F, B=2F, free
+    communication, STEP as a barrier across stages as the engine runs it)."""
+    from megatron.pipeline.schedules import build_schedule
+    from megatron.pipeline.simulator import simulate, unit_cost
+
+    result = simulate(build_schedule(schedule, d, m, batches), unit_cost(1.0, 2.0),
+                      step_barrier=True)
+    return result.makespan * forward_s
+
+
 def bench_synthetic(ms: List[int], batches: Dict[str, int], forward_s: float,
                     timeout: float) -> List[Dict[str, Any]]:
     from tests.dist_utils import run_distributed
@@ -188,12 +200,15 @@ def bench_synthetic(ms: List[int], batches: Dict[str, int], forward_s: float,
         f_real = sum(r["f_sum"] for r in mine) / sum(r["f_n"] for r in mine)
         b_real = sum(r["b_sum"] for r in mine) / sum(r["b_n"] for r in mine)
         ideal_real = units * (f_real + b_real)
+        sim = simulated_segment_seconds(s, STAGES, m, nb, forward_s)
         rows.append({"schedule": s, "m": m, "batches": nb, "seconds": seconds,
                      "ideal_seconds": ideal, "samples_per_s": m * nb / seconds,
                      "ideal_samples_per_s": m * nb / ideal, "measured_over_ideal": ideal / seconds,
                      "measured_forward_s": f_real, "measured_backward_s": b_real,
                      "measured_over_ideal_at_measured_costs": ideal_real / seconds,
-                     "step_seconds_per_batch": sum(r["step_sum"] for r in mine) / len(mine) / nb})
+                     "step_seconds_per_batch": sum(r["step_sum"] for r in mine) / len(mine) / nb,
+                     "simulated_seconds": sim, "simulated_over_ideal": ideal / sim,
+                     "measured_over_simulated": sim / seconds})
     by = {(r["schedule"], r["m"]): r for r in rows}
     for r in rows:
         if r["schedule"] == "2bw":
@@ -209,17 +224,19 @@ def bench_synthetic(ms: List[int], batches: Dict[str, int], forward_s: float,
 
 def print_synthetic(rows: List[Dict[str, Any]], forward_s: float) -> None:
     table = [[r["schedule"], r["m"], r["batches"], r["samples_per_s"], r["ideal_samples_per_s"],
-              r["measured_over_ideal"], r["measured_forward_s"] * 1e3,
-              r["measured_backward_s"] * 1e3, r["measured_over_ideal_at_measured_costs"],
-              r["step_seconds_per_batch"] * 1e3,
-              r.get("speedup_over_flush"), r.get("speedup_over_gpipe"),
-              r.get("theoretical_speedup_segment"), r.get("theoretical_speedup_steady")]
+              r["measured_over_ideal"], r["simulated_over_ideal"], r["measured_over_simulated"],
+              f"{r['measured_forward_s'] * 1e3:.1f}/{r['measured_backward_s'] * 1e3:.1f}",
+              r["step_seconds_per_batch"] * 1e3, r.get("speedup_over_flush"),
+              r.get("speedup_over_gpipe"), r.get("theoretical_speedup_segment"),
+              r.get("theoretical_speedup_steady")]
              for r in rows]
     print(format_table(
-        ["schedule", "m", "nb", "samples/s", "ideal", "meas/ideal", "F ms", "B ms",
-         "meas/ideal@F,B", "STEP ms/batch", "2bw/flush", "2bw/gpipe", "theory nb", "(m+d-1)/m"], table,
+        ["schedule", "m", "nb", "samples/s", "ideal", "meas/ideal", "sim/ideal", "meas/sim",
+         "F/B ms", "STEP ms/b", "2bw/flush", "2bw/gpipe", "theory nb", "(m+d-1)/m"], table,
         title=f"(a) synthetic stages, d={STAGES}, w=1, F={forward_s * 1e3:g} ms, B=2F "
-              f"(goal meas/ideal >= 0.95)"))
+              f"(goal meas/ideal >= 0.95); sim = this project's simulator, STEP a barrier\n"
+              f"F/B ms: measured sleep times; STEP ms/b: time per batch a stage spends in STEP "
+              f"(waiting for the other stages)"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,7 +294,7 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
     from torch.distributed.pipelining import PipelineStage
 
     from bench.common import gpt_config, mock_microbatches
-    from bench.trainer_overhead import _periods
+    from bench.trainer_overhead import batch_periods
     from megatron.model import GPTModel
     from megatron.model.utils import stage_layer_numbers
     from megatron.tensor_parallel import TPInfo
@@ -318,7 +335,7 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return _periods(starts), losses
+    return batch_periods(starts), losses
 
 
 GPT_VARIANTS = ("flush", "2bw", "torch Schedule1F1B", "torch ScheduleGPipe")

@@ -53,12 +53,14 @@ def trainer_argv(model: Dict[str, int], iters: int, micro_batch: int = 4,
             "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch),
             "--train-iters", str(iters), "--pipeline-schedule", "flush",
+            "--distributed-backend", "gloo",  # a CPU benchmark even where CUDA exists
             "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0.01",
             "--clip-grad", "1.0", "--seed", "1234", "--log-interval", "100000",
             "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0"]
 
 
-def _periods(stamps: List[float]) -> List[float]:
+def batch_periods(stamps: List[float]) -> List[float]:
+    """Differences of consecutive batch-start times."""
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
@@ -80,7 +82,7 @@ def run_trainer(argv: List[str], num_microbatches: int) -> Tuple[List[float], Li
     result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                       timed_forward_step, argv=argv)
     losses = [result.losses[k]["lm loss"] for k in sorted(result.losses)]
-    return _periods(starts), losses
+    return batch_periods(starts), losses
 
 
 class PlainLoop:

@@ -142,24 +142,36 @@ def date_of(data: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------
 # bench-specific sections
 # ---------------------------------------------------------------------------------------
-def render_convergence(d: Dict[str, Any]) -> List[str]:
-    s = d["summary"]
+def _reach_text(s: Dict[str, Any]) -> str:
     extra = s.get("extra_iterations_2bw")
-    reach = ("2BW does not reach it within the run" if extra is None else
-             f"2BW reaches it {extra:+.0f} iterations after PipeDream-Flush does "
-             f"(at {s['2bw_reaches_target_at']:.0f} vs {s['flush_reaches_target_at']:.0f})")
+    if extra is None:
+        return "2BW does not reach Flush's final validation loss within the run"
+    return (f"2BW reaches Flush's final validation loss {extra:+.0f} iterations after Flush "
+            f"does (at {s['2bw_reaches_target_at']:.0f} vs {s['flush_reaches_target_at']:.0f})")
+
+
+def render_convergence(d: Dict[str, Any]) -> List[str]:
+    runs = d["runs"]
+    heads = [f"at peak lr {r['lr']:g}, validation loss after {r['summary']['final_iteration']} "
+             f"iterations is {r['summary']['final_valid_2bw']:.4f} (2BW) vs "
+             f"{r['summary']['final_valid_flush']:.4f} (PipeDream-Flush, vanilla Adam), "
+             f"{r['summary']['relative_difference'] * 100:+.2f}%; {_reach_text(r['summary'])}"
+             for r in runs]
     st = d["settings"]
-    out = [f"**Headline:** after {s['final_iteration']} iterations the validation loss is "
-           f"{s['final_valid_2bw']:.4f} with 2BW and {s['final_valid_flush']:.4f} with "
-           f"PipeDream-Flush (vanilla Adam), a relative difference of "
-           f"{s['relative_difference'] * 100:+.2f}%; {reach}.",
+    out = ["**Headline:** " + "; ".join(heads) + ".",
            f"Model: GPT, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads, "
            f"seq {st['seq']}, vocab {st['vocab']}; d={d['depth']}, w={d['width']}, "
-           f"m={st['m']}, b={st['mbs']}, global batch {d['global_batch_size']}, lr {d['lr']}. "
-           f"Data: {d['data_source']}.",
-           md_table(["schedule", "final validation loss", "seconds/iteration"],
-                    [[r["schedule"], r["final_valid_loss"], r["seconds_per_iteration"]]
-                     for r in d["table"]])]
+           f"m={st['m']}, b={st['mbs']}, global batch {d['global_batch_size']}, "
+           f"{st['iters']} iterations, cosine decay to lr/10. Data: {d['data_source']}.",
+           md_table(["peak lr", "final valid loss, flush", "final valid loss, 2bw",
+                     "relative difference", "2bw reaches flush's final at", "flush reaches it at",
+                     "seconds/iteration flush", "seconds/iteration 2bw"],
+                    [[f"{r['lr']:g}", r["summary"]["final_valid_flush"], r["summary"]["final_valid_2bw"],
+                      f"{r['summary']['relative_difference'] * 100:+.2f}%",
+                      r["summary"]["2bw_reaches_target_at"],
+                      r["summary"]["flush_reaches_target_at"],
+                      r["table"][0]["seconds_per_iteration"],
+                      r["table"][1]["seconds_per_iteration"]] for r in runs])]
     bert = d.get("bert_mnli") or {}
     out.append(f"BERT pretraining + MNLI finetuning (paper Table 1): "
                f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")

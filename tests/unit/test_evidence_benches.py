@@ -21,14 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-def _run(script: str, out_dir: Path, extra: List[str], timeout: float = 150) -> Dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    name = Path(script).stem
-    cmd = [sys.executable, str(REPO / script), "--quick", "--smoke", "--out-dir", str(out_dir),
-           "--figure", str(out_dir / f"{name}.png"), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+BENCHES = {"convergence": ["--work-dir", "work"], "memory": [], "throughput": ["--skip-cuda"]}
+
+
+def _check(name: str, out_dir: Path) -> None:
     with open(out_dir / f"{name}.json") as f:
         data = json.load(f)
     assert data["bench"] == name and data["quick"] and data["smoke"]
@@ -37,16 +33,29 @@ def _run(script: str, out_dir: Path, extra: List[str], timeout: float = 150) -> 
         assert data["machine"][key], key
     png = out_dir / f"{name}.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return data
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
-    """One smoke run of each bench into one results folder (shared by the tests)."""
+    """One smoke run of each bench into one results folder, the three side by side
+    (they mostly wait on process start-up and sleeping stages, so they overlap well)."""
     out = tmp_path_factory.mktemp("results")
-    _run("bench/convergence.py", out, ["--work-dir", str(out / "work")])
-    _run("bench/memory.py", out, [])
-    _run("bench/throughput.py", out, ["--skip-cuda"])
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs = {}
+    for name, extra in BENCHES.items():
+        extra = [str(out / a) if a == "work" else a for a in extra]
+        cmd = [sys.executable, str(REPO / "bench" / f"{name}.py"), "--quick", "--smoke",
+               "--out-dir", str(out), "--figure", str(out / f"{name}.png"), *extra]
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        try:
+            log, _ = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        assert proc.returncode == 0, f"bench/{name}.py --quick --smoke failed:\n{log[-4000:]}"
+        _check(name, out)
     return out
 
 
@@ -57,7 +66,8 @@ def _load(results: Path, name: str) -> Dict:
 
 def test_convergence_smoke(results: Path) -> None:
     data = _load(results, "convergence")
-    curves = data["curves"]
+    (run,) = data["runs"]
+    curves = run["curves"]
     iters = data["settings"]["iters"]
     for name in ("flush", "2bw"):
         train = {int(k): v for k, v in curves[name]["train"].items()}
@@ -68,7 +78,7 @@ def test_convergence_smoke(results: Path) -> None:
     # so the first training loss must agree; 2BW's batch 1 still uses version 0, so
     # from iteration 2 on the curves may differ
     assert curves["2bw"]["train"]["1"] == pytest.approx(curves["flush"]["train"]["1"], rel=1e-5)
-    s = data["summary"]
+    s = run["summary"]
     last = str(s["final_iteration"])
     assert s["final_valid_flush"] == curves["flush"]["valid"][last]
     assert s["final_valid_2bw"] == curves["2bw"]["valid"][last]
@@ -142,7 +152,7 @@ def test_results_page_regenerates(results: Path) -> None:
         assert data["command"] in page
         assert data["machine"]["date"] in page
         assert f"]({name}.png)" in page  # figure linked relative to the page
-    conv = _load(results, "convergence")["summary"]
+    conv = _load(results, "convergence")["runs"][0]["summary"]
     assert f"{conv['final_valid_flush']:.4f}" in page
     assert "## Headline numbers" in page
     assert "Not run yet" in page  # benches of others absent from this folder
