@@ -155,12 +155,15 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     state = TrainState(iteration=payload["iteration"],
                        consumed_train_samples=payload["consumed_train_samples"],
                        consumed_valid_samples=payload["consumed_valid_samples"])
-    engine.iteration = state.iteration
+    engine.set_iteration(state.iteration)
     _load_model_states(engine, payload["model"], payload.get("model_shadow"))
     if not tr.no_load_optim and payload.get("optimizer") is not None:
         optimizer.load_state_dict(payload["optimizer"])
+        if payload.get("engine") is not None:
+            engine.load_state_dict(payload["engine"])
     else:
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
+        engine.set_iteration(state.iteration)
     if payload.get("lr_scheduler") is not None:
         scheduler.load_state_dict(payload["lr_scheduler"], override=True)
     if not tr.no_load_rng and payload.get("rng_state") is not None:
@@ -178,7 +181,7 @@ def save(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, op
                            shadow_state=shadow, optimizer=optimizer, scheduler=scheduler,
                            rng_state=get_rng_state(),
                            save_optim=not cfg.training.no_save_optim,
-                           extra={"config": cfg.to_dict(),
+                           extra={"config": cfg.to_dict(), "engine": engine.state_dict(),
                                   "schedule": cfg.parallel.pipeline_schedule})
     print_rank_last(f"saved checkpoint of iteration {state.iteration} to {path}")
 

@@ -111,15 +111,19 @@ class MegatronOptimizer:
     # -- the update --------------------------------------------------------------------
     def step(self, grads_from: Sequence[nn.Parameter], write_to: Sequence[nn.Parameter],
              base: Sequence[nn.Parameter], lr: float, *,
-             extra_found_inf: bool = False) -> StepInfo:
+             extra_found_inf: bool = False, grad_scale: Optional[float] = None) -> StepInfo:
         """Compute W(t+1) from ``base`` (= W(t)) and ``grads_from[i].grad``; write it into
         ``write_to``.  Collective over ``model_groups``: every rank of the replica must call
-        it once per batch."""
+        it once per batch.
+
+        ``grad_scale``: the loss scale the gradients were computed with, when the caller
+        tracks it per batch (under 2BW a batch's backward passes may run before the
+        previous batch's step has updated the scaler); default: the current scale."""
         self._check_buffers("grads_from", grads_from)
         self._check_buffers("write_to", write_to)
         self._check_buffers("base", base)
         with torch.no_grad():
-            grads = self._unscaled_grads(grads_from)
+            grads = self._unscaled_grads(grads_from, grad_scale)
             stats = torch.zeros(4, dtype=torch.float64, device=self._device)
             stats[:3] = local_grad_stats(grads, self._mask, self._device, self.log_num_zeros)
             stats[3] = 1.0 if extra_found_inf else 0.0
@@ -147,9 +151,10 @@ class MegatronOptimizer:
             self._release_grads(grads_from)
         return StepInfo(skipped=False, **info)
 
-    def _unscaled_grads(self, grads_from: Sequence[nn.Parameter]) -> List[Optional[torch.Tensor]]:
+    def _unscaled_grads(self, grads_from: Sequence[nn.Parameter],
+                        grad_scale: Optional[float] = None) -> List[Optional[torch.Tensor]]:
         """Gradients divided by the loss scale: new fp32 tensors for masters, else in place."""
-        inv = self.scaler.inv_scale
+        inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
         if self.use_masters:
             out: List[Optional[torch.Tensor]] = []
             for p in grads_from:

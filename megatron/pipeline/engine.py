@@ -52,6 +52,8 @@ class StepReport:
     """Version of the weights batch t's forward and backward passes used."""
     losses: Optional[Dict[str, float]] = None
     """Mean over the batch's microbatches and data-parallel replicas (last stage only)."""
+    grad_scale: float = 1.0
+    """Loss scale batch t's backward passes used (and its gradients were unscaled by)."""
 
 
 @dataclass
@@ -155,6 +157,13 @@ class PipelineEngine:
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
         self._reductions: Dict[int, GradientReduction] = {}
+        # Loss scale each batch's backward passes use.  A batch may start its backward
+        # before the previous batch's STEP updated the scaler (2BW), so the scale of
+        # batch t is fixed as the one in force after STEP(t - lag): lag 2 under 2BW
+        # (STEP(t-2) precedes all of batch t), 1 otherwise.  Identical on every stage.
+        self._scale_lag = 2 if schedule == "2bw" else 1
+        self._batch_scales: Dict[int, float] = {}
+        self._seed_batch_scales()
         self._lr_provider: Callable[[], float] = lambda: 0.0
         self._on_step: Optional[Callable[[StepReport], None]] = None
 
@@ -179,6 +188,25 @@ class PipelineEngine:
 
     def install_latest(self) -> None:
         self.weights.install(self.latest_buffer)
+
+    def _seed_batch_scales(self) -> None:
+        for t in range(self.iteration, self.iteration + self._scale_lag):
+            self._batch_scales.setdefault(t, self.optimizer.loss_scale)
+
+    def state_dict(self) -> dict:
+        """Executor state a checkpoint must carry (per-batch loss scales in flight)."""
+        return {"iteration": self.iteration, "batch_scales": dict(self._batch_scales)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.iteration = sd["iteration"]
+        self._batch_scales = {int(k): float(v) for k, v in sd.get("batch_scales", {}).items()}
+        self._seed_batch_scales()
+
+    def set_iteration(self, iteration: int) -> None:
+        """Resume at ``iteration`` without executor state (older checkpoints)."""
+        self.iteration = iteration
+        self._batch_scales = {}
+        self._seed_batch_scales()
 
     # -- public entry points ------------------------------------------------------------
     def train_batches(self, data_iterator: Iterator[Any], num_batches: int,
@@ -332,8 +360,7 @@ class PipelineEngine:
             if saved is not None:
                 self._set_rng_state(saved)
         if self.is_last:
-            loss = out / self.num_microbatches
-            loss = self.optimizer.scale_loss(loss)
+            loss = out / self.num_microbatches * self._batch_scales[t]
             torch.autograd.backward(loss)
         else:
             torch.autograd.backward(out, grad_tensors=seg.out_grads.pop(mb))
@@ -383,8 +410,11 @@ class PipelineEngine:
             with torch.no_grad():
                 next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
         lr = self._lr_provider()
+        grad_scale = self._batch_scales.pop(t)
         info = self.optimizer.step(grads_from=params, write_to=params,
-                                   base=self.weights.params(other), lr=lr)
+                                   base=self.weights.params(other), lr=lr,
+                                   grad_scale=grad_scale)
+        self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
         self.iteration = t + 1
         losses = None
         if self.is_last:
@@ -393,7 +423,7 @@ class PipelineEngine:
         report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
                             loss_scale=info.loss_scale, lr=lr,
                             weight_version=self.version_for(t, self.schedule_name),
-                            losses=losses)
+                            losses=losses, grad_scale=grad_scale)
         seg.reports.append(report)
         self._note_versions(seg)
         if self._on_step is not None:

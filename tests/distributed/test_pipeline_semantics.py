@@ -121,7 +121,7 @@ def four_ranks():
 
 def _fp16(argv: List[str]) -> List[str]:
     out = [a for a in argv if a != "--fp64"]
-    return out + ["--fp16", "--initial-loss-scale", "1024"]
+    return out + ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--train-iters", "6"]
 
 
 # ------------------------------------------------------------------------ the tests
@@ -192,3 +192,15 @@ def test_injected_overflow_skips_same_step_on_every_stage(two_ranks, name):
     # every other step that did not overflow naturally was applied on both stages alike
     assert [r[name]["loss_scales"] for r in two_ranks][0] == two_ranks[1][name]["loss_scales"]
     assert all(math.isfinite(v) for v in two_ranks[-1][name]["losses"].values())
+
+
+@pytest.mark.parametrize("name,lag", [("fp16_flush_d2", 1), ("fp16_2bw_d2", 2)])
+def test_loss_scale_change_reaches_whole_batches_only(two_ranks, name, lag):
+    """The overflow at batch 2 halves the scale (hysteresis 1).  Every stage unscales a
+    batch by the scale its backward passes used: under 2BW batch 3 has started its
+    backward before STEP(2), so the halved scale applies from batch 2 + lag on."""
+    used = [r[name]["grad_scales"] for r in two_ranks]
+    assert used[0] == used[1]
+    assert used[0][:2 + lag] == [1024.0] * (2 + lag)
+    assert all(s == 512.0 for s in used[0][2 + lag:])
+    assert two_ranks[0][name]["loss_scales"][2] == 512.0
