@@ -64,6 +64,16 @@ class StepInfo:
     """Gradient tensors holding inf/nan, summed over the model replica's ranks."""
 
 
+@dataclass
+class PendingStep:
+    """A step whose agreement all-reduce is in flight (see ``begin_step``)."""
+
+    grads_from: List[nn.Parameter]
+    grads: List[Optional[torch.Tensor]]
+    stats: torch.Tensor
+    work: Any
+
+
 class MegatronOptimizer:
     """Adam(W)/SGD over stable main parameters; see the module docstring."""
 
@@ -119,17 +129,40 @@ class MegatronOptimizer:
         ``grad_scale``: the loss scale the gradients were computed with, when the caller
         tracks it per batch (under 2BW a batch's backward passes may run before the
         previous batch's step has updated the scaler); default: the current scale."""
+        pending = self.begin_step(grads_from, extra_found_inf=extra_found_inf,
+                                  grad_scale=grad_scale)
+        return self.finish_step(pending, write_to, base, lr)
+
+    def begin_step(self, grads_from: Sequence[nn.Parameter], *, extra_found_inf: bool = False,
+                   grad_scale: Optional[float] = None) -> "PendingStep":
+        """First half of ``step``: unscale, take local statistics and START the one
+        all-reduce that makes every model rank agree on overflow and the global norm.
+
+        Returns at once; ``finish_step`` waits for the agreement and updates the weights.
+        2BW uses the gap: batch t's new weights are first needed by batch t+2, so the
+        stages need not wait for each other at every step."""
         self._check_buffers("grads_from", grads_from)
-        self._check_buffers("write_to", write_to)
-        self._check_buffers("base", base)
         with torch.no_grad():
             grads = self._unscaled_grads(grads_from, grad_scale)
             stats = torch.zeros(4, dtype=torch.float64, device=self._device)
             stats[:3] = local_grad_stats(grads, self._mask, self._device, self.log_num_zeros)
             stats[3] = 1.0 if extra_found_inf else 0.0
+            work = None
             if self.model_groups is not None:
-                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.model_groups)
-            sq_norm, nonfinite, zeros, extra = stats.tolist()
+                work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.model_groups,
+                                       async_op=True)
+        return PendingStep(grads_from=list(grads_from), grads=grads, stats=stats, work=work)
+
+    def finish_step(self, pending: "PendingStep", write_to: Sequence[nn.Parameter],
+                    base: Sequence[nn.Parameter], lr: float) -> StepInfo:
+        """Second half of ``step``: wait for the agreement, then skip or update."""
+        self._check_buffers("write_to", write_to)
+        self._check_buffers("base", base)
+        grads, grads_from = pending.grads, pending.grads_from
+        with torch.no_grad():
+            if pending.work is not None:
+                pending.work.wait()
+            sq_norm, nonfinite, zeros, extra = pending.stats.tolist()
             grad_norm = math.sqrt(sq_norm) if sq_norm >= 0.0 else float("nan")
             found_inf = nonfinite > 0 or not math.isfinite(sq_norm)
             self.scaler.update(found_inf and self.skip_on_nonfinite)

@@ -157,6 +157,7 @@ class PipelineEngine:
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
         self._reductions: Dict[int, GradientReduction] = {}
+        self._pending_steps: List[tuple] = []
         # Loss scale each batch's backward passes use.  A batch may start its backward
         # before the previous batch's STEP updated the scaler (2BW), so the scale of
         # batch t is fixed as the one in force after STEP(t - lag): lag 2 under 2BW
@@ -264,6 +265,7 @@ class PipelineEngine:
                 raise PipelineError(self._report_failure(actions, index, action, exc)) from exc
             if self.trace_enabled:
                 self._trace(action, seg, start, time.perf_counter())
+        self._finish_steps(seg)
         self.p2p.wait_all()
 
     def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
@@ -321,6 +323,8 @@ class PipelineEngine:
     def _forward(self, a: Action, seg: _Segment) -> None:
         mb = a.microbatch
         t = self._global_batch(a, seg)
+        if seg.train and self._pending_steps:
+            self._finish_steps(seg, before_batch=t)
         self.weights.install(self.buffer_for(t))
         data = self._next_data(seg)
         x = seg.inputs.pop(mb, None)
@@ -397,37 +401,50 @@ class PipelineEngine:
                                                 self.groups.data, self.groups.dp_size)
 
     def _step(self, a: Action, seg: _Segment) -> None:
+        """Start the update of batch t: data-parallel and tied-embedding gradient sums,
+        then the optimizer's agreement all-reduce, which is left in flight.  The update
+        itself is finished by ``_finish_steps`` when the new weights are first needed:
+        before batch t+1 starts (flush/gpipe/none: at once) or before batch t+2 starts
+        (2BW), so under 2BW stages do not wait for each other at every step."""
         t = self._global_batch(a, seg)
-        mine = self.buffer_for(t)
-        other = self.buffer_for(t + 1)
-        params = self.weights.params(mine)
+        params = self.weights.params(self.buffer_for(t))
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
         self._allreduce_embedding_grads(params)
-        injected = bool(self.fault_injection and self.fault_injection(t, self.stage))
-        if injected:
+        if self.fault_injection and self.fault_injection(t, self.stage):
             with torch.no_grad():
                 next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
-        lr = self._lr_provider()
         grad_scale = self._batch_scales.pop(t)
-        info = self.optimizer.step(grads_from=params, write_to=params,
-                                   base=self.weights.params(other), lr=lr,
-                                   grad_scale=grad_scale)
-        self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
-        self.iteration = t + 1
-        losses = None
-        if self.is_last:
-            sums = seg.loss_sums.pop(t, {})
-            losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
-        report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
-                            loss_scale=info.loss_scale, lr=lr,
-                            weight_version=self.version_for(t, self.schedule_name),
-                            losses=losses, grad_scale=grad_scale)
-        seg.reports.append(report)
-        self._note_versions(seg)
-        if self._on_step is not None:
-            self._on_step(report)
+        pending = self.optimizer.begin_step(params, grad_scale=grad_scale)
+        self._pending_steps.append((t, pending, grad_scale))
+        if self.schedule_name != "2bw":
+            self._finish_steps(seg, before_batch=t + 1)
+
+    def _finish_steps(self, seg: _Segment, before_batch: Optional[int] = None) -> None:
+        """Finish pending updates that batch ``before_batch`` needs (all when None)."""
+        while self._pending_steps:
+            t, pending, grad_scale = self._pending_steps[0]
+            if before_batch is not None and t + self._scale_lag > before_batch:
+                return
+            self._pending_steps.pop(0)
+            lr = self._lr_provider()
+            info = self.optimizer.finish_step(pending, self.weights.params(self.buffer_for(t)),
+                                              self.weights.params(self.buffer_for(t + 1)), lr)
+            self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
+            self.iteration = t + 1
+            losses = None
+            if self.is_last:
+                sums = seg.loss_sums.pop(t, {})
+                losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
+            report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
+                                loss_scale=info.loss_scale, lr=lr,
+                                weight_version=self.version_for(t, self.schedule_name),
+                                losses=losses, grad_scale=grad_scale)
+            seg.reports.append(report)
+            self._note_versions(seg)
+            if self._on_step is not None:
+                self._on_step(report)
 
     def _allreduce_embedding_grads(self, params: List[nn.Parameter]) -> None:
         """Sum the tied word-embedding gradient of the first and last stage."""
