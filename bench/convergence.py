@@ -228,6 +228,8 @@ def analyze(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
             "final_valid_ppl_2bw": math.exp(min(t_final, 50.0)),
             "target": target, "flush_reaches_target_at": reach_flush,
             "2bw_reaches_target_at": reach_2bw,
+            # the other way round: when vanilla semantics got as far as 2BW ends
+            "flush_reaches_2bw_final_at": first_reach(flush, t_final),
             "extra_iterations_2bw": (None if reach_2bw is None or reach_flush is None
                                      else reach_2bw - reach_flush)}
 
@@ -384,8 +386,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     plot(by_lr, figure_title(s, args.depth, args.width, data["source"]), figure)
     out_runs = [report(lr, r) for lr, r in by_lr.items()]
     payload = {
-        "command": "PYTHONPATH=. python bench/convergence.py "
-                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": ("PYTHONPATH=. python bench/convergence.py "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+                   ).strip(),
         "quick": args.quick, "smoke": args.smoke, "settings": s, "depth": args.depth,
         "width": args.width, "global_batch_size": s["mbs"] * s["m"] * args.width, "lrs": lrs,
         "data_source": data["source"], "argv": {name: a for name, a in runs}, "runs": out_runs,

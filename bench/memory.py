@@ -219,7 +219,8 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
     from matplotlib.patches import Patch
 
     labels = list(dict.fromkeys(config_label(r) for r in rows))
-    fig, axes = plt.subplots(1, len(labels), figsize=(max(10.0, 3.4 * len(labels) + 1), 4.8), squeeze=False)
+    width = max(10.0, 3.4 * len(labels) + 1)
+    fig, axes = plt.subplots(1, len(labels), figsize=(width, 4.8), squeeze=False)
     parts = (("weight_bytes", "weights (all versions)", "tab:blue"),
              ("master_bytes", "fp32 masters", "tab:cyan"),
              ("optimizer_state_bytes", "optimizer state", "tab:gray"),
@@ -297,8 +298,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     figure = Path(args.figure) if args.figure else FIGURE
     plot(rows, figure)
     payload = {
-        "command": "PYTHONPATH=. python bench/memory.py "
-                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": ("PYTHONPATH=. python bench/memory.py "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+                   ).strip(),
         "quick": args.quick, "smoke": args.smoke, "model_argv": base, "iters": args.iters,
         "configs": cfgs, "rows": rows, "formula_mismatches": mismatches,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)

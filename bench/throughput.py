@@ -125,7 +125,7 @@ def measure(kind: str, world: int, runs: List[Dict[str, Any]], timeout: float
         row = {"kind": kind, "schedule": run["schedule"], "d": run["d"], "m": run["m"],
                "b": run["b"], "global_batch_size": run["m"] * run["b"],
                "seconds_per_batch": period, "samples_per_s": run["m"] * run["b"] / period,
-               "timed_batches": len(periods)}
+               "timed_batches": len(periods), "periods_s": periods}
         if kind == "synthetic":
             ideal = ideal_period_units(run["schedule"], run["d"], run["m"]) * 3 * run["forward_s"]
             row.update(ideal_seconds_per_batch=ideal, ideal_samples_per_s=run["m"] / ideal,
@@ -267,17 +267,20 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     t0 = time.perf_counter()
     if args.smoke:
         ms, gpt_ms, batches, fwd = [4], [2], 3, 2.0
+        gpt_batches = 3
     elif args.quick:
         ms, gpt_ms, batches, fwd = [4, 8, 16], [2, 8], 4, 5.0
+        gpt_batches = 5
     else:
         ms, gpt_ms, batches, fwd = [4, 8, 16, 32], [2, 4, 8, 16], 5, 20.0
+        gpt_batches = 10  # real compute on shared cores is noisier than sleeping stages
     forward_s = (args.forward_ms or fwd) / 1e3
     synthetic = bench_synthetic(ms, forward_s, batches)
     print_rows(synthetic, f"(a) synthetic stages, d={SYNTHETIC_STAGES}, w=1, b=1, "
                           f"F={forward_s * 1e3:g} ms, B=2F")
     gpt: List[Dict[str, Any]] = []
     if not args.skip_gpt:
-        gpt = bench_gpt(gpt_ms, 2, batches, args.smoke)
+        gpt = bench_gpt(gpt_ms, 2, gpt_batches, args.smoke)
         ex = gpt_argv("2bw", gpt_ms[0], 2, batches, args.smoke)
         print_rows(gpt, f"(b) small GPT (4 layers, hidden {ex[ex.index('--hidden-size') + 1]}, "
                         f"seq {ex[ex.index('--seq-length') + 1]}), d=2, b=2")
@@ -292,12 +295,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     figure = Path(args.figure) if args.figure else FIGURE
     plot(synthetic, gpt, forward_s, figure)
     payload = {
-        "command": "PYTHONPATH=. python bench/throughput.py "
-                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": ("PYTHONPATH=. python bench/throughput.py "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+                   ).strip(),
         "quick": args.quick, "smoke": args.smoke, "forward_s": forward_s,
         "backward_s": 2 * forward_s, "batches_per_run": batches,
+        "gpt_batches_per_run": gpt_batches,
         "synthetic": synthetic, "gpt": gpt, "gpt_argv_example": gpt_argv("2bw", gpt_ms[0], 2,
-                                                                          batches, args.smoke),
+                                                                          gpt_batches, args.smoke),
         "cuda_gpt_345m": cuda,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],

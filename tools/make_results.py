@@ -110,7 +110,7 @@ def figure_paths(name: str, data: Dict[str, Any], repo: Path) -> List[str]:
 
 def command_of(name: str, data: Dict[str, Any]) -> str:
     if data.get("command"):
-        return f"`{data['command']}`"
+        return f"`{str(data['command']).strip()}`"
     quick = " --quick" if data.get("quick") else ""
     return (f"`PYTHONPATH=. python bench/{name}.py{quick}` (not recorded in the JSON: the "
             f"bench's documented invocation)")
@@ -142,12 +142,39 @@ def date_of(data: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------
 # bench-specific sections
 # ---------------------------------------------------------------------------------------
-def _reach_text(s: Dict[str, Any]) -> str:
+def first_reach(curve: Dict[Any, float], target: float) -> Optional[float]:
+    """First (linearly interpolated) iteration where ``curve`` is at ``target`` or below."""
+    pts = sorted((int(k), v) for k, v in curve.items())
+    for i, (it, v) in enumerate(pts):
+        if v <= target:
+            if i == 0:
+                return float(it)
+            it0, v0 = pts[i - 1]
+            return it0 + (it - it0) * (v0 - target) / (v0 - v)
+    return None
+
+
+def _flush_reaches_2bw(run: Dict[str, Any]) -> Optional[float]:
+    s = run["summary"]
+    if "flush_reaches_2bw_final_at" in s:
+        return s["flush_reaches_2bw_final_at"]
+    return first_reach(run["curves"]["flush"]["valid"], s["final_valid_2bw"])
+
+
+def _reach_text(run: Dict[str, Any]) -> str:
+    s = run["summary"]
     extra = s.get("extra_iterations_2bw")
     if extra is None:
-        return "2BW does not reach Flush's final validation loss within the run"
+        back = _flush_reaches_2bw(run)
+        return ("2BW does not reach Flush's final validation loss within the run"
+                + ("" if back is None else f" (Flush was at 2BW's final loss by iteration "
+                                           f"{back:.0f})"))
     return (f"2BW reaches Flush's final validation loss {extra:+.0f} iterations after Flush "
             f"does (at {s['2bw_reaches_target_at']:.0f} vs {s['flush_reaches_target_at']:.0f})")
+
+
+def _or_not_reached(v: Optional[float]) -> Any:
+    return "not reached" if v is None else v
 
 
 def render_convergence(d: Dict[str, Any]) -> List[str]:
@@ -155,7 +182,7 @@ def render_convergence(d: Dict[str, Any]) -> List[str]:
     heads = [f"at peak lr {r['lr']:g}, validation loss after {r['summary']['final_iteration']} "
              f"iterations is {r['summary']['final_valid_2bw']:.4f} (2BW) vs "
              f"{r['summary']['final_valid_flush']:.4f} (PipeDream-Flush, vanilla Adam), "
-             f"{r['summary']['relative_difference'] * 100:+.2f}%; {_reach_text(r['summary'])}"
+             f"{r['summary']['relative_difference'] * 100:+.2f}%; {_reach_text(r)}"
              for r in runs]
     st = d["settings"]
     out = ["**Headline:** " + "; ".join(heads) + ".",
@@ -165,13 +192,20 @@ def render_convergence(d: Dict[str, Any]) -> List[str]:
            f"{st['iters']} iterations, cosine decay to lr/10. Data: {d['data_source']}.",
            md_table(["peak lr", "final valid loss, flush", "final valid loss, 2bw",
                      "relative difference", "2bw reaches flush's final at", "flush reaches it at",
+                     "flush reaches 2bw's final at",
                      "seconds/iteration flush", "seconds/iteration 2bw"],
-                    [[f"{r['lr']:g}", r["summary"]["final_valid_flush"], r["summary"]["final_valid_2bw"],
+                    [[f"{r['lr']:g}", r["summary"]["final_valid_flush"],
+                      r["summary"]["final_valid_2bw"],
                       f"{r['summary']['relative_difference'] * 100:+.2f}%",
-                      r["summary"]["2bw_reaches_target_at"],
-                      r["summary"]["flush_reaches_target_at"],
+                      _or_not_reached(r["summary"]["2bw_reaches_target_at"]),
+                      r["summary"]["flush_reaches_target_at"], _flush_reaches_2bw(r),
                       r["table"][0]["seconds_per_iteration"],
                       r["table"][1]["seconds_per_iteration"]] for r in runs])]
+    if len(runs) > 1:
+        by_gap = sorted(runs, key=lambda r: r["lr"])
+        out.append("The gap between the schedules changes with the learning rate: "
+                   + ", ".join(f"{r['summary']['relative_difference'] * 100:+.2f}% at peak lr "
+                               f"{r['lr']:g}" for r in by_gap) + ".")
     bert = d.get("bert_mnli") or {}
     out.append(f"BERT pretraining + MNLI finetuning (paper Table 1): "
                f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")
