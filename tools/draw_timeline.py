@@ -56,7 +56,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   step_placement=args.step_placement)
         result = simulate(schedule, unit_cost(args.forward_cost, args.backward_cost),
                           comm_latency=args.comm_latency,
-                          step_barrier=not args.no_step_barrier)
+                          step_barrier=not args.no_step_barrier,
+                          # as the executor does: 2BW's step agreement waits for batch b+2
+                          deferred_steps=args.schedule == "2bw" and not args.no_step_barrier)
         events, name = result.events, args.schedule
         title = args.title or (
             f"{name}: d={args.stages} stages, m={args.microbatches} microbatches per batch, "

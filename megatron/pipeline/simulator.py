@@ -78,8 +78,12 @@ def _channel(action: Action) -> Tuple[int, int]:
 
 
 def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, float] = 0.0,
-                 step_barrier: bool = True) -> _RunState:
+                 step_barrier: bool = True, deferred_steps: bool = False) -> _RunState:
     """Simulate as far as possible; reports instead of raising (``simulate`` raises).
+
+    ``deferred_steps`` models the executor under 2BW: STEP(b) does not block, but a
+    forward of batch b + 2 waits until every stage has done STEP(b) (the new weight
+    version needs the agreed norm/overflow of all stages).  It overrides ``step_barrier``.
 
     A stage stops where it is stuck (``blocked``) or where a receive would be matched
     with a message meant for another microbatch (``mismatch``: the real executor would
@@ -102,7 +106,8 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
     free = [0.0] * d
     channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
     state = _RunState(executed=[[] for _ in range(d)])
-    barrier = step_barrier and d > 1
+    barrier = step_barrier and d > 1 and not deferred_steps
+    step_ends: Dict[int, List[float]] = {}
 
     recv_act, recv_grad, send_act, send_grad = (Op.RECV_ACT, Op.RECV_GRAD, Op.SEND_ACT,
                                                 Op.SEND_GRAD)
@@ -133,8 +138,16 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
                     start = arrival if arrival > t else t
                 elif op is step and barrier:
                     break
+                elif (deferred_steps and op is Op.FORWARD and a.batch is not None
+                      and a.batch >= 2):
+                    ends = step_ends.get(a.batch - 2, ())
+                    if len(ends) < d:
+                        break
+                    start = max(t, max(ends))
                 t = start + float(cost(a))
                 executed.append(_Executed(i, a, start, t))
+                if op is step and deferred_steps:
+                    step_ends.setdefault(a.batch, []).append(t)
                 if op is send_act or op is send_grad:
                     key = (s, a.peer)
                     if key not in channels:
@@ -226,14 +239,14 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, cost: CostFn, *, comm_latency: Union[CostFn, float] = 0.0,
-             step_barrier: bool = True) -> SimResult:
+             step_barrier: bool = True, deferred_steps: bool = False) -> SimResult:
     """Run all stages' action lists against ``cost`` (see the module docstring).
 
     ``cost(action)`` is the time the stage is occupied by the action; ``comm_latency`` (a
     number, or a function of the send action) the delay between a send being posted and
     the message being available to the receiver.  Raises ``DeadlockError`` when stuck.
     """
-    state = run_schedule(schedule, cost, comm_latency, step_barrier)
+    state = run_schedule(schedule, cost, comm_latency, step_barrier, deferred_steps)
     if state.mismatch:
         lines = [why for _, why in sorted(state.mismatch.items())]
         raise ScheduleError("\n".join(lines) + "\n" + render_grid(state, len(schedule)))

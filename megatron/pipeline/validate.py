@@ -78,7 +78,8 @@ def validate_schedule(schedule: Sequence[Sequence[Action]], name: str, d: int, m
         _check_channel(schedule, s, s + 1, Op.SEND_ACT, Op.RECV_ACT, fail)
         if not forward_only:
             _check_channel(schedule, s + 1, s, Op.SEND_GRAD, Op.RECV_GRAD, fail)
-    stats = _dry_run(schedule, d, n, forward_only, where, fail)
+    stats = _dry_run(schedule, d, n, forward_only, where, fail,
+                     deferred_steps=name == "2bw" and not forward_only)
     _check_in_flight(stats, name, d, m, forward_only, fail)
     return stats
 
@@ -181,7 +182,15 @@ def _check_channel(schedule: Sequence[Sequence[Action]], src: int, dst: int, sen
 
 
 def _dry_run(schedule: Sequence[Sequence[Action]], d: int, n: int, forward_only: bool,
-             where: str, fail) -> ScheduleStats:
+             where: str, fail, deferred_steps: bool = False) -> ScheduleStats:
+    # The executor's step semantics: a barrier for flushing schedules; under 2BW the
+    # step's agreement is deferred until batch b+2 needs it.  Check both for 2BW.
+    deferred = (run_schedule(schedule, unit_cost(), deferred_steps=True)
+                if deferred_steps else None)
+    if deferred is not None and deferred.blocked:
+        stuck = "; ".join(f"stage {s}: {why}" for s, why in sorted(deferred.blocked.items()))
+        raise DeadlockError(f"{where}: deadlock in dry run with deferred steps: {stuck}\n"
+                            f"{render_grid(deferred, d)}")
     state = run_schedule(schedule, unit_cost(), step_barrier=True)
     if state.mismatch:
         fail("; ".join(why for _, why in sorted(state.mismatch.items())))

@@ -78,7 +78,9 @@ def simulate_config(config: Config, model: ModelSpec, hardware: HardwareSpec, *,
     act = (profile.stage_input_bytes(config.b) if profile is not None
            else model.input_activation_bytes(config.b))
     cost = action_cost(config, stages, est.links, act, options)
-    return simulator.simulate(schedule, cost, comm_latency=0.0)
+    # the executor defers 2BW's step agreement until batch b+2 (no per-step barrier)
+    return simulator.simulate(schedule, cost, comm_latency=0.0,
+                              deferred_steps=config.schedule == "2bw")
 
 
 def simulated_batch_time(config: Config, model: ModelSpec, hardware: HardwareSpec, *,
