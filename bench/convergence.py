@@ -47,6 +47,17 @@ FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_gpt.png"
 SCHEDULES = ("flush", "2bw")
 
 
+def git_revision() -> Dict[str, Any]:
+    """The commit the numbers were measured on, and whether the tree had local changes."""
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None}
+
+
 # ---------------------------------------------------------------------------------------
 # corpus -> tokenizer -> indexed dataset
 # ---------------------------------------------------------------------------------------
@@ -394,7 +405,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "data_source": data["source"], "argv": {name: a for name, a in runs}, "runs": out_runs,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],
-        "bert_mnli": bert_status(), "bench_seconds": time.perf_counter() - t0}
+        "bert_mnli": bert_status(), "git": git_revision(),
+        "bench_seconds": time.perf_counter() - t0}
     path = write_results("convergence", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")
     return payload

@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO_ROOT, format_table, write_results  # noqa: E402
+from bench.convergence import git_revision  # noqa: E402
 
 SCHEDULES = ("none", "gpipe", "flush", "2bw")
 FIGURE = REPO_ROOT / "docs" / "figures" / "memory_per_schedule.png"
@@ -305,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "configs": cfgs, "rows": rows, "formula_mismatches": mismatches,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],
-        "bench_seconds": time.perf_counter() - t0}
+        "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     path = write_results("memory", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")
     return payload

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import shlex
 import sys
 import time
@@ -37,7 +38,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, format_table, median, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, RESULTS_DIR, format_table, median,  # noqa: E402
+                          write_results)
+from bench.convergence import git_revision  # noqa: E402
 
 SCHEDULES = ("none", "gpipe", "flush", "2bw")
 FIGURE = REPO_ROOT / "docs" / "figures" / "throughput_vs_batch.png"
@@ -230,8 +233,11 @@ def plot(synthetic: List[Dict[str, Any]], gpt: List[Dict[str, Any]], forward_s: 
             mine = sorted((r for r in rows if r["schedule"] == s),
                           key=lambda r: r["global_batch_size"])
             x = [r["global_batch_size"] for r in mine]
+            # gpipe drawn wide underneath: on sleeping stages it coincides with flush
+            wide = s == "gpipe"
             ax.plot(x, [r["samples_per_s"] for r in mine], color=colors[s], marker=markers[s],
-                    lw=1.6, label=s)
+                    lw=4.0 if wide else 1.6, ms=9 if wide else 6, alpha=0.55 if wide else 1.0,
+                    zorder=1 if wide else 2, label=s)
             if "ideal_samples_per_s" in mine[0]:
                 ax.plot(x, [r["ideal_samples_per_s"] for r in mine], color=colors[s], ls=":",
                         lw=1.0)
@@ -252,6 +258,17 @@ def plot(synthetic: List[Dict[str, Any]], gpt: List[Dict[str, Any]], forward_s: 
     plt.close(fig)
 
 
+def replot(results_dir: Path, figure: Optional[str]) -> Dict[str, Any]:
+    path = results_dir / "throughput.json"
+    if not path.is_file():
+        raise SystemExit(f"bench/throughput.py --replot: {path} not found; run the bench first")
+    data = json.loads(path.read_text())
+    out = Path(figure) if figure else REPO_ROOT / data["figures"][0]
+    plot(data["synthetic"], data["gpt"], data["forward_s"], out)
+    print(f"redrew {out} from {path}")
+    return data
+
+
 def print_rows(rows: List[Dict[str, Any]], title: str) -> None:
     table = [[r["schedule"], r["m"], r["global_batch_size"], r["samples_per_s"],
               r.get("ideal_samples_per_s"), r.get("measured_over_ideal"), r["over_flush"],
@@ -270,9 +287,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--skip-cuda", action="store_true", help="no GPT-345M GPU measurement")
     p.add_argument("--out-dir", default=None, help="where to write throughput.json")
     p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the figure from an existing throughput.json")
     args = p.parse_args(argv)
     if args.smoke and not args.quick:
         p.error("--smoke is a variant of --quick; pass both")
+    if args.replot:
+        return replot(Path(args.out_dir) if args.out_dir else RESULTS_DIR, args.figure)
     import torch
 
     torch.set_num_threads(1)
@@ -319,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "cuda_gpt_345m": cuda,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],
-        "bench_seconds": time.perf_counter() - t0}
+        "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     path = write_results("throughput", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")
     return payload

@@ -344,8 +344,13 @@ def section(name: str, data: Optional[Dict[str, Any]], repo: Path, out_md: Path)
         return "\n\n".join(lines)
     if data.get("smoke") or data.get("quick"):
         lines.append("**Quick mode** (`--quick`): a reduced run, indicative only.")
+    git = data.get("git") if isinstance(data.get("git"), dict) else {}
+    code = ""
+    if git.get("commit"):
+        dirty = " with uncommitted changes in the tree" if git.get("dirty") else ""
+        code = f"\n- code: commit {git['commit'][:12]}{dirty}"
     lines.append(f"- command: {command_of(name, data)}\n- machine: {machine_of(data)}\n"
-                 f"- date: {date_of(data)}")
+                 f"- date: {date_of(data)}{code}")
     renderer = RENDERERS.get(name, render_generic)
     try:
         lines += renderer(data)
