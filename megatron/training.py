@@ -265,29 +265,38 @@ def gather_memory_report(engine: PipelineEngine, groups: ParallelGroups) -> Dict
     return {"per_rank": everyone}
 
 
+def initialize_megatron(args, cfg: MegatronConfig):
+    """Tokenizer (and the padded vocabulary size it implies), process groups and seeds.
+
+    Everything that reads user files runs before the process groups exist, so a bad
+    vocabulary file stops every rank at once.  Returns (tokenizer or None, groups, device).
+    """
+    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+
+    tokenizer = None
+    vocab = getattr(args, "vocab_size", None)
+    if cfg.data.tokenizer_type is not None:
+        tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
+                                    vocab_size=vocab)
+        vocab = tokenizer.vocab_size
+    if vocab:
+        cfg.model.padded_vocab_size = vocab_size_with_padding(
+            vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    groups, device = initialize_distributed(cfg.parallel)
+    set_random_seed(cfg.training.seed, groups, device)
+    return tokenizer, groups, device
+
+
 def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable, *,
              extra_args_provider: Optional[Callable] = None, argv: Optional[Sequence[str]] = None,
              flops_per_iteration: Optional[Callable[[MegatronConfig], float]] = None,
              fault_injection=None) -> TrainingResult:
     """Parse flags, set up every rank, train, evaluate, save.  Returns this rank's result."""
     from megatron.arguments import parse_and_validate
-    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 
     args, cfg = parse_and_validate(list(argv) if argv is not None else None,
                                    extra_args_provider=extra_args_provider)
-    tokenizer = None
-    if cfg.data.tokenizer_type is not None:
-        tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
-                                    vocab_size=getattr(args, "vocab_size", None))
-        cfg.model.padded_vocab_size = vocab_size_with_padding(
-            tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size)
-    elif getattr(args, "vocab_size", None):
-        cfg.model.padded_vocab_size = vocab_size_with_padding(
-            args.vocab_size, cfg.data.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size)
-    groups, device = initialize_distributed(cfg.parallel)
-    set_random_seed(cfg.training.seed, groups, device)
+    tokenizer, groups, device = initialize_megatron(args, cfg)
     model, optimizer, scheduler, engine = setup_model_and_optimizer(
         cfg, groups, device, model_provider, forward_step,
         trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)

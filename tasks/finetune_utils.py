@@ -184,8 +184,7 @@ def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequenc
 
 def _setup(task: FinetuneTask, argv: List[str]):
     from megatron.arguments import parse_and_validate, parse_args
-    from megatron.initialize import initialize_distributed, set_random_seed
-    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+    from megatron.training import initialize_megatron
 
     raw = parse_args(argv, extra_args_provider=finetune_args)
     if not raw.train_data and not raw.skip_train and raw.epochs != 0:
@@ -197,13 +196,7 @@ def _setup(task: FinetuneTask, argv: List[str]):
     if cfg.data.tokenizer_type is None:
         _fail(f"--task {task.name} needs --tokenizer-type BertWordPieceLowerCase (or Case) "
               f"and --vocab-file")
-    tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
-                                vocab_size=args.vocab_size)
-    cfg.model.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
-        cfg.parallel.tensor_model_parallel_size)
-    groups, device = initialize_distributed(cfg.parallel)
-    set_random_seed(cfg.training.seed, groups, device)
+    tokenizer, groups, device = initialize_megatron(args, cfg)
     seq = cfg.model.seq_length
     train_ds = task.build("train", train, tokenizer, seq) if train else None
     valid_ds = [(path, task.build(path, ex, tokenizer, seq)) for path, ex in valid]

@@ -92,20 +92,12 @@ def _setup(argv: List[str]):
 def evaluate(argv: Optional[Sequence[str]] = None) -> Optional[PerplexityResult]:
     """Run the evaluation; the last pipeline stage returns the result, others None."""
     import pretrain_gpt
-    from megatron.initialize import initialize_distributed, set_random_seed
-    from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training import initialize_megatron, setup_model_and_optimizer
     from megatron.training_log import print_rank_last
     from tasks.finetune_utils import load_pretrained, microbatches
 
     args, cfg = _setup(list(argv if argv is not None else sys.argv[1:]))
-    tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
-                                vocab_size=args.vocab_size)
-    cfg.model.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, cfg.data.make_vocab_size_divisible_by,
-        cfg.parallel.tensor_model_parallel_size)
-    groups, device = initialize_distributed(cfg.parallel)
-    set_random_seed(cfg.training.seed, groups, device)
+    tokenizer, groups, device = initialize_megatron(args, cfg)
     _, optimizer, _, engine = setup_model_and_optimizer(
         cfg, groups, device, pretrain_gpt.model_provider, forward_step)
     load_pretrained(engine, optimizer, args.load or args.pretrained_checkpoint, groups, ())
