@@ -91,14 +91,15 @@ def prepare_data(work_dir: Path, max_chars: Optional[int]) -> Dict[str, str]:
 # settings and command lines
 # ---------------------------------------------------------------------------------------
 def model_settings(quick: bool, smoke: bool) -> Dict[str, Any]:
+    """Model, pretraining and finetuning sizes of the three modes."""
     if smoke:
         return dict(layers=2, hidden=32, heads=2, seq=32, mbs=2, m=2, iters=6, eval_interval=3,
-                    eval_iters=1, lr=1e-3, max_chars=40_000, ft_epochs=1)
+                    eval_iters=1, lr=1e-3, max_chars=40_000, ft_epochs=1, ft_lr=5e-4)
     if quick:
         return dict(layers=2, hidden=64, heads=4, seq=64, mbs=4, m=2, iters=60,
-                    eval_interval=10, eval_iters=2, lr=1e-3, max_chars=300_000, ft_epochs=2)
-    return dict(layers=2, hidden=128, heads=4, seq=128, mbs=4, m=4, iters=200,
-                eval_interval=20, eval_iters=4, lr=1e-3, max_chars=0, ft_epochs=3)
+                    eval_interval=10, eval_iters=2, lr=1e-3, max_chars=300_000, ft_epochs=2, ft_lr=5e-4)
+    return dict(layers=2, hidden=128, heads=4, seq=128, mbs=2, m=4, iters=250,
+                eval_interval=25, eval_iters=8, lr=1e-3, max_chars=0, ft_epochs=5, ft_lr=5e-4)
 
 
 def common_argv(s: Dict[str, Any]) -> List[str]:
@@ -127,7 +128,7 @@ def finetune_argv(schedule: str, s: Dict[str, Any], pretrained: Path) -> List[st
     # b=1, m=2: the smallest batch 2BW allows at d=2 (m >= d), 3 steps per epoch of 6 rows
     return common_argv(s) + [
         "--task", "MNLI", "--pipeline-schedule", schedule, "--micro-batch-size", "1",
-        "--global-batch-size", "2", "--epochs", str(s["ft_epochs"]), "--lr", "1e-4",
+        "--global-batch-size", "2", "--epochs", str(s["ft_epochs"]), "--lr", str(s["ft_lr"]),
         "--lr-decay-style", "linear", "--lr-warmup-fraction", "0.1", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--train-data", str(MNLI / "train.tsv"),
         "--valid-data", *[str(MNLI / f) for f in MNLI_VALID],
@@ -235,31 +236,31 @@ def plot(pre: Dict[str, Dict[str, Any]], title: str, path: Path) -> None:
 
     styles = {"flush": ("PipeDream-Flush (vanilla Adam)", "tab:blue", "-"),
               "2bw": ("PipeDream-2BW (1-stale Adam)", "tab:red", "--")}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    for name in SCHEDULES:
-        label, color, ls = styles[name]
-        for ax, key in ((axes[0], "lm loss"), (axes[1], "sop loss")):
-            c = curve(pre[name]["train"], key)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.6))
+    panels = (("train", "lm loss", "training masked-LM loss"),
+              ("valid", "lm loss", "validation masked-LM loss (fixed held-out samples)"),
+              ("train", "sop loss", "training sentence-order loss"),
+              ("valid", "sop loss", "validation sentence-order loss"))
+    for ax, (part, key, what) in zip(axes.flat, panels):
+        for name in SCHEDULES:
+            label, color, ls = styles[name]
+            c = curve(pre[name][part], key)
             if not c:
                 continue
             its, vals = zip(*c.items())
-            window = max(1, len(vals) // 25)
-            ax.plot(its, vals, color=color, alpha=0.15, lw=0.8)
-            ax.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
-                    label=f"{label}, moving avg {window}")
-        for key, marker in (("lm loss", "o"), ("sop loss", "s")):
-            c = curve(pre[name]["valid"], key)
-            if c:
-                its, vals = zip(*c.items())
-                axes[2].plot(its, vals, color=color, ls=ls, marker=marker, ms=3, lw=1.4,
-                             label=f"{label} {key}: {vals[-1]:.3f}")
-    for ax, what in zip(axes, ("training masked-LM loss", "training sentence-order loss",
-                               "validation loss (fixed held-out samples)")):
+            if part == "train":
+                window = max(1, len(vals) // 25)
+                ax.plot(its, vals, color=color, alpha=0.15, lw=0.8)
+                ax.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
+                        label=f"{label}, moving avg {window}")
+            else:
+                ax.plot(its, vals, color=color, ls=ls, marker="o", ms=3, lw=1.6,
+                        label=f"{label}: {vals[-1]:.3f}")
         ax.set_xlabel("iteration")
-        ax.set_ylabel("loss (nats)")
+        ax.set_ylabel(f"{key} (nats)")
         ax.set_title(what, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
+from megatron.model.stage import PipelineStage
 from megatron.model.transformer import ParallelTransformer, layer_norm
 from megatron.model.utils import padding_attention_mask
 from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding, divide,
@@ -109,7 +110,7 @@ def _check_stage(config: ModelConfig, tp: TPInfo, layer_numbers: range, pre_proc
                          "must be >= 1 (2 for sentence pairs)")
 
 
-class BertModel(nn.Module):
+class BertModel(PipelineStage):
     """One pipeline stage (or all) of BERT.
 
     On the last stage ``forward`` returns ``(lm_output, binary_logits)``: the per-token
@@ -164,27 +165,6 @@ class BertModel(nn.Module):
         if pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         mark_replicated_parameters(self)
-
-    # -- pipeline seams -----------------------------------------------------------------
-    def set_input_tensor(self, tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
-        """Input of a non-first stage: the previous stage's [s, b, h] output."""
-        if isinstance(tensor, (list, tuple)):
-            if len(tensor) != 1:
-                raise ValueError(f"BertModel.set_input_tensor expects one tensor, got {len(tensor)}")
-            tensor = tensor[0]
-        self.input_tensor = tensor
-
-    def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:
-        """Shape of the activation a non-first stage receives: [s, b, h]."""
-        return (self.config.seq_length, micro_batch_size, self.config.hidden_size)
-
-    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
-        """The word-embedding parameter this stage holds (first stage, or the last's copy)."""
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.output_word_embeddings is not None:
-            return self.output_word_embeddings.weight
-        return None
 
     # -- forward ------------------------------------------------------------------------
     def encode(self, input_ids: Optional[torch.Tensor], padding_mask: torch.Tensor,

@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
+from megatron.model.stage import PipelineStage
 from megatron.model.transformer import ParallelTransformer
 from megatron.tensor_parallel import (ColumnParallelLinear, TPInfo, VocabParallelEmbedding,
                                       divide, init_method_normal, mark_replicated_parameters,
@@ -36,7 +37,7 @@ def _check_config(config: ModelConfig, tp: TPInfo, layer_numbers: range,
                          f"end at the last layer ({config.num_layers})")
 
 
-class GPTModel(nn.Module):
+class GPTModel(PipelineStage):
     """One pipeline stage (or the whole model) of a GPT language model.
 
     ``seed`` fixes the initial weights (see megatron/tensor_parallel/param_init.py);
@@ -84,29 +85,6 @@ class GPTModel(nn.Module):
         if pre_process and share_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
         mark_replicated_parameters(self)
-
-    # -- pipeline seams -----------------------------------------------------------------
-    def set_input_tensor(self, tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
-        """Input of a non-first stage: the previous stage's [s, b, h] output."""
-        if isinstance(tensor, (list, tuple)):
-            if len(tensor) != 1:
-                raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(tensor)}")
-            tensor = tensor[0]
-        self.input_tensor = tensor
-
-    def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:
-        """Shape of the activation a non-first stage receives: [s, b, h]."""
-        return (self.config.seq_length, micro_batch_size, self.config.hidden_size)
-
-    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
-        """The tied word-embedding parameter held by this stage (first or last), if any."""
-        if not self.share_embeddings_and_output_weights:
-            return None
-        if self.pre_process:
-            return self.embedding.word_embeddings.weight
-        if self.post_process:
-            return self.output_word_embeddings.weight
-        return None
 
     def _output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.output_layer is not None:
