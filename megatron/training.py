@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple

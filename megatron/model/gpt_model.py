@@ -8,10 +8,9 @@ pipeline executor before ``forward``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional
 
 import torch
-from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits

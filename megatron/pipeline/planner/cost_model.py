@@ -227,7 +227,7 @@ class CostModel:
         memory), which keeps deep pipelines (d ~ 1000) cheap for the search."""
         self.check(config)
         links = links_for(self.hardware, config.t, config.w, config.d)
-        d, m = config.d, config.m
+        d = config.d
         kinds: Dict[tuple, StageCost] = {}
         order: List[tuple] = []
         for i in range(d):
