@@ -292,23 +292,10 @@ def plot(by_lr: Dict[float, Dict[str, Dict[str, Any]]], title: str, path: Path) 
 
 
 def bert_status() -> Dict[str, Any]:
-    """The BERT/MNLI part (paper Table 1) is not run by this bench; say why, with facts."""
-    missing = [p for p in ("pretrain_bert.py", "tasks/main.py") if not (REPO_ROOT / p).is_file()]
-    if missing:
-        return {"status": "TODO", "reason": f"not run: {', '.join(missing)} missing in the "
-                                            "repository when this bench ran"}
-    mnli = SHARED_DATA / "glue" / "MNLI"
-    sizes = {}
-    for split in ("train", "dev_matched", "dev_mismatched"):
-        path = mnli / f"{split}.tsv"
-        if path.is_file():
-            with open(path, encoding="utf-8") as f:
-                sizes[split] = max(0, sum(1 for line in f if line.strip()) - 1)  # minus header
-    return {"status": "TODO", "mnli_examples": sizes,
-            "reason": "not run yet: BERT pretraining with both schedules would double this "
-                      "bench's CPU time, and the MNLI sample in ../shared/data has "
-                      f"{sizes or 'no'} examples, too few for an accuracy that could tell "
-                      "the schedules apart"}
+    """The BERT/MNLI part (paper Table 1) lives in its own bench."""
+    return {"status": "separate bench",
+            "command": "PYTHONPATH=. python bench/convergence_bert.py",
+            "results": "bench/results/convergence_bert.json"}
 
 
 def figure_title(s: Dict[str, int], depth: int, width: int, source: str) -> str:

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import shlex
 import shutil
 import subprocess
@@ -97,7 +96,8 @@ def model_settings(quick: bool, smoke: bool) -> Dict[str, Any]:
                     eval_iters=1, lr=1e-3, max_chars=40_000, ft_epochs=1, ft_lr=5e-4)
     if quick:
         return dict(layers=2, hidden=64, heads=4, seq=64, mbs=4, m=2, iters=60,
-                    eval_interval=10, eval_iters=2, lr=1e-3, max_chars=300_000, ft_epochs=2, ft_lr=5e-4)
+                    eval_interval=10, eval_iters=2, lr=1e-3, max_chars=300_000, ft_epochs=2,
+                    ft_lr=5e-4)
     return dict(layers=2, hidden=128, heads=4, seq=128, mbs=2, m=4, iters=250,
                 eval_interval=25, eval_iters=8, lr=1e-3, max_chars=0, ft_epochs=5, ft_lr=5e-4)
 

@@ -28,8 +28,8 @@ DEFAULT_RESULTS = REPO_ROOT / "bench" / "results"
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "RESULTS.md"
 
 # Benches the page expects, in page order (others found in the results folder follow).
-KNOWN = ("convergence", "memory", "throughput", "pipeline_schedules", "trainer_overhead",
-         "preprocess_throughput", "planner_runtime", "paper_reproduction")
+KNOWN = ("convergence", "convergence_bert", "memory", "throughput", "pipeline_schedules",
+         "trainer_overhead", "preprocess_throughput", "planner_runtime", "paper_reproduction")
 # Figures of benches whose JSON does not list them (globs under the repository root).
 FIGURE_GLOBS = {"pipeline_schedules": ["docs/figures/timeline_real_*.png"],
                 "paper_reproduction": ["docs/figures/paper_*.png"]}
@@ -207,8 +207,34 @@ def render_convergence(d: Dict[str, Any]) -> List[str]:
                    + ", ".join(f"{r['summary']['relative_difference'] * 100:+.2f}% at peak lr "
                                f"{r['lr']:g}" for r in by_gap) + ".")
     bert = d.get("bert_mnli") or {}
-    out.append(f"BERT pretraining + MNLI finetuning (paper Table 1): "
-               f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")
+    if bert.get("results"):
+        out.append("BERT pretraining + MNLI finetuning (paper Table 1): see "
+                   "[convergence_bert](#convergence_bert) (`" + bert.get("command", "") + "`).")
+    else:
+        out.append(f"BERT pretraining + MNLI finetuning (paper Table 1): "
+                   f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")
+    return out
+
+
+def render_convergence_bert(d: Dict[str, Any]) -> List[str]:
+    """BERT pretraining losses of both schedules, then the Table 1 style MNLI rows."""
+    sm, st = d["summary"], d["settings"]
+    head = (f"**Headline:** BERT validation masked-LM loss after {sm['final_iteration']} "
+            f"iterations is {sm['final_valid_lm_2bw']:.4f} (2BW) vs "
+            f"{sm['final_valid_lm_flush']:.4f} (PipeDream-Flush, vanilla Adam), "
+            f"{sm['relative_difference_lm'] * 100:+.2f}% (from {sm['first_valid_lm_flush']:.4f} "
+            f"at the first evaluation, iteration {st['eval_interval']}); MNLI accuracies are "
+            f"from a handful of examples and are not evidence.")
+    out = [head,
+           f"Model: BERT, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads, "
+           f"seq {st['seq']}, uncased WordPiece vocabulary; d={d['depth']}, w={d['width']}, "
+           f"m={st['m']}, b={st['mbs']}, global batch {d['global_batch_size']}, "
+           f"{st['iters']} iterations, peak lr {st['lr']:g}. Data: {d['data_source']}.",
+           records_table(d["pretraining"]),
+           f"MNLI finetuning ({st['ft_epochs']} epochs, lr {st['ft_lr']:g}, same settings for "
+           f"every row), accuracy after the last epoch:",
+           records_table(d["mnli_table"]),
+           f"*{d['mnli_caveat']}*"]
     return out
 
 
@@ -327,7 +353,8 @@ def _generic_value(key: str, v: Any, depth: int) -> List[str]:
 
 
 RENDERERS: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
-    "convergence": render_convergence, "memory": render_memory, "throughput": render_throughput}
+    "convergence": render_convergence, "convergence_bert": render_convergence_bert,
+    "memory": render_memory, "throughput": render_throughput}
 
 
 # ---------------------------------------------------------------------------------------
@@ -391,7 +418,7 @@ def build_page(results_dir: Path, out_md: Path, repo: Path = REPO_ROOT) -> str:
              "the same run are the evidence.",
              "Contents: " + ", ".join(f"[{n}](#{n})" for n in names)]
     heads = []
-    for n in ("convergence", "memory", "throughput"):
+    for n in ("convergence", "convergence_bert", "memory", "throughput"):
         if n in results:
             try:
                 first = RENDERERS[n](results[n])[0]
