@@ -56,8 +56,8 @@ def test_flops_and_activations_follow_megatron_formulas():
     assert TOY.input_activation_bytes(b) == act_input(b)
 
 
-@pytest.mark.parametrize("schedule,recompute", itertools.product(
-    ["none", "gpipe", "flush", "2bw"], [False, True]))
+@pytest.mark.parametrize("schedule,recompute", list(itertools.product(
+    ["none", "gpipe", "flush", "2bw"], [False, True])))
 def test_memory_of_a_middle_stage(schedule, recompute):
     """Stage 1 of 4 holds only layers: the paper's MEMORY(.) term by term."""
     d, b, m = 4, 2, 8
