@@ -113,3 +113,42 @@ def mock_microbatches(cfg: Any, tokenizer: Any, num_samples: int) -> List[Dict[s
         rows = [torch.from_numpy(ds[i]["text"]) for i in range(start, start + b)]
         out.append({"text": torch.stack(rows)})
     return out
+
+
+def first_reach(curve: Dict[Any, float], target: float) -> Optional[float]:
+    """First (linearly interpolated) iteration where ``curve`` is at ``target`` or below.
+
+    ``curve`` maps iteration -> loss; keys may be ints or strings (as read from JSON)."""
+    pts = sorted((int(k), v) for k, v in curve.items())
+    for i, (it, v) in enumerate(pts):
+        if v <= target:
+            if i == 0:
+                return float(it)
+            it0, v0 = pts[i - 1]
+            return it0 + (it - it0) * (v0 - target) / (v0 - v)
+    return None
+
+
+def run_tool(args: List[str], who: str, log=None) -> None:
+    """Run one of the repository's tools (``tools/x.py ...``) and fail loudly."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    if log is not None:
+        log.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{who}: `{' '.join(args)}` failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def write_corpus(corpus: Path, docs: List[str], source: str, who: str, log=None) -> str:
+    """Write ``docs`` as loose JSON lines (or the stdlib demo corpus when there are none)
+    unless ``corpus`` exists; return a description of where the text came from."""
+    if not corpus.is_file():
+        if docs:
+            with open(corpus, "w", encoding="utf-8") as f:
+                for d in docs:
+                    f.write(json.dumps({"text": d}) + "\n")
+        else:
+            print(f"[{who}] real text unavailable ({source}); using the demo corpus")
+            run_tool(["tools/make_demo_corpus.py", "--output", str(corpus)], who, log)
+    return source if docs else "tools/make_demo_corpus.py (stdlib documentation strings)"

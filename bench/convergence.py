@@ -40,7 +40,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, RESULTS_DIR, format_table, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, RESULTS_DIR, first_reach, format_table,  # noqa: E402
+                          run_tool, write_corpus, write_results)
 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_gpt.png"
@@ -94,14 +95,6 @@ def real_text_documents(max_chars: Optional[int], doc_chars: int = 2000) -> Tupl
     return docs, f"tinyshakespeare.txt + wikitext-2-raw/wiki.test.raw ({len(docs)} documents)"
 
 
-def _run_tool(args: List[str], log: io.StringIO) -> None:
-    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True)
-    log.write(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench/convergence.py: `{' '.join(args)}` failed:\n"
-                           f"{proc.stdout}\n{proc.stderr}")
-
-
 def prepare_data(work_dir: Path, vocab_size: int, max_chars: Optional[int]) -> Dict[str, str]:
     """Build corpus.jsonl, a SentencePiece model and the indexed dataset (cached)."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -110,26 +103,16 @@ def prepare_data(work_dir: Path, vocab_size: int, max_chars: Optional[int]) -> D
     tok_prefix = work_dir / f"tokenizer_{tag}"
     data_prefix = work_dir / f"corpus_{tag}"
     log = io.StringIO()
-    docs, source = real_text_documents(max_chars)
-    if not corpus.is_file():
-        if docs:
-            with open(corpus, "w", encoding="utf-8") as f:
-                for d in docs:
-                    f.write(json.dumps({"text": d}) + "\n")
-        else:
-            print(f"[convergence] real text unavailable ({source}); using the demo corpus")
-            _run_tool(["tools/make_demo_corpus.py", "--output", str(corpus)], log)
-    if not docs:
-        source = "tools/make_demo_corpus.py (stdlib documentation strings)"
+    source = write_corpus(corpus, *real_text_documents(max_chars), "convergence", log)
     if not Path(str(tok_prefix) + ".model").is_file():
-        _run_tool(["tools/train_tokenizer.py", "--input", str(corpus), "--json-keys", "text",
+        run_tool(["tools/train_tokenizer.py", "--input", str(corpus), "--json-keys", "text",
                    "--vocab-size", str(vocab_size), "--model-type", "bpe",
-                   "--output-prefix", str(tok_prefix)], log)
+                   "--output-prefix", str(tok_prefix)], "convergence", log)
     if not Path(str(data_prefix) + "_text_document.idx").is_file():
-        _run_tool(["tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "text",
+        run_tool(["tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "text",
                    "--tokenizer-type", "SentencePieceTokenizer",
                    "--tokenizer-model", str(tok_prefix) + ".model", "--append-eod",
-                   "--workers", "1", "--output-prefix", str(data_prefix)], log)
+                   "--workers", "1", "--output-prefix", str(data_prefix)], "convergence", log)
     return {"data_path": str(data_prefix) + "_text_document",
             "tokenizer_model": str(tok_prefix) + ".model", "source": source}
 
@@ -214,18 +197,6 @@ def _worker(rank: int, world: int, runs: List[Tuple[str, List[str]]]) -> Dict[st
 # ---------------------------------------------------------------------------------------
 # analysis
 # ---------------------------------------------------------------------------------------
-def first_reach(curve: Dict[int, float], target: float) -> Optional[float]:
-    """First (linearly interpolated) iteration where ``curve`` gets to ``target`` or below."""
-    pts = sorted(curve.items())
-    for i, (it, v) in enumerate(pts):
-        if v <= target:
-            if i == 0:
-                return float(it)
-            it0, v0 = pts[i - 1]
-            return it0 + (it - it0) * (v0 - target) / (v0 - v)
-    return None
-
-
 def analyze(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     flush, tbw = runs["flush"]["valid"], runs["2bw"]["valid"]
     last = max(flush)

@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +35,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, format_table, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, format_table, run_tool, write_corpus,  # noqa: E402
+                          write_results)
 from bench.convergence import (SHARED_DATA, _FirstSamples, first_reach, git_revision,  # noqa: E402
                                real_text_documents, smooth)
 
@@ -55,34 +54,18 @@ CAVEAT = ("The MNLI files in ../shared/data are samples of a handful of examples
 # ---------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------
-def _run_tool(args: List[str]) -> None:
-    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench/convergence_bert.py: `{' '.join(args)}` failed:\n"
-                           f"{proc.stdout}\n{proc.stderr}")
-
-
 def prepare_data(work_dir: Path, max_chars: Optional[int]) -> Dict[str, str]:
     """Sentence-level BERT dataset of the pretraining text (cached in ``work_dir``)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     tag = f"c{max_chars or 'all'}"
     corpus = work_dir / f"bert_corpus_{tag}.jsonl"
     prefix = work_dir / f"bert_corpus_{tag}"
-    docs, source = real_text_documents(max_chars)
-    if not corpus.is_file():
-        if docs:
-            with open(corpus, "w", encoding="utf-8") as f:
-                for d in docs:
-                    f.write(json.dumps({"text": d}) + "\n")
-        else:
-            print(f"[convergence_bert] real text unavailable ({source}); using the demo corpus")
-            _run_tool(["tools/make_demo_corpus.py", "--output", str(corpus)])
-    if not docs:
-        source = "tools/make_demo_corpus.py (stdlib documentation strings)"
+    source = write_corpus(corpus, *real_text_documents(max_chars), "convergence_bert")
     if not Path(str(prefix) + "_text_document.idx").is_file():
-        _run_tool(["tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "text",
+        run_tool(["tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "text",
                    "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
-                   "--vocab-file", str(VOCAB), "--workers", "1", "--output-prefix", str(prefix)])
+                   "--vocab-file", str(VOCAB), "--workers", "1", "--output-prefix", str(prefix)],
+                 "convergence_bert")
     return {"data_path": str(prefix) + "_text_document", "source": source}
 
 

@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results"
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "RESULTS.md"
+sys.path.insert(0, str(REPO_ROOT))
+from bench.common import first_reach  # noqa: E402 - one definition for benches and page
 
 # Benches the page expects, in page order (others found in the results folder follow).
 KNOWN = ("convergence", "convergence_bert", "memory", "throughput", "pipeline_schedules",
@@ -142,18 +144,6 @@ def date_of(data: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------
 # bench-specific sections
 # ---------------------------------------------------------------------------------------
-def first_reach(curve: Dict[Any, float], target: float) -> Optional[float]:
-    """First (linearly interpolated) iteration where ``curve`` is at ``target`` or below."""
-    pts = sorted((int(k), v) for k, v in curve.items())
-    for i, (it, v) in enumerate(pts):
-        if v <= target:
-            if i == 0:
-                return float(it)
-            it0, v0 = pts[i - 1]
-            return it0 + (it - it0) * (v0 - target) / (v0 - v)
-    return None
-
-
 def _flush_reaches_2bw(run: Dict[str, Any]) -> Optional[float]:
     s = run["summary"]
     if "flush_reaches_2bw_final_at" in s:
