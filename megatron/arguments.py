@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.errors import UserError
 from megatron.config import (
     PIPELINE_SCHEDULES,
     DataConfig,
@@ -35,7 +36,7 @@ from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402 - one lis
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """An inconsistent or incomplete command line; the message names the flag(s)."""
 
 

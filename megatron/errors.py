@@ -1,0 +1,21 @@
+"""Errors a user can fix, and how entry points report them.
+
+``UserError`` is raised for a problem with the user's input: a flag, a data file, a
+checkpoint.  Its message is ONE line that names the flag or file, what was expected
+and what was found.  Entry points catch it (see ``megatron.training.run_entry_point``
+once it exists) and print ``error: <message>`` without a traceback; ``--debug`` shows
+the traceback too.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem with the user's flags, data or checkpoint; the message is one line."""
+
+
+class DataError(UserError):
+    """A dataset file (.bin/.idx, index cache, JSON corpus) is missing, corrupt or empty."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, corrupt, unsafe to load, or does not fit this run."""
