@@ -40,12 +40,25 @@ def rank_dir(root_iter: str, tp_rank: int, pp_rank: int) -> str:
     return os.path.join(root_iter, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
 
 
-def _atomic_torch_save(obj: Any, path: str) -> None:
+def save_payload(obj: Any, stem: str) -> None:
+    """Write one checkpoint file set for ``obj`` (nested dicts/lists of tensors and plain
+    values) at ``stem`` (a path without extension), atomically.  The ONE place that
+    decides the on-disk format of a payload; ``load_payload`` reads it back."""
+    path = stem + ".pt"
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(obj, tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def payload_exists(stem: str) -> bool:
+    return os.path.exists(stem + ".pt")
+
+
+def load_payload(stem: str, map_location: Any = "cpu") -> Any:
+    """Read what ``save_payload(obj, stem)`` wrote."""
+    return torch.load(stem + ".pt", map_location=map_location, weights_only=False)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -115,8 +128,8 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
         }
         if extra:
             payload.update(extra)
-        _atomic_torch_save(payload, os.path.join(my_dir, "model_optim_rng.pt"))
-    _atomic_torch_save(rng_state, os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}.pt"))
+        save_payload(payload, os.path.join(my_dir, "model_optim_rng"))
+    save_payload(rng_state, os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}"))
     _barrier()
     if groups.rank == 0:
         aside = None
@@ -147,20 +160,19 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         raise FileNotFoundError(f"--load {root}: the tracker names iteration {iteration} but "
                                 f"{base} does not exist")
     my_dir = rank_dir(base, groups.tp_rank, groups.pp_rank)
-    path = os.path.join(my_dir, "model_optim_rng.pt")
-    if not os.path.exists(path):
+    path = os.path.join(my_dir, "model_optim_rng")
+    if not payload_exists(path):
         present = sorted(d for d in os.listdir(base) if d.startswith("mp_rank_"))
         raise FileNotFoundError(
             f"--load {root}: no {path}. The checkpoint holds {present}; it was probably "
             f"saved with another --tensor-model-parallel-size/--pipeline-model-parallel-size "
             f"(this run: tensor {groups.tp_size}, pipeline {groups.pp_size})")
-    payload = torch.load(path, map_location=map_location, weights_only=False)
+    payload = load_payload(path, map_location=map_location)
     layout = payload.get("layout", {})
     if layout.get("tensor") != groups.tp_size or layout.get("pipeline") != groups.pp_size:
         raise ValueError(f"--load {root}: checkpoint layout tensor={layout.get('tensor')} "
                          f"pipeline={layout.get('pipeline')} does not match this run's "
                          f"tensor={groups.tp_size} pipeline={groups.pp_size}")
-    rng_path = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}.pt")
-    payload["rng_state"] = (torch.load(rng_path, map_location="cpu", weights_only=False)
-                            if os.path.exists(rng_path) else None)
+    rng_path = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}")
+    payload["rng_state"] = load_payload(rng_path) if payload_exists(rng_path) else None
     return payload
