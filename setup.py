@@ -43,6 +43,7 @@ setup(
         "sentencepiece",
         "pybind11",
         "matplotlib",
+        "safetensors>=0.4",
     ],
     extras_require={
         "test": ["pytest"],

@@ -153,6 +153,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
     g.add_argument("--finetune", action="store_true",
                    help="Load only model weights and restart the iteration count at 0.")
+    g.add_argument("--allow-unsafe-checkpoint", action="store_true",
+                   help="Also load checkpoints in the old pickle (.pt) format (weights-only "
+                        "unpickler with an allow-list); only for files you trust.")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -592,7 +595,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         tensorboard_dir=args.tensorboard_dir, save=args.save, load=args.load,
         save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-        finetune=args.finetune, skip_train=args.skip_train, timeline_file=args.timeline_file)
+        finetune=args.finetune, allow_unsafe_checkpoint=args.allow_unsafe_checkpoint,
+        skip_train=args.skip_train, timeline_file=args.timeline_file)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
                           optimizer=optimizer, data=data, training=training)
 

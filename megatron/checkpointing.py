@@ -1,15 +1,38 @@
-"""Checkpoints in Megatron's layout, written so a crash never leaves a fake-complete one.
+"""Checkpoints in Megatron's layout, in a format that cannot run code when loaded, written so
+a crash never leaves a fake-complete one.
 
-    SAVE/latest_checkpointed_iteration.txt          "1200"
-    SAVE/iter_0001200/mp_rank_TT_PPP/model_optim_rng.pt     (written by data-parallel rank 0)
-    SAVE/iter_0001200/mp_rank_TT_PPP/rng_dp_DDD.pt          (every rank's RNG state)
+    SAVE/latest_checkpointed_iteration.txt                      "1200"
+    SAVE/iter_0001200/manifest.json                 size + sha256 of every file, the layout
+    SAVE/iter_0001200/mp_rank_TT[_PPP]/model_optim_rng.json          (data-parallel rank 0)
+    SAVE/iter_0001200/mp_rank_TT[_PPP]/model_optim_rng.safetensors
+    SAVE/iter_0001200/mp_rank_TT[_PPP]/rng_dp_DDD.json               (every rank's RNG state)
+    SAVE/iter_0001200/mp_rank_TT[_PPP]/rng_dp_DDD.safetensors
 
-Every rank writes its files into ``iter_XXXXXXX.tmp`` (each file through a temporary
-name and ``os.replace``); after a barrier rank 0 renames the directory to its final name
-and only then rewrites the tracker file (again via a temporary name).  A crash at any
-point leaves either the previous checkpoint as the latest or the new one complete.  An
-existing directory of the same iteration is moved aside, not deleted, until the new one
-is in place.
+The rank directory is Megatron's: ``mp_rank_TT`` when the pipeline has one stage,
+``mp_rank_TT_PPP`` otherwise (``rank_dir``).
+
+A payload (``save_payload``/``load_payload``, the one seam that decides the format) is a
+safetensors file holding every tensor plus a JSON file holding everything else: nested
+dicts, lists, tuples, ints, floats (inf/nan too), strings, bools, None, torch dtypes,
+numpy arrays and scalars.  JSON leaves point at tensors by key; non-string dict keys and
+tuples are tagged so they come back with their exact types.  Loading parses JSON and
+safetensors only; nothing is ever unpickled.  Checkpoints of the previous version
+(``model_optim_rng.pt`` pickles) load only with ``allow_unsafe=True``
+(``--allow-unsafe-checkpoint``), and then through ``torch.load(weights_only=True)`` with a
+minimal allow-list of globals.
+
+Every rank writes its files into ``iter_XXXXXXX.tmp`` (each file through a temporary name
+and ``os.replace``) and hashes them; after a barrier rank 0 gathers the hashes into
+``manifest.json``, renames the directory to its final name and only then rewrites the
+tracker file (again via a temporary name).  A crash at any point leaves either the
+previous checkpoint as the latest or the new one complete.  An existing directory of the
+same iteration is moved aside, not deleted, until the new one is in place.  Stale staging
+(``iter_*.tmp``) and moved-aside (``iter_*.old.*``) directories are removed at the next save.
+
+Loading verifies the size and sha256 of every file the rank reads against the manifest, so
+a truncated or bit-flipped file is one ``CheckpointError`` naming it.  Without a tracker
+file the newest iteration whose files all match their manifest is used; a directory of
+``iter_*`` directories none of which is complete is an error, never a fresh start.
 
 With PipeDream-2BW the checkpoint holds both weight versions (``model`` is the newest,
 ``model_shadow`` the one the next batch uses), so resuming continues the delayed-update
@@ -17,50 +40,350 @@ semantics exactly.
 """
 from __future__ import annotations
 
+import base64
+import glob
+import hashlib
+import json
+import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.errors import CheckpointError
 from megatron.parallel_state import ParallelGroups
 
 TRACKER = "latest_checkpointed_iteration.txt"
-CHECKPOINT_VERSION = 1
+MANIFEST = "manifest.json"
+CHECKPOINT_VERSION = 2
+"""2: JSON + safetensors payloads with a manifest; 1: pickled ``.pt`` payloads."""
+PAYLOAD_FORMAT = "megatron-pd2bw-payload"
+MANIFEST_FORMAT = "megatron-pd2bw-checkpoint"
+UNSAFE_FLAG = "--allow-unsafe-checkpoint"
+_ITER_DIR = re.compile(r"^iter_(\d+)$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def rank_dir(root_iter: str, tp_rank: int, pp_rank: int) -> str:
+def rank_dir(root_iter: str, tp_rank: int, pp_rank: int,
+             pipeline_size: Optional[int] = None) -> str:
+    """Megatron's per-rank directory: ``mp_rank_TT`` when ``pipeline_size`` is 1,
+    ``mp_rank_TT_PPP`` otherwise.  ``pipeline_size=None`` (callers that do not know it)
+    gives the ``mp_rank_TT_PPP`` name, which the loader also accepts at one stage."""
+    if pipeline_size == 1:
+        return os.path.join(root_iter, f"mp_rank_{tp_rank:02d}")
     return os.path.join(root_iter, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
 
 
-def save_payload(obj: Any, stem: str) -> None:
-    """Write one checkpoint file set for ``obj`` (nested dicts/lists of tensors and plain
-    values) at ``stem`` (a path without extension), atomically.  The ONE place that
-    decides the on-disk format of a payload; ``load_payload`` reads it back."""
-    path = stem + ".pt"
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
+def _rank_dir_candidates(root_iter: str, tp_rank: int, pp_rank: int,
+                         pipeline_size: int) -> List[str]:
+    """Where this rank's files may be: Megatron's name first, then our older one."""
+    names = [rank_dir(root_iter, tp_rank, pp_rank, pipeline_size)]
+    if pipeline_size == 1:
+        names.append(rank_dir(root_iter, tp_rank, pp_rank))
+    return names
+
+
+# -- payload encoding: JSON tree + safetensors ------------------------------------------------
+# A JSON object with exactly one key from _TAGS is a tagged value; a dict whose keys are
+# not all strings (or that contains a tag name) is stored as a list of [key, value] pairs.
+_TENSOR, _TUPLE, _DICT, _FLOAT, _DTYPE, _SIZE, _NDARRAY, _NPSCALAR, _BYTES = (
+    "__tensor__", "__tuple__", "__dict__", "__float__", "__dtype__", "__size__",
+    "__ndarray__", "__npscalar__", "__bytes__")
+_TAGS = frozenset((_TENSOR, _TUPLE, _DICT, _FLOAT, _DTYPE, _SIZE, _NDARRAY, _NPSCALAR, _BYTES))
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: Dict[str, torch.Tensor] = {}
+
+    def _key(self, path: str) -> str:
+        path = path.lstrip("/") or "root"
+        key, n = path, 1
+        while key in self.tensors:
+            n += 1
+            key = f"{path}#{n}"
+        return key
+
+    def _tensor(self, t: torch.Tensor, path: str) -> str:
+        if t.layout != torch.strided or t.is_quantized:
+            raise TypeError(f"checkpoint payload: {path}: cannot store a {t.layout} tensor")
+        t = t.detach()
+        # safetensors refuses tensors sharing storage (2BW buffers, views, tied weights):
+        # every entry gets its own contiguous copy.
+        t = t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" \
+            else t.to("cpu").contiguous()
+        key = self._key(path)
+        self.tensors[key] = t
+        return key
+
+    def encode(self, obj: Any, path: str = "") -> Any:
+        if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
+            return {_NPSCALAR: {"dtype": obj.dtype.str, "value": self.encode(obj.item(), path)}}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj) if math.isfinite(obj) else {_FLOAT: repr(float(obj))}
+        if isinstance(obj, torch.Tensor):
+            return {_TENSOR: self._tensor(obj, path)}
+        if isinstance(obj, torch.dtype):
+            return {_DTYPE: str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.Size):
+            return {_SIZE: [int(d) for d in obj]}
+        if isinstance(obj, tuple):
+            return {_TUPLE: [self.encode(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) for k in obj) and not (_TAGS & obj.keys()):
+                return {k: self.encode(v, f"{path}/{k}") for k, v in obj.items()}
+            return {_DICT: [[self.encode(k, f"{path}/key"), self.encode(v, f"{path}/{k}")]
+                            for k, v in obj.items()]}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise TypeError(f"checkpoint payload: {path}: cannot store an object array")
+            raw = np.ascontiguousarray(obj).view(np.uint8).reshape(-1)
+            data = torch.from_numpy(raw.copy())
+            return {_NDARRAY: {"dtype": obj.dtype.str, "shape": list(obj.shape),
+                               "data": self._tensor(data, path)}}
+        if isinstance(obj, (bytes, bytearray)):
+            return {_BYTES: base64.b64encode(bytes(obj)).decode("ascii")}
+        raise TypeError(f"checkpoint payload: {path or 'root'}: cannot store a "
+                        f"{type(obj).__name__} (tensors, numbers, strings, containers only)")
+
+
+def _decode(node: Any, tensors: Dict[str, torch.Tensor], where: str) -> Any:
+    if isinstance(node, list):
+        return [_decode(v, tensors, where) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) == 1 and next(iter(node)) in _TAGS:
+        tag, val = next(iter(node.items()))
+        if tag == _TENSOR:
+            if val not in tensors:
+                raise CheckpointError(f"{where}: tensor {val!r} is missing from the "
+                                      f".safetensors file")
+            return tensors[val]
+        if tag == _TUPLE:
+            return tuple(_decode(v, tensors, where) for v in val)
+        if tag == _DICT:
+            return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in val}
+        if tag == _FLOAT:
+            return float(val)  # 'inf', '-inf', 'nan'
+        if tag == _DTYPE:
+            dtype = getattr(torch, str(val), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"{where}: unknown torch dtype {val!r}")
+            return dtype
+        if tag == _SIZE:
+            return torch.Size(val)
+        if tag == _NDARRAY:
+            dtype = np.dtype(val["dtype"])
+            if dtype.hasobject:
+                raise CheckpointError(f"{where}: object arrays are not allowed")
+            raw = _decode({_TENSOR: val["data"]}, tensors, where).cpu().numpy().tobytes()
+            return np.frombuffer(raw, dtype=dtype).reshape(val["shape"]).copy()
+        if tag == _NPSCALAR:
+            return np.dtype(val["dtype"]).type(_decode(val["value"], tensors, where))
+        if tag == _BYTES:
+            return base64.b64decode(val)
+    return {k: _decode(v, tensors, where) for k, v in node.items()}
+
+
+def _fsync_replace(tmp: str, path: str) -> None:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
+def save_payload(obj: Any, stem: str) -> List[str]:
+    """Write ``obj`` (nested containers of tensors and plain values) as ``stem.safetensors``
+    + ``stem.json``, each atomically; the JSON goes last, so its presence means the pair
+    is complete.  The ONE place that decides the on-disk format of a payload;
+    ``load_payload`` reads it back.  Returns the two paths written."""
+    from safetensors.torch import save_file
+
+    enc = _Encoder()
+    tree = enc.encode(obj)
+    st_path, js_path = stem + ".safetensors", stem + ".json"
+    tmp = f"{st_path}.tmp.{os.getpid()}"
+    save_file(enc.tensors, tmp)
+    _fsync_replace(tmp, st_path)
+    doc = {"format": PAYLOAD_FORMAT, "version": CHECKPOINT_VERSION,
+           "tensors": os.path.basename(st_path), "tree": tree}
+    tmp = f"{js_path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, allow_nan=False, separators=(",", ":"))
+    _fsync_replace(tmp, js_path)
+    return [st_path, js_path]
+
+
 def payload_exists(stem: str) -> bool:
-    return os.path.exists(stem + ".pt")
+    """True when a payload (either format) was written at ``stem``."""
+    return os.path.exists(stem + ".json") or os.path.exists(stem + ".pt")
 
 
-def load_payload(stem: str, map_location: Any = "cpu") -> Any:
-    """Read what ``save_payload(obj, stem)`` wrote."""
-    return torch.load(stem + ".pt", map_location=map_location, weights_only=False)
+def payload_files(stem: str) -> List[str]:
+    return [stem + ".json", stem + ".safetensors"]
 
 
+def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = False,
+                 verify: bool = True) -> Any:
+    """Read what ``save_payload(obj, stem)`` wrote.
+
+    When the payload lies in an iteration directory with a manifest (``stem``'s directory
+    or its parent), both files are checked against it first (``verify``).  A ``stem.pt``
+    pickle of the previous version is refused unless ``allow_unsafe``.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    js_path, st_path = payload_files(stem)
+    if not os.path.exists(js_path):
+        if os.path.exists(stem + ".pt"):
+            return _load_legacy(stem + ".pt", map_location, allow_unsafe)
+        raise CheckpointError(f"{js_path}: checkpoint file is missing")
+    if verify:
+        found = _find_manifest(stem)
+        if found is not None:
+            base, manifest = found
+            verify_files(base, manifest, [js_path, st_path])
+    try:
+        with open(js_path) as fh:
+            doc = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{js_path}: not a readable checkpoint JSON file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PAYLOAD_FORMAT:
+        raise CheckpointError(f"{js_path}: expected format {PAYLOAD_FORMAT!r}, found "
+                              f"{doc.get('format') if isinstance(doc, dict) else type(doc)!r}")
+    device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
+    try:
+        tensors = load_file(st_path, device=device)
+    except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{st_path}: not a readable safetensors file ({exc})") from None
+    return _decode(doc["tree"], tensors, js_path)
+
+
+# -- the previous (pickle) format ---------------------------------------------------------------
+def _legacy_allowed_globals() -> list:
+    """What an old payload needs beyond torch's weights-only defaults: numpy arrays and
+    scalars (numpy RNG state).  Nothing that can run code."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, core.multiarray.scalar]
+    allowed += [type(np.dtype(t)) for t in ("u4", "i8", "f8", "u1", "f4", "i4", "b1")]
+    return allowed
+
+
+def _load_legacy(path: str, map_location: Any, allow_unsafe: bool) -> Any:
+    if not allow_unsafe:
+        raise CheckpointError(
+            f"{path} is in the old pickle checkpoint format, which can run arbitrary code when "
+            f"loaded, so it is refused; if you trust its source pass {UNSAFE_FLAG} (loads it "
+            f"with torch.load(weights_only=True)) and save again to convert it")
+    print(f"WARNING: loading {path} in the old pickle format because of {UNSAFE_FLAG} "
+          f"(weights-only unpickler, allow-listed globals only)", flush=True)
+    try:
+        with torch.serialization.safe_globals(_legacy_allowed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is one user error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: refused to load this old pickle checkpoint even with "
+                              f"{UNSAFE_FLAG}: {first}") from None
+
+
+# -- manifest -----------------------------------------------------------------------------------
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def file_entries(base: str, paths: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """Manifest entries (size, sha256) of ``paths``, keyed relative to ``base``."""
+    return {os.path.relpath(p, base).replace(os.sep, "/"):
+            {"bytes": os.path.getsize(p), "sha256": sha256_file(p)} for p in paths}
+
+
+def write_manifest(base: str, iteration: int, layout: Dict[str, int],
+                   entries: Optional[Dict[str, Dict[str, Any]]] = None) -> str:
+    """Write ``base/manifest.json``; ``entries`` default to every file under ``base``
+    (tools that write a whole iteration directory in one process)."""
+    if entries is None:
+        paths = [os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs if f != MANIFEST]
+        entries = file_entries(base, sorted(paths))
+    doc = {"format": MANIFEST_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
+           "layout": layout, "files": dict(sorted(entries.items()))}
+    path = os.path.join(base, MANIFEST)
+    _atomic_write_text(path, json.dumps(doc, indent=1))
+    return path
+
+
+def read_manifest(base: str) -> Optional[dict]:
+    path = os.path.join(base, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable manifest ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or \
+            not isinstance(doc.get("files"), dict):
+        raise CheckpointError(f"{path}: expected a {MANIFEST_FORMAT!r} manifest")
+    return doc
+
+
+def _find_manifest(stem: str) -> Optional[Tuple[str, dict]]:
+    """The iteration directory's manifest for a payload at ``stem`` (in it or one below)."""
+    here = os.path.dirname(os.path.abspath(stem))
+    for base in (here, os.path.dirname(here)):
+        manifest = read_manifest(base)
+        if manifest is not None:
+            return base, manifest
+    return None
+
+
+def verify_files(base: str, manifest: dict, paths: Sequence[str]) -> None:
+    """Each of ``paths`` exists with the size and sha256 the manifest records."""
+    for path in paths:
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(base)).replace(os.sep, "/")
+        want = manifest["files"].get(rel)
+        if want is None:
+            raise CheckpointError(f"{path}: not listed in {os.path.join(base, MANIFEST)}")
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: listed in the manifest but missing")
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: corrupt checkpoint file (truncated or altered): "
+                                  f"expected {want['bytes']} bytes, found {size}")
+        digest = sha256_file(path)
+        if digest != want["sha256"]:
+            raise CheckpointError(f"{path}: corrupt checkpoint file: expected sha256 "
+                                  f"{want['sha256']}, found {digest}")
+
+
+def _complete(base: str) -> bool:
+    """Every file of the manifest present with its size and checksum."""
+    try:
+        manifest = read_manifest(base)
+        if manifest is None:
+            return False
+        verify_files(base, manifest, [os.path.join(base, rel) for rel in manifest["files"]])
+    except CheckpointError:
+        return False
+    return True
+
+
+# -- small helpers ------------------------------------------------------------------------------
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as fh:
@@ -75,8 +398,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _gather(obj: Any) -> List[Any]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
 def read_tracker(root: str) -> Optional[int]:
-    """Latest complete iteration under ``root``, or None if there is no checkpoint."""
+    """Iteration named by the tracker file under ``root``, or None if there is none."""
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
@@ -86,7 +417,52 @@ def read_tracker(root: str) -> Optional[int]:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}") from None
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def _iteration_dirs(root: str) -> List[int]:
+    """Iterations with a final (not staging, not moved-aside) directory, newest first."""
+    found = [int(m.group(1)) for m in (_ITER_DIR.match(e) for e in os.listdir(root)) if m]
+    return sorted((i for i in found if os.path.isdir(iteration_dir(root, i))), reverse=True)
+
+
+@dataclass
+class CheckpointLocation:
+    """Which iteration ``--load`` resumes from, and a line saying how it was chosen."""
+
+    iteration: Optional[int]
+    message: Optional[str] = None
+
+
+def find_checkpoint(root: str) -> CheckpointLocation:
+    """Decide what ``--load root`` means before anything is read.
+
+    A file is an error; a missing directory (or one holding nothing) is a fresh start;
+    the tracker names the iteration; without a tracker the newest complete iteration is
+    used, and ``iter_*`` directories none of which is complete are an error, so a run
+    never starts from scratch over an existing checkpoint.
+    """
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--load {root} is a file; expected the checkpoint directory "
+                              f"that --save wrote (the one holding {TRACKER})")
+    if not os.path.isdir(root):
+        return CheckpointLocation(None, f"--load {root} does not exist; starting from scratch")
+    iteration = read_tracker(root)
+    if iteration is not None:
+        return CheckpointLocation(iteration)
+    candidates = _iteration_dirs(root)
+    if not candidates:
+        return CheckpointLocation(None, f"--load {root} holds no checkpoint (no {TRACKER}, no "
+                                        f"iter_* directories); starting from scratch")
+    for it in candidates:
+        if _complete(iteration_dir(root, it)):
+            return CheckpointLocation(it, f"--load {root}: no {TRACKER}; using the newest "
+                                          f"complete checkpoint, iteration {it}")
+    raise CheckpointError(
+        f"--load {root}: no {TRACKER} and none of the iteration directories "
+        f"{[os.path.basename(iteration_dir(root, i)) for i in candidates[:5]]} is complete "
+        f"(manifest missing or files not matching it); refusing to start from scratch over "
+        f"them: write the iteration to resume into {TRACKER}, or point --load elsewhere")
 
 
 @dataclass
@@ -98,6 +474,16 @@ class TrainState:
     consumed_valid_samples: int = 0
 
 
+def _remove_stale(root: str) -> None:
+    """Leftovers of crashed saves: staging directories, moved-aside iterations, temp files."""
+    for path in glob.glob(os.path.join(root, "iter_*.tmp")) + \
+            glob.glob(os.path.join(root, "iter_*.old.*")):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+    for path in glob.glob(os.path.join(root, f"{TRACKER}.tmp.*")):
+        os.remove(path)
+
+
 def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
                     model_state: Dict[str, Any], shadow_state: Optional[Dict[str, Any]],
                     optimizer, scheduler, rng_state: Any, save_optim: bool = True,
@@ -105,22 +491,22 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
     """Collective over all ranks: every rank must call it at the same iteration."""
     final = iteration_dir(root, state.iteration)
     staging = final + ".tmp"
+    layout = {"tensor": groups.tp_size, "pipeline": groups.pp_size, "data": groups.dp_size}
     if groups.rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.exists(staging):
-            shutil.rmtree(staging)  # leftovers of a crashed save of this same iteration
+        _remove_stale(root)
         os.makedirs(staging)
     _barrier()
-    my_dir = rank_dir(staging, groups.tp_rank, groups.pp_rank)
+    my_dir = rank_dir(staging, groups.tp_rank, groups.pp_rank, groups.pp_size)
     os.makedirs(my_dir, exist_ok=True)
+    written: List[str] = []
     if groups.dp_rank == 0:
         payload = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "consumed_valid_samples": state.consumed_valid_samples,
-            "layout": {"tensor": groups.tp_size, "pipeline": groups.pp_size,
-                       "data": groups.dp_size},
+            "layout": dict(layout),
             "model": model_state,
             "model_shadow": shadow_state,
             "optimizer": optimizer.state_dict() if save_optim and optimizer is not None else None,
@@ -128,10 +514,13 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
         }
         if extra:
             payload.update(extra)
-        save_payload(payload, os.path.join(my_dir, "model_optim_rng"))
-    save_payload(rng_state, os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}"))
-    _barrier()
+        written += save_payload(payload, os.path.join(my_dir, "model_optim_rng"))
+    written += save_payload(rng_state, os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}"))
+    # Each rank hashes what it wrote (still in the page cache); rank 0 writes the manifest.
+    entries = _gather(file_entries(staging, written))
     if groups.rank == 0:
+        write_manifest(staging, state.iteration, layout,
+                       {k: v for part in entries for k, v in part.items()})
         aside = None
         if os.path.exists(final):
             aside = f"{final}.old.{int(time.time())}"
@@ -144,35 +533,86 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
     return final
 
 
-def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
-                    map_location: Any = "cpu") -> Optional[Dict[str, Any]]:
-    """Read this rank's checkpoint files; None when ``root`` holds no checkpoint.
+def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups) -> CheckpointError:
+    return CheckpointError(
+        f"--load {root}: {os.path.basename(base)} was saved with {saved}, this run uses tensor "
+        f"{groups.tp_size} x pipeline {groups.pp_size} (--tensor-model-parallel-size/"
+        f"--pipeline-model-parallel-size); convert it with tools/checkpoint_util.py "
+        f"--target-tensor-parallel-size {groups.tp_size} --target-pipeline-parallel-size "
+        f"{groups.pp_size}")
 
-    Raises a clear error when the checkpoint was written with a different tensor or
-    pipeline layout, or when files are missing.
+
+def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
+                    map_location: Any = "cpu", allow_unsafe: bool = False
+                    ) -> Optional[Dict[str, Any]]:
+    """Read and verify this rank's checkpoint files; None when ``root`` holds no checkpoint.
+
+    Raises ``CheckpointError`` (one line) for a checkpoint of another tensor/pipeline
+    layout, missing, truncated or corrupt files, and old pickle files without
+    ``allow_unsafe``.
     """
     if iteration is None:
-        iteration = read_tracker(root)
+        iteration = find_checkpoint(root).iteration
         if iteration is None:
             return None
     base = iteration_dir(root, iteration)
     if not os.path.isdir(base):
-        raise FileNotFoundError(f"--load {root}: the tracker names iteration {iteration} but "
-                                f"{base} does not exist")
-    my_dir = rank_dir(base, groups.tp_rank, groups.pp_rank)
-    path = os.path.join(my_dir, "model_optim_rng")
-    if not payload_exists(path):
+        raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but "
+                              f"{base} does not exist")
+    manifest = read_manifest(base)
+    if manifest is not None:
+        saved = manifest.get("layout", {})
+        if saved.get("tensor") != groups.tp_size or saved.get("pipeline") != groups.pp_size:
+            raise _layout_error(root, base, f"tensor {saved.get('tensor')} x pipeline "
+                                f"{saved.get('pipeline')}", groups)
+    my_dir = next((d for d in _rank_dir_candidates(base, groups.tp_rank, groups.pp_rank,
+                                                   groups.pp_size)
+                   if payload_exists(os.path.join(d, "model_optim_rng"))), None)
+    if my_dir is None:
         present = sorted(d for d in os.listdir(base) if d.startswith("mp_rank_"))
-        raise FileNotFoundError(
-            f"--load {root}: no {path}. The checkpoint holds {present}; it was probably "
-            f"saved with another --tensor-model-parallel-size/--pipeline-model-parallel-size "
-            f"(this run: tensor {groups.tp_size}, pipeline {groups.pp_size})")
-    payload = load_payload(path, map_location=map_location)
+        if manifest is None and present:
+            raise _layout_error(root, base, f"the rank directories {present}", groups)
+        raise CheckpointError(f"--load {root}: {base} holds no model file for tensor rank "
+                              f"{groups.tp_rank}, stage {groups.pp_rank} (found {present})")
+    stem = os.path.join(my_dir, "model_optim_rng")
+    if manifest is None and not os.path.exists(stem + ".pt"):
+        raise CheckpointError(f"--load {root}: {base} has no {MANIFEST}; it is incomplete or "
+                              f"was not written by --save")
+    payload = load_payload(stem, map_location=map_location, allow_unsafe=allow_unsafe)
     layout = payload.get("layout", {})
     if layout.get("tensor") != groups.tp_size or layout.get("pipeline") != groups.pp_size:
-        raise ValueError(f"--load {root}: checkpoint layout tensor={layout.get('tensor')} "
-                         f"pipeline={layout.get('pipeline')} does not match this run's "
-                         f"tensor={groups.tp_size} pipeline={groups.pp_size}")
-    rng_path = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}")
-    payload["rng_state"] = load_payload(rng_path) if payload_exists(rng_path) else None
+        raise _layout_error(root, base, f"tensor {layout.get('tensor')} x pipeline "
+                            f"{layout.get('pipeline')}", groups)
+    rng_stem = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}")
+    payload["rng_state"] = (load_payload(rng_stem, allow_unsafe=allow_unsafe)
+                            if payload_exists(rng_stem) else None)
     return payload
+
+
+# Model-shape fields of the saved config, and the flags that set them.
+_SHAPE_FLAGS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                ("ffn_hidden_size", "--ffn-hidden-size"),
+                ("num_attention_heads", "--num-attention-heads"),
+                ("max_position_embeddings", "--max-position-embeddings"),
+                ("padded_vocab_size",
+                 "vocabulary size (--vocab-file/--vocab-size, --make-vocab-size-divisible-by)"),
+                ("num_tokentypes", "token types (GPT vs BERT)"))
+
+
+def check_model_shape(root: str, saved_config: Optional[dict], model: Any) -> None:
+    """One line naming every flag whose value differs between the checkpoint and this run,
+    raised before any ``load_state_dict`` prints dozens of size mismatches."""
+    saved = (saved_config or {}).get("model")
+    if not isinstance(saved, dict):
+        return  # a checkpoint without its config (converted, old): load_state_dict checks
+    diffs = []
+    for name, flag in _SHAPE_FLAGS:
+        ours, theirs = getattr(model, name, None), saved.get(name)
+        if theirs is None or ours is None or ours == theirs:
+            continue
+        if name == "max_position_embeddings" and saved.get("seq_length") != model.seq_length:
+            flag = "--seq-length/--max-position-embeddings"
+        diffs.append(f"{flag} {theirs} in the checkpoint, {ours} in this run")
+    if diffs:
+        raise CheckpointError(f"--load {root}: the checkpoint is of another model shape: "
+                              + "; ".join(diffs))

@@ -186,6 +186,8 @@ class TrainingConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    allow_unsafe_checkpoint: bool = False
+    """Load old pickle (.pt) checkpoints, with torch.load(weights_only=True)."""
     skip_train: bool = False
     timeline_file: Optional[str] = None
     """Write every rank's traced pipeline actions to this JSON file (rank suffix added)."""

@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron.checkpointing import (TrainState, check_model_shape, find_checkpoint,
+                                    load_checkpoint, save_checkpoint)
 from megatron.config import MegatronConfig
 from megatron.initialize import barrier_with_message, initialize_distributed, set_random_seed
 from megatron.parallel_state import ParallelGroups
@@ -71,7 +72,9 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
         return build_pretraining_data_loader(ds, consumed, tr.micro_batch_size, groups.dp_rank,
                                              groups.dp_size, cfg.data.num_workers)
 
-    train = loader(train_ds, state.consumed_train_samples)
+    # Evaluation only: no train loader, whose position (consumed samples of a finished
+    # run) may lie at the end of the training set.
+    train = None if tr.skip_train else loader(train_ds, state.consumed_train_samples)
     valid = loader(valid_ds, 0)
     test = loader(test_ds, 0)
     return (iter(train) if train is not None else None,
@@ -141,10 +144,14 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     state = TrainState()
     if not tr.load:
         return state
-    payload = load_checkpoint(tr.load, groups)
-    if payload is None:
-        print_rank_last(f"no checkpoint found under --load {tr.load}; starting from scratch")
+    where = find_checkpoint(tr.load)
+    if where.message:
+        print_rank_last(where.message)
+    if where.iteration is None:
         return state
+    payload = load_checkpoint(tr.load, groups, iteration=where.iteration,
+                              allow_unsafe=tr.allow_unsafe_checkpoint)
+    check_model_shape(tr.load, payload.get("config"), cfg.model)
     if tr.finetune:
         _load_model_states(engine, payload["model"], None, strict=False)
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
