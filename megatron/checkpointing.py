@@ -474,12 +474,23 @@ class TrainState:
     consumed_valid_samples: int = 0
 
 
+def _aside_dirs(root: str, iteration: int) -> List[str]:
+    """Complete copies of ``iteration`` moved aside by a save of the same iteration."""
+    return [d for d in sorted(glob.glob(iteration_dir(root, iteration) + ".old.*"))
+            if _complete(d)]
+
+
 def _remove_stale(root: str) -> None:
-    """Leftovers of crashed saves: staging directories, moved-aside iterations, temp files."""
-    for path in glob.glob(os.path.join(root, "iter_*.tmp")) + \
-            glob.glob(os.path.join(root, "iter_*.old.*")):
-        if os.path.isdir(path):
+    """Leftovers of crashed saves: staging directories, moved-aside iterations, temp files.
+    A moved-aside iteration whose replacement never arrived is put back, not deleted."""
+    for path in glob.glob(os.path.join(root, "iter_*.old.*")):
+        final = path.split(".old.")[0]
+        if not os.path.exists(final) and _complete(path):
+            os.replace(path, final)
+        else:
             shutil.rmtree(path, ignore_errors=True)
+    for path in glob.glob(os.path.join(root, "iter_*.tmp")):
+        shutil.rmtree(path, ignore_errors=True)
     for path in glob.glob(os.path.join(root, f"{TRACKER}.tmp.*")):
         os.remove(path)
 
@@ -556,6 +567,9 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         if iteration is None:
             return None
     base = iteration_dir(root, iteration)
+    if not os.path.isdir(base) and _aside_dirs(root, iteration):
+        # a re-save of this iteration crashed between moving it aside and renaming the new one
+        base = _aside_dirs(root, iteration)[-1]
     if not os.path.isdir(base):
         raise CheckpointError(f"--load {root}: {TRACKER} names iteration {iteration} but "
                               f"{base} does not exist")

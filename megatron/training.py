@@ -328,7 +328,7 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
                                         "validation (end of training)", state.iteration, logger)
             if losses:
                 result.eval_losses[state.iteration] = losses
-        if cfg.training.save and state.iteration > 0 and not (
+        if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (
                 cfg.training.save_interval and state.iteration % cfg.training.save_interval == 0):
             save(cfg, groups, engine, optimizer, scheduler, state)
     if cfg.training.timeline_file:

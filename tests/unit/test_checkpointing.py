@@ -146,6 +146,17 @@ def test_resave_same_iteration_replaces_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000003", TRACKER]
 
 
+def test_crash_between_move_aside_and_rename_keeps_the_old_copy(tmp_path):
+    _save(tmp_path, 3, 1.0)
+    final = iteration_dir(str(tmp_path), 3)
+    os.replace(final, final + ".old.123")  # the re-save of iteration 3 died right here
+    os.makedirs(final + ".tmp")
+    assert _load(tmp_path)["optimizer"] == {"v": 1.0}
+    _save(tmp_path, 5, 2.0)  # the next save puts it back instead of deleting it
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "iter_0000005", TRACKER]
+    assert _load(tmp_path, iteration=3)["optimizer"] == {"v": 1.0}
+
+
 def test_no_checkpoint_returns_none(tmp_path):
     assert _load(tmp_path) is None
     where = find_checkpoint(str(tmp_path / "absent"))
