@@ -104,6 +104,7 @@ _TAGS = frozenset((_TENSOR, _TUPLE, _DICT, _FLOAT, _DTYPE, _SIZE, _NDARRAY, _NPS
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: Dict[str, torch.Tensor] = {}
+        self._storages: set = set()
 
     def _key(self, path: str) -> str:
         path = path.lstrip("/") or "root"
@@ -117,10 +118,18 @@ class _Encoder:
         if t.layout != torch.strided or t.is_quantized:
             raise TypeError(f"checkpoint payload: {path}: cannot store a {t.layout} tensor")
         t = t.detach()
-        # safetensors refuses tensors sharing storage (2BW buffers, views, tied weights):
-        # every entry gets its own contiguous copy.
-        t = t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" \
-            else t.to("cpu").contiguous()
+        if t.device.type != "cpu":
+            t = t.to("cpu").contiguous()  # a fresh copy
+        else:
+            # safetensors refuses tensors sharing storage (2BW buffers, views, tied
+            # weights): a tensor that is not the sole, whole user of its storage is copied.
+            storage = t.untyped_storage()
+            whole = (t.is_contiguous() and t.storage_offset() == 0
+                     and t.numel() * t.element_size() == storage.nbytes())
+            if not whole or storage.data_ptr() in self._storages or storage.nbytes() == 0:
+                t = t.clone(memory_format=torch.contiguous_format)
+            else:
+                self._storages.add(storage.data_ptr())
         key = self._key(path)
         self.tensors[key] = t
         return key
@@ -624,6 +633,8 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any) -> No
         ours, theirs = getattr(model, name, None), saved.get(name)
         if theirs is None or ours is None or ours == theirs:
             continue
+        if name == "padded_vocab_size" and not (ours and theirs):
+            continue  # 0: not known (no tokenizer); load_state_dict still checks
         if name == "max_position_embeddings" and saved.get("seq_length") != model.seq_length:
             flag = "--seq-length/--max-position-embeddings"
         diffs.append(f"{flag} {theirs} in the checkpoint, {ours} in this run")
