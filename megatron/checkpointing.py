@@ -641,3 +641,25 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any) -> No
     if diffs:
         raise CheckpointError(f"--load {root}: the checkpoint is of another model shape: "
                               + "; ".join(diffs))
+
+
+def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe: bool = False
+                 ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """What ``--load root`` gives this rank: (payload or None for a fresh start, a line to
+    print or None).  Collective: a rank that finds its file corrupt, missing or of
+    another shape makes every rank raise the same ``CheckpointError``, instead of the
+    others waiting for it until the distributed timeout."""
+    payload, message, error = None, None, None
+    try:
+        where = find_checkpoint(root)
+        message = where.message
+        if where.iteration is not None:
+            payload = load_checkpoint(root, groups, iteration=where.iteration,
+                                      allow_unsafe=allow_unsafe)
+            check_model_shape(root, payload.get("config"), model)
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        raise CheckpointError(error or errors[0])  # each file names itself
+    return payload, message

@@ -23,8 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import (TrainState, check_model_shape, find_checkpoint,
-                                    load_checkpoint, save_checkpoint)
+from megatron.checkpointing import TrainState, load_for_run, save_checkpoint
 from megatron.config import MegatronConfig
 from megatron.initialize import barrier_with_message, initialize_distributed, set_random_seed
 from megatron.parallel_state import ParallelGroups
@@ -144,14 +143,12 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     state = TrainState()
     if not tr.load:
         return state
-    where = find_checkpoint(tr.load)
-    if where.message:
-        print_rank_last(where.message)
-    if where.iteration is None:
+    payload, message = load_for_run(tr.load, groups, cfg.model,
+                                    allow_unsafe=tr.allow_unsafe_checkpoint)
+    if message:
+        print_rank_last(message)
+    if payload is None:
         return state
-    payload = load_checkpoint(tr.load, groups, iteration=where.iteration,
-                              allow_unsafe=tr.allow_unsafe_checkpoint)
-    check_model_shape(tr.load, payload.get("config"), cfg.model)
     if tr.finetune:
         _load_model_states(engine, payload["model"], None, strict=False)
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))

@@ -6,8 +6,8 @@ the kill -9 case runs in a child process.
 """
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -22,6 +22,7 @@ from megatron.checkpointing import (MANIFEST, TRACKER, find_checkpoint, iteratio
                                     load_checkpoint, load_payload)
 from megatron.errors import CheckpointError
 from megatron.parallel_state import ParallelGroups
+from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -219,3 +220,35 @@ def test_kill_during_save_resumes_from_last_complete(trained, tmp_path):
     for it in (3, 4):
         assert resumed.losses[it] == full[it]
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", TRACKER]
+
+
+# -- two data-parallel ranks: every rank's files are in the manifest, and a corrupt file of
+# one rank stops both at once (not after the distributed timeout) --------------------------
+def _dp2_save_then_load(rank: int, world: int, root: str):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _pretrain(_argv("--save", root, iters=2))
+    dist.barrier()
+    if rank == 0:
+        path = os.path.join(iteration_dir(root, 2), "mp_rank_00", "rng_dp_001.safetensors")
+        data = bytearray(open(path, "rb").read())
+        data[-1] ^= 0x01
+        open(path, "wb").write(bytes(data))
+    dist.barrier()
+    try:
+        _pretrain(_argv("--load", root, "--skip-train", iters=2))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_corrupt_file_of_one_rank_stops_every_rank(tmp_path):
+    root = str(tmp_path / "ckpt")
+    errors = run_distributed(_dp2_save_then_load, 2, args=(root,), timeout=120)
+    manifest = json.loads(open(os.path.join(iteration_dir(root, 2), MANIFEST)).read())
+    assert manifest["layout"] == {"tensor": 1, "pipeline": 1, "data": 2}
+    assert {"mp_rank_00/rng_dp_000.json", "mp_rank_00/rng_dp_001.safetensors"} <= set(
+        manifest["files"])
+    for err in errors:
+        assert err is not None and "rng_dp_001.safetensors: corrupt checkpoint file" in err
