@@ -203,7 +203,10 @@ def _decode(node: Any, tensors: Dict[str, torch.Tensor], where: str) -> Any:
             raw = _decode({_TENSOR: val["data"]}, tensors, where).cpu().numpy().tobytes()
             return np.frombuffer(raw, dtype=dtype).reshape(val["shape"]).copy()
         if tag == _NPSCALAR:
-            return np.dtype(val["dtype"]).type(_decode(val["value"], tensors, where))
+            dtype = np.dtype(val["dtype"])
+            if dtype.hasobject:
+                raise CheckpointError(f"{where}: object scalars are not allowed")
+            return dtype.type(_decode(val["value"], tensors, where))
         if tag == _BYTES:
             return base64.b64decode(val)
     return {k: _decode(v, tensors, where) for k, v in node.items()}
@@ -280,7 +283,13 @@ def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = F
         tensors = load_file(st_path, device=device)
     except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{st_path}: not a readable safetensors file ({exc})") from None
-    return _decode(doc["tree"], tensors, js_path)
+    try:
+        return _decode(doc["tree"], tensors, js_path)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{js_path}: malformed checkpoint JSON ({type(exc).__name__}: "
+                              f"{exc})") from None
 
 
 # -- the previous (pickle) format ---------------------------------------------------------------

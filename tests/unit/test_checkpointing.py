@@ -100,7 +100,8 @@ def test_payload_round_trips_exactly(tmp_path):
     obj = {
         # storage shared between entries, views and transposes (2BW buffers, tied weights)
         "model": {"w": base, "col": base[:, 1], "t": base.t(), "again": base,
-                  "h": torch.ones(2, dtype=torch.float16), "bf": torch.ones(2, dtype=torch.bfloat16),
+                  "h": torch.ones(2, dtype=torch.float16),
+                  "bf": torch.ones(2, dtype=torch.bfloat16),
                   "scalar": torch.tensor(3.5), "empty": torch.empty(0, 5),
                   "mask": torch.tensor([True, False]), "cpu_rng": torch.get_rng_state()},
         "optimizer": adam.state_dict(),                # int param ids as keys, betas tuple
@@ -122,6 +123,17 @@ def test_payload_round_trips_exactly(tmp_path):
     npr2.set_state(back["numpy_random"])
     assert [rng.random(), npr.standard_normal()] == [rng2.random(), npr2.standard_normal()]
     adam.load_state_dict(back["optimizer"])
+
+
+def test_malformed_json_is_one_error(tmp_path):
+    stem = str(tmp_path / "p")
+    save_payload({"a": torch.ones(1)}, stem)
+    for tree in ({"__tensor__": "nope"}, {"__ndarray__": {"dtype": "O", "shape": [1],
+                                                         "data": "a"}}, {"__dict__": 3}):
+        doc = {"format": "megatron-pd2bw-payload", "version": 2, "tree": tree}
+        open(stem + ".json", "w").write(json.dumps(doc))
+        with pytest.raises(CheckpointError, match=r"p\.json"):
+            load_payload(stem)
 
 
 def test_half_written_save_is_ignored_and_stale_dirs_removed(tmp_path):
