@@ -30,9 +30,12 @@ same iteration is moved aside, not deleted, until the new one is in place.  Stal
 (``iter_*.tmp``) and moved-aside (``iter_*.old.*``) directories are removed at the next save.
 
 Loading verifies the size and sha256 of every file the rank reads against the manifest, so
-a truncated or bit-flipped file is one ``CheckpointError`` naming it.  Without a tracker
-file the newest iteration whose files all match their manifest is used; a directory of
-``iter_*`` directories none of which is complete is an error, never a fresh start.
+a truncated or bit-flipped file is one ``CheckpointError`` naming it (on every rank: see
+``load_for_run``).  Tools that write a whole iteration directory (tools/checkpoint_util.py)
+call ``write_manifest(dir, iteration, layout)`` before their rename; a final directory
+without a manifest still loads, unverified, with a warning.  Without a tracker file the
+newest iteration whose files all match their manifest is used; a directory of ``iter_*``
+directories none of which is complete is an error, never a fresh start.
 
 With PipeDream-2BW the checkpoint holds both weight versions (``model`` is the newest,
 ``model_shadow`` the one the next batch uses), so resuming continues the delayed-update
@@ -607,9 +610,10 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         raise CheckpointError(f"--load {root}: {base} holds no model file for tensor rank "
                               f"{groups.tp_rank}, stage {groups.pp_rank} (found {present})")
     stem = os.path.join(my_dir, "model_optim_rng")
-    if manifest is None and not os.path.exists(stem + ".pt"):
-        raise CheckpointError(f"--load {root}: {base} has no {MANIFEST}; it is incomplete or "
-                              f"was not written by --save")
+    if manifest is None and not os.path.exists(stem + ".pt") and groups.rank == 0:
+        # Final directories appear only by rename, so this one is complete; it was written
+        # by a tool that did not call write_manifest, and cannot be verified.
+        print(f"WARNING: {base} has no {MANIFEST}: its files are loaded unverified", flush=True)
     payload = load_payload(stem, map_location=map_location, allow_unsafe=allow_unsafe)
     layout = payload.get("layout", {})
     if layout.get("tensor") != groups.tp_size or layout.get("pipeline") != groups.pp_size:

@@ -60,6 +60,13 @@ def test_layout_and_round_trip(tmp_path):
     assert payload["optimizer"] == {"v": 1.5} and payload["rng_state"] == {"seed": 1.5}
 
 
+def test_directory_written_by_a_tool_without_manifest_loads_unverified(tmp_path, capsys):
+    path = _save(tmp_path, 5, 1.5)
+    os.remove(os.path.join(path, MANIFEST))
+    assert _load(tmp_path)["iteration"] == 5
+    assert "has no manifest.json: its files are loaded unverified" in capsys.readouterr().out
+
+
 def test_rank_dir_names_follow_megatron(tmp_path):
     assert rank_dir("it", 3, 0, pipeline_size=1) == os.path.join("it", "mp_rank_03")
     assert rank_dir("it", 1, 2, pipeline_size=4) == os.path.join("it", "mp_rank_01_002")
