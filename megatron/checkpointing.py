@@ -432,7 +432,8 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as fh:
+        text = fh.read().strip()
     if text == "release":
         return 0
     try:
