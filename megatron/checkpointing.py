@@ -44,6 +44,7 @@ semantics exactly.
 from __future__ import annotations
 
 import base64
+import contextlib
 import glob
 import hashlib
 import json
@@ -313,13 +314,18 @@ def _load_legacy(path: str, map_location: Any, allow_unsafe: bool) -> Any:
             f"with torch.load(weights_only=True)) and save again to convert it")
     print(f"WARNING: loading {path} in the old pickle format because of {UNSAFE_FLAG} "
           f"(weights-only unpickler, allow-listed globals only)", flush=True)
+    # torch < 2.5 has no safe_globals: its weights-only defaults, without numpy, apply
+    allow = getattr(torch.serialization, "safe_globals", None)
     try:
-        with torch.serialization.safe_globals(_legacy_allowed_globals()):
+        with allow(_legacy_allowed_globals()) if allow else contextlib.nullcontext():
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is one user error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+        culprit = re.search(r"GLOBAL (\S+)", text)
+        why = (f"it references {culprit.group(1)}, which is not on the allow-list"
+               if culprit else (text.strip().splitlines() or [type(exc).__name__])[-1])
         raise CheckpointError(f"{path}: refused to load this old pickle checkpoint even with "
-                              f"{UNSAFE_FLAG}: {first}") from None
+                              f"{UNSAFE_FLAG}: {why}") from None
 
 
 # -- manifest -----------------------------------------------------------------------------------

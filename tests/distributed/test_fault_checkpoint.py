@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -109,6 +110,8 @@ def test_crafted_pickle_never_runs(tmp_path, allow_unsafe):
     assert "\n" not in msg and "model_optim_rng.pt" in msg and "--allow-unsafe-checkpoint" in msg
     if not allow_unsafe:
         assert "old pickle checkpoint format" in msg and "arbitrary code" in msg
+    else:
+        assert re.search(r"it references \S*open, which is not on the allow-list", msg)
     with pytest.raises(CheckpointError):  # the training entry point refuses it too
         _pretrain(_argv("--load", str(tmp_path / "ck"), "--skip-train",
                         *(["--allow-unsafe-checkpoint"] if allow_unsafe else [])))
