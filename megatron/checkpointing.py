@@ -576,9 +576,9 @@ def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups) -> C
     return CheckpointError(
         f"--load {root}: {os.path.basename(base)} was saved with {saved}, this run uses tensor "
         f"{groups.tp_size} x pipeline {groups.pp_size} (--tensor-model-parallel-size/"
-        f"--pipeline-model-parallel-size); convert it with tools/checkpoint_util.py "
-        f"--target-tensor-parallel-size {groups.tp_size} --target-pipeline-parallel-size "
-        f"{groups.pp_size}")
+        f"--pipeline-model-parallel-size); convert it with python tools/checkpoint_util.py "
+        f"--load {root} --save NEW_DIR --target-tensor-parallel-size {groups.tp_size} "
+        f"--target-pipeline-parallel-size {groups.pp_size}")
 
 
 def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
