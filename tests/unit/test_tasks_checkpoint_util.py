@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
+from megatron.checkpointing import save_payload
 from megatron.config import ModelConfig
+from megatron.errors import CheckpointError
 from megatron.model.bert_model import BertModel
 from megatron.model.classification import Classification
 from megatron.model.gpt_model import GPTModel
@@ -41,9 +43,11 @@ def _write(root, shards, tp, pp, iteration=5):
     for (t, p), sd in shards.items():
         path = os.path.join(base, f"mp_rank_{t:02d}_{p:03d}")
         os.makedirs(path, exist_ok=True)
-        torch.save({"model": sd, "layout": {"tensor": tp, "pipeline": pp},
-                    "config": {"model": {"num_layers": LAYERS}}, "iteration": iteration},
-                   os.path.join(path, "model_optim_rng.pt"))
+        save_payload({"model": sd, "layout": {"tensor": tp, "pipeline": pp},
+                      "config": {"model": {"num_layers": LAYERS},
+                                 "data": {"make_vocab_size_divisible_by": 64}},
+                      "iteration": iteration},
+                     os.path.join(path, "model_optim_rng"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write(str(iteration))
     return root
@@ -164,14 +168,14 @@ def test_finetuning_model_gets_new_head_and_errors_are_clear(tmp_path):
                   tp=1, pp=1)
     clf = Classification(cfg, TP, num_classes=3, seed=5)
     head = clf.classification_head.weight.detach().clone()
-    with pytest.raises(ValueError, match="classification_head"):
+    with pytest.raises(CheckpointError, match="classification_head"):
         load_into_stage(clf, root, layer_offset=0, tp_rank=0, tp_size=1)
     report = load_into_stage(clf, root, layer_offset=0, tp_rank=0, tp_size=1,
                              allow_missing=("classification_head.",))
     assert report.missing == ["classification_head.weight", "classification_head.bias"]
     torch.testing.assert_close(clf.classification_head.weight, head, rtol=0, atol=0)
     bigger = ModelConfig(**{**_cfg().__dict__, "hidden_size": 64, "ffn_hidden_size": 256})
-    with pytest.raises(ValueError, match="--hidden-size"):
+    with pytest.raises(CheckpointError, match="--hidden-size"):
         load_into_stage(BertModel(bigger, TP, seed=1), root, layer_offset=0, tp_rank=0,
                         tp_size=1)
 
