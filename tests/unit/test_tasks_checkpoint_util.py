@@ -13,6 +13,7 @@ from megatron.model.bert_model import BertModel
 from megatron.model.classification import Classification
 from megatron.model.gpt_model import GPTModel
 from megatron.tensor_parallel import TPInfo
+from megatron.checkpointing import rank_dir
 from tools.checkpoint_util import (convert, load_into_stage, merge_checkpoint, module_targets,
                                    partition_dim_by_name, read_checkpoint, split_for_stage,
                                    to_global)
@@ -191,3 +192,120 @@ def test_different_vocab_padding_is_fitted(tmp_path):
     w = target.embedding.word_embeddings.weight
     torch.testing.assert_close(w[:128], src.embedding.word_embeddings.weight, rtol=0, atol=0)
     assert torch.all(w[128:] == 0) and torch.all(target.lm_head.bias[128:] == 0)
+
+
+# ------------------------------------------------------------- full-state resharding
+def _trained_full_state_checkpoint(root, divisible_by=64, vocab=96):
+    """A one-stage bf16 GPT with fp32 masters after one Adam step, saved like training."""
+    from megatron.config import OptimizerConfig, PrecisionConfig
+    from megatron.optimizer import get_megatron_optimizer
+    from megatron.tokenizer import vocab_size_with_padding
+
+    padded = vocab_size_with_padding(vocab, divisible_by, 1)
+    cfg = ModelConfig(**{**_cfg().__dict__, "padded_vocab_size": padded,
+                         "params_dtype": torch.bfloat16})
+    model = GPTModel(cfg, TP, seed=3)
+    opt = get_megatron_optimizer(OptimizerConfig(), PrecisionConfig(bf16=True),
+                                 list(model.parameters()))
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, None, None, labels=ids).float().mean().backward()
+    params = list(model.parameters())
+    assert opt.step(params, params, params, lr=1e-3).skipped is False
+    base = os.path.join(root, "iter_0000007", "mp_rank_00")  # Megatron's pp=1 name
+    os.makedirs(base)
+    save_payload({"iteration": 7, "consumed_train_samples": 56, "consumed_valid_samples": 8,
+                  "layout": {"tensor": 1, "pipeline": 1, "data": 2},
+                  "model": model.state_dict(), "model_shadow": None,
+                  "optimizer": opt.state_dict(), "engine": {"iteration": 7, "batch_scales": {}},
+                  "lr_scheduler": {"max_lr": 1e-3, "num_steps": 7},
+                  "config": {"model": {"num_layers": LAYERS},
+                             "data": {"make_vocab_size_divisible_by": divisible_by,
+                                      "tokenizer_type": "NullTokenizer", "vocab_size": vocab}}},
+                 os.path.join(base, "model_optim_rng"))
+    for d in range(2):
+        save_payload({"cpu": torch.get_rng_state(), "d": d},
+                     os.path.join(base, f"rng_dp_{d:03d}"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("7")
+    return root, model, opt
+
+
+def _assert_same(a, b, path="payload"):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert sorted(map(str, a)) == sorted(map(str, b)), (path, list(a), list(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("divisible_by", [64, 128])  # 128: the padded vocab changes with t
+def test_full_state_round_trip_through_another_layout(tmp_path, divisible_by):
+    from megatron.optimizer.optimizer import MegatronOptimizer  # noqa: F401  (format owner)
+
+    src, model, opt = _trained_full_state_checkpoint(str(tmp_path / "src"), divisible_by)
+    convert(src, str(tmp_path / "t2d2"), tp=2, pp=2, dp=1)
+    mid = read_checkpoint(str(tmp_path / "t2d2"))
+    rows = 128 if divisible_by == 64 else 256  # 96 -> multiple of divisible_by * 2
+    last = mid.payloads[(1, 1)]
+    assert last["model"]["output_word_embeddings.weight"].shape[0] == rows // 2
+    assert last["consumed_train_samples"] == 56 and last["lr_scheduler"]["num_steps"] == 7
+    assert last["layout"] == {"tensor": 2, "pipeline": 2, "data": 1}
+    assert last["config"]["model"]["padded_vocab_size"] == rows
+    # every stage's optimizer state matches its own parameters one to one
+    for payload in mid.payloads.values():
+        o = payload["optimizer"]
+        shapes = [list(v.shape) for v in payload["model"].values()]
+        assert o["meta"]["shapes"] == shapes
+        assert [list(m.shape) for m in o["fp32_masters"]] == shapes
+    # RNG files only where the (t, d) grid is unchanged: here none
+    assert not [f for d in mid.dirs.values() for f in os.listdir(d) if f.startswith("rng")]
+    convert(str(tmp_path / "t2d2"), str(tmp_path / "back"), tp=1, pp=1, dp=2)
+    back = read_checkpoint(str(tmp_path / "back")).payloads[(0, 0)]
+    _assert_same(model.state_dict(), back["model"], "model")
+    _assert_same(opt.state_dict(), back["optimizer"], "optimizer")
+    assert back["iteration"] == 7 and back["engine"] == {"iteration": 7, "batch_scales": {}}
+
+
+def test_same_grid_keeps_rng_files_and_uses_megatron_names(tmp_path):
+    src, _, _ = _trained_full_state_checkpoint(str(tmp_path / "src"))
+    out = convert(src, str(tmp_path / "w1"), tp=1, pp=1, dp=1)
+    assert sorted(os.listdir(out)) == [os.path.basename(rank_dir(out, 0, 0))]
+    files = sorted(os.listdir(rank_dir(out, 0, 0)))
+    assert [f for f in files if f.startswith("rng_dp_")][0].startswith("rng_dp_000")
+    assert not [f for f in files if f.startswith("rng_dp_001")]
+    assert not [f for f in os.listdir(str(tmp_path / "w1")) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_script_refuses_save_inside_load(tmp_path, capsys, where):
+    from tools.checkpoint_util import main
+
+    src, _, _ = _trained_full_state_checkpoint(str(tmp_path / "src"))
+    before = sorted(os.listdir(os.path.join(src, "iter_0000007", "mp_rank_00")))
+    save = src if where == "same" else os.path.join(src, "sub", "out")
+    with pytest.raises(SystemExit) as exc:
+        main(["--load", src, "--save", save, "--target-tensor-parallel-size", "2"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--save" in err[0] and "--load" in err[0], err
+    assert sorted(os.listdir(os.path.join(src, "iter_0000007", "mp_rank_00"))) == before
+    assert not os.path.exists(os.path.join(src, "sub"))
+
+
+def test_help_lists_the_three_workflows(capsys):
+    from tools.checkpoint_util import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--to-hf", "--from-hf", "--target-tensor-parallel-size", "reshard", "export",
+                 "import"):
+        assert flag in out, flag
