@@ -626,7 +626,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
             config["model"] = dict(config.get("model") or {}, padded_vocab_size=rows)
     model = _repad(state.model, rows) if rows else state.model
     shadow = _repad(state.shadow, rows) if rows and state.shadow is not None else state.shadow
-    same_grid = (src_t, src_p) == (tp, pp)
+    same_grid = (src_t, src_p) == (tp, pp) and bool(state.ckpt.dirs)
 
     def write_files(staging: str) -> None:
         for stage in range(pp):
