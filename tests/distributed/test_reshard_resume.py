@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
 from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY, train_configs
-from tools.checkpoint_util import convert, read_checkpoint
+from tools.checkpoint_util import convert, main, read_checkpoint
 
 # (schedule, source (t, d, w), target (t, d, w)); sources run on 2 ranks, targets on 4.
 CASES = [("flush", (1, 2, 1), (2, 1, 2)),   # pp 2 -> 1 with a tp change and a dp change
@@ -27,6 +30,21 @@ def _argv(schedule, layout, *extra):
                    str(d), "--pipeline-schedule", schedule, "--min-lr", "1e-4", *extra]
 
 
+def _import_hf_gpt2(tmp_path) -> "torch.Tensor":
+    """A random transformers GPT-2 shaped like TINY, imported for (t2, d2)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=4,
+                                     n_head=4, activation_function="gelu", bos_token_id=95,
+                                     eos_token_id=95)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(config)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    main(["--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "hf-ours"),
+          "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2",
+          "--make-vocab-size-divisible-by", "64"])
+    return hf.transformer.wte.weight.detach().clone()
+
+
 def test_reshard_then_resume_matches_uninterrupted_run(tmp_path):
     first = [(f"{s}-first", _argv(s, src, "--save", str(tmp_path / f"{s}-src"),
                                   "--exit-interval", "3"), None)
@@ -40,11 +58,23 @@ def test_reshard_then_resume_matches_uninterrupted_run(tmp_path):
         payload = ckpt.payloads[(0, 0)]
         assert payload["consumed_train_samples"] == 24 and payload["optimizer"] is not None
         assert (payload["model_shadow"] is not None) == (s == "2bw")
+    hf_wte = _import_hf_gpt2(tmp_path)
     second = []
     for s, _, dst in CASES:
         second.append((f"{s}-full", _argv(s, dst), None))
         second.append((f"{s}-resumed", _argv(s, dst, "--load", str(tmp_path / f"{s}-dst")), None))
+    # an imported Hugging Face GPT-2 (iteration 0, t2 d2) works as --load and --finetune
+    hf_layout = (2, 2, 1)
+    second.append(("hf-finetune", _argv("flush", hf_layout, "--load", str(tmp_path / "hf-ours"),
+                                        "--finetune", "--lr", "0", "--min-lr", "0"), None))
+    second.append(("hf-load", _argv("2bw", hf_layout, "--load", str(tmp_path / "hf-ours")),
+                   None))
     res = run_distributed(train_configs, 4, args=(second,), timeout=300)[-1]
+    # the last rank holds tensor rank 1's half of the tied embedding: rows 64..127
+    got = res["hf-finetune"]["shared_embedding"]
+    assert got.shape == (64, 32)
+    assert torch.equal(got[:32], hf_wte[64:96].to(got.dtype)) and torch.all(got[32:] == 0)
+    assert res["hf-load"]["iteration"] == 6 and sorted(res["hf-load"]["losses"]) == list(range(1, 7))
     for s, _, _ in CASES:
         full, resumed = res[f"{s}-full"]["losses"], res[f"{s}-resumed"]["losses"]
         assert sorted(resumed) == [4, 5, 6], (s, sorted(resumed))
