@@ -211,13 +211,13 @@ def _check_exportable(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
 
 
 def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
-              true_vocab: Optional[int] = None) -> str:
+              true_vocab: Optional[int] = None, allow_unsafe: bool = False) -> str:
     """Write checkpoint ``load`` as a transformers model directory ``out_dir``."""
     from safetensors.torch import save_file
 
     from tools.checkpoint_util import WORD_EMBEDDING, read_full_state, true_vocab_size
 
-    state = read_full_state(load, iteration)
+    state = read_full_state(load, iteration, allow_unsafe=allow_unsafe)
     config = state.common.get("config") or {}
     model_cfg = dict(config.get("model") or {})
     if not model_cfg:

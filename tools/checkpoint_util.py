@@ -42,6 +42,29 @@ from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, iteration_dir, 
                                     save_payload)
 from megatron.errors import CheckpointError, UserError  # noqa: E402
 
+try:  # the manifest (size + sha256 per file) that training saves write; newer checkpointing
+    from megatron.checkpointing import write_manifest  # noqa: E402
+except ImportError:  # pragma: no cover - older checkpointing without manifests
+    write_manifest = None
+
+
+def _rank_dir(base: str, t: int, p: int, pp: int) -> str:
+    """Megatron's name for a rank directory of a layout with ``pp`` stages."""
+    try:
+        return rank_dir(base, t, p, pp)  # mp_rank_TT at pp == 1
+    except TypeError:  # older rank_dir(base, t, p)
+        return rank_dir(base, t, p)
+
+
+def _load(stem: str, allow_unsafe: bool = False) -> Any:
+    """``load_payload``; ``allow_unsafe`` reads old pickle checkpoints where supported."""
+    if allow_unsafe:
+        try:
+            return load_payload(stem, allow_unsafe=True)
+        except TypeError:
+            pass
+    return load_payload(stem)
+
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_EMBEDDING_COPY = "output_word_embeddings.weight"
 _LAYER = re.compile(r"^(?P<head>(?:.*\.)?layers\.)(?P<num>\d+)(?P<tail>\..*)$")
@@ -104,8 +127,10 @@ def rank_dirs(base: str) -> Dict[Tuple[int, int], str]:
     return found
 
 
-def read_checkpoint(root: str, iteration: Optional[int] = None) -> CheckpointShards:
-    """Load all shards under ``root`` (latest iteration unless given)."""
+def read_checkpoint(root: str, iteration: Optional[int] = None, *,
+                    allow_unsafe: bool = False) -> CheckpointShards:
+    """Load all shards under ``root`` (latest iteration unless given).  ``allow_unsafe``:
+    also read old pickle checkpoints (--allow-unsafe-checkpoint; trusted files only)."""
     if not os.path.isdir(root):
         raise CheckpointError(f"checkpoint {root}: expected a directory written by --save, "
                               f"found {'a file' if os.path.exists(root) else 'nothing'}")
@@ -132,7 +157,7 @@ def read_checkpoint(root: str, iteration: Optional[int] = None) -> CheckpointSha
                            num_layers=0, dirs=dirs)
     layers_seen = 0
     for key in sorted(dirs):
-        payload = load_payload(os.path.join(dirs[key], MODEL_FILE))
+        payload = _load(os.path.join(dirs[key], MODEL_FILE), allow_unsafe)
         out.payloads[key] = payload
         out.shards[key] = payload["model"]
         out.config = out.config or payload.get("config")
@@ -411,9 +436,10 @@ def _stage_optimizer_by_name(opt: Dict[str, Any], names: List[str], where: str
     return tensors, scalars, masters, groups
 
 
-def read_full_state(root: str, iteration: Optional[int] = None) -> FullState:
+def read_full_state(root: str, iteration: Optional[int] = None, *,
+                    allow_unsafe: bool = False) -> FullState:
     """Merge every file of a checkpoint into one layout-free ``FullState``."""
-    ckpt = read_checkpoint(root, iteration)
+    ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe)
     first = ckpt.payloads[(0, 0)]
     layout = first.get("layout") or {}
     data = int(layout.get("data") or 1)
@@ -599,7 +625,8 @@ def _write_atomically(save: str, iteration: int, write_files) -> str:
 
 
 def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int] = None,
-                 *, true_vocab: Optional[int] = None, source: Optional[str] = None) -> str:
+                 *, true_vocab: Optional[int] = None, source: Optional[str] = None,
+                 allow_unsafe: bool = False) -> str:
     """Write ``state`` as a checkpoint for (tp, pp, dp) under ``save``.
 
     RNG files: a rank whose (tensor rank, stage) position and data-parallel rank exist
@@ -645,7 +672,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
                     "config": config})
                 if source:
                     payload["converted_from"] = source
-                out_dir = rank_dir(staging, t, stage)
+                out_dir = _rank_dir(staging, t, stage, pp)
                 os.makedirs(out_dir, exist_ok=True)
                 save_payload(payload, os.path.join(out_dir, MODEL_FILE))
                 if same_grid:
@@ -653,10 +680,15 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
                     for d in range(min(dp, src_w)):
                         stem = os.path.join(src_dir, f"rng_dp_{d:03d}")
                         if payload_exists(stem):
-                            save_payload(load_payload(stem),
+                            save_payload(_load(stem, allow_unsafe),
                                          os.path.join(out_dir, f"rng_dp_{d:03d}"))
 
-    return _write_atomically(save, state.iteration, write_files)
+    def write_all(staging: str) -> None:
+        write_files(staging)
+        if write_manifest is not None:
+            write_manifest(staging, state.iteration, {"tensor": tp, "pipeline": pp, "data": dp})
+
+    return _write_atomically(save, state.iteration, write_all)
 
 
 def json_safe(config: dict) -> dict:
@@ -664,12 +696,13 @@ def json_safe(config: dict) -> dict:
 
 
 def convert(load: str, save: str, tp: int, pp: int, iteration: Optional[int] = None,
-            dp: Optional[int] = None, true_vocab: Optional[int] = None) -> str:
+            dp: Optional[int] = None, true_vocab: Optional[int] = None,
+            allow_unsafe: bool = False) -> str:
     """Rewrite checkpoint ``load`` (full state) for layout (tp, pp, dp) under ``save``."""
     _check_save_path(load, save)
-    state = read_full_state(load, iteration)
+    state = read_full_state(load, iteration, allow_unsafe=allow_unsafe)
     return write_layout(state, save, tp, pp, dp, true_vocab=true_vocab,
-                        source=os.path.abspath(load))
+                        source=os.path.abspath(load), allow_unsafe=allow_unsafe)
 
 
 # ---------------------------------------------------------------------------- the script
@@ -704,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--true-vocab-size", type=int, default=None,
                    help="unpadded vocabulary size, when the tokenizer files recorded in the "
                         "checkpoint are not on this machine (needed to re-pad for a new t)")
+    p.add_argument("--allow-unsafe-checkpoint", action="store_true",
+                   help="read an old pickle (.pt) checkpoint; unpickling can run code, so "
+                        "only for files you trust.  The output is always the safe format")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="import: vocabulary padding unit (as the training run will use)")
     return p
@@ -737,16 +773,18 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
             from megatron.hf_interop import export_hf
             _check_save_path(args.load, args.to_hf)
             out = export_hf(args.load, args.to_hf, iteration=args.iteration,
-                            true_vocab=args.true_vocab_size)
+                            true_vocab=args.true_vocab_size,
+                            allow_unsafe=args.allow_unsafe_checkpoint)
         else:
-            state = None
             _check_save_path(args.load, args.save)
-            state = read_full_state(args.load, args.iteration)
+            state = read_full_state(args.load, args.iteration,
+                                    allow_unsafe=args.allow_unsafe_checkpoint)
             tp = args.target_tensor_parallel_size or state.layout[0]
             pp = args.target_pipeline_parallel_size or state.layout[1]
             out = write_layout(state, args.save, tp, pp, args.target_data_parallel_size,
                                true_vocab=args.true_vocab_size,
-                               source=os.path.abspath(args.load))
+                               source=os.path.abspath(args.load),
+                               allow_unsafe=args.allow_unsafe_checkpoint)
     except UserError as exc:
         print(f"checkpoint_util.py: error: {exc}", file=sys.stderr)
         sys.exit(1)
