@@ -1,21 +1,44 @@
-"""Merge a checkpoint's pipeline stages and tensor partitions, and re-split it.
+"""Reshard a checkpoint to another (t, d, w) layout, or move it to/from Hugging Face.
 
-The trainer writes one ``model`` state dict per (tensor rank, pipeline stage)
-(``iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt``).  Stage-local names number the
-transformer layers from 0 on every stage; tensor-parallel parameters hold a contiguous
-slice of the full tensor along their ``partition_dim``.  This module
+Three workflows (``python tools/checkpoint_util.py --help``)::
+
+    # 1. reshard the FULL training state and resume at another layout
+    python tools/checkpoint_util.py --load ckpt_t1_d2 --save ckpt_t2_d1 \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \\
+        --target-data-parallel-size 2
+    # 2. export to a transformers model directory (GPT-2, or Megatron-BERT)
+    python tools/checkpoint_util.py --load ckpt --to-hf hf_model
+    # 3. import a transformers GPT-2 directory, then train with --load OUT [--finetune]
+    python tools/checkpoint_util.py --from-hf gpt2_dir --save ckpt_gpt2 \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+The trainer writes one file set per (tensor rank, pipeline stage)
+(``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng``; Megatron's ``mp_rank_TT`` at one
+stage), read and written only through ``megatron.checkpointing``'s
+``load_payload``/``save_payload``.  Stage-local names number the transformer layers from
+0 on every stage; tensor-parallel parameters hold a contiguous slice of the full tensor
+along their ``partition_dim``.  This module
 
 * merges all files into ONE full state dict with global layer numbers
-  (``merge_checkpoint``), dropping the last stage's copy of the tied word embedding;
-* cuts a full state dict for one stage of another layout (``split_for_stage``), driven
-  by the target module's own parameter names, shapes and partition flags;
+  (``merge_checkpoint``/``merge_shards``), dropping the last stage's copy of the tied
+  word embedding (its gradient is all-reduced with the first stage's, so its value and
+  its Adam moments are identical);
+* merges the rest of the training state the same way (``read_full_state``): the 2BW
+  shadow weights, Adam moments and fp32 master weights (split and merged exactly like
+  their parameters), and copies what every rank shares (iteration, consumed samples,
+  LR scheduler, grad scaler, the engine's per-batch loss scales);
+* cuts it for another layout (``write_layout``), re-padding the vocabulary tables when
+  t changes the padded size (Megatron pads to a multiple of
+  ``make_vocab_size_divisible_by * t``; new rows are zero, as are their moments), and
+  writes through a staging directory renamed into place, tracker file last;
 * loads any checkpoint into the stage module of the current run
-  (``load_into_stage``: how finetuning reads --pretrained-checkpoint, whatever
-  tensor/pipeline layout pretraining used);
-* as a script, rewrites a checkpoint for another layout::
+  (``load_into_stage``: how finetuning reads --pretrained-checkpoint).
 
-    python tools/checkpoint_util.py --load ckpt_t2_p4 --save ckpt_t1_p2 \\
-        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
+RNG state (``rng_dp_DDD`` per rank): carried over only where the (t, d) grid is unchanged
+and the data-parallel rank exists in both layouts; other ranks start from the streams
+``--seed`` gives them (one layout's generator states do not describe another's: dropout
+masks are drawn per rank and per slice).  The data position is exact in every case:
+the sampler resumes from ``consumed_train_samples`` whatever w is.
 
 Where a module is not at hand (the script), partition dims come from the parameter
 names (``partition_dim_by_name``): Megatron's column-parallel layers (QKV, h->4h,
@@ -726,21 +749,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "transformers model directory (safetensors, config.json, tokenizer files)")
     p.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face GPT-2 directory "
                    "(model.safetensors + config.json) into a checkpoint at --save")
-    p.add_argument("--target-tensor-parallel-size", type=int, default=None,
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="T",
                    help="t of the written checkpoint (default: the source's; 1 for import)")
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None, metavar="D",
                    help="d of the written checkpoint (default: the source's; 1 for import)")
-    p.add_argument("--target-data-parallel-size", type=int, default=None,
+    p.add_argument("--target-data-parallel-size", type=int, default=None, metavar="W",
                    help="w the resumed run will use (default: the source's); decides which "
                         "RNG files are carried over")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    p.add_argument("--true-vocab-size", type=int, default=None,
+    p.add_argument("--true-vocab-size", type=int, default=None, metavar="N",
                    help="unpadded vocabulary size, when the tokenizer files recorded in the "
                         "checkpoint are not on this machine (needed to re-pad for a new t)")
     p.add_argument("--allow-unsafe-checkpoint", action="store_true",
                    help="read an old pickle (.pt) checkpoint; unpickling can run code, so "
-                        "only for files you trust.  The output is always the safe format")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        "only for files you trust; the output is written in the current format")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
                    help="import: vocabulary padding unit (as the training run will use)")
     return p
 
