@@ -546,19 +546,30 @@ def target_padded_vocab(state_rows: int, config: Optional[dict], tp: int,
     return vocab_size_with_padding(true_vocab or state_rows, divisible, tp)
 
 
-def _fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    if tensor.shape[0] == rows:
-        return tensor
-    if tensor.shape[0] > rows:
-        return tensor[:rows].clone()
-    pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-    return torch.cat([tensor, pad], 0)
+def _fit_rows(tensor: torch.Tensor, rows: int, real: Optional[int]) -> torch.Tensor:
+    """Cut or extend the vocabulary rows to ``rows``.
+
+    New rows copy the source's last PADDING row when it has one: padding rows are never
+    an input and only ever pushed down as outputs, so a copy keeps the new logits as
+    unlikely as the old padding ones (a zero row would give logit 0, which can be a
+    likely token).  Its optimizer moments are copied alike.  Without padding rows in the
+    source, new rows are zero."""
+    have = tensor.shape[0]
+    if have >= rows:
+        return tensor if have == rows else tensor[:rows].clone()
+    shape = (rows - have,) + tuple(tensor.shape[1:])
+    if real is not None and real < have:
+        extra = tensor[-1:].expand(shape).clone()
+    else:
+        extra = torch.zeros(shape, dtype=tensor.dtype)
+    return torch.cat([tensor, extra], 0)
 
 
-def _repad(full: Dict[str, torch.Tensor], rows: int) -> Dict[str, torch.Tensor]:
-    """Vocabulary tables cut or zero-padded to ``rows`` (the padding rows are unused by
-    the input embedding; zero rows give zero logits, and zero Adam moments)."""
-    return {k: (_fit_rows(v, rows) if _is_vocab(k) and v.dim() > 0 else v)
+def _repad(full: Dict[str, torch.Tensor], rows: int, real: Optional[int] = None
+           ) -> Dict[str, torch.Tensor]:
+    """Vocabulary tables (and their optimizer state) fitted to ``rows`` padded rows;
+    ``real``: the unpadded vocabulary size (None: unknown)."""
+    return {k: (_fit_rows(v, rows, real) if _is_vocab(k) and v.dim() > 0 else v)
             for k, v in full.items()}
 
 
@@ -573,12 +584,12 @@ def _split(full: Dict[str, torch.Tensor], targets, offset: int, t: int, tp: int
 
 
 def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
-                     rows: int) -> Dict[str, Any]:
+                     rows: int, real: Optional[int] = None) -> Dict[str, Any]:
     """A ``MegatronOptimizer.state_dict()`` for one (tensor rank, stage) of the target."""
     names = list(targets)
     shapes = [tuple(targets[n][0]) for n in names]
     order = _decay_order(shapes)
-    quantities = {q: _split(_repad(full, rows), targets, offset, t, tp)
+    quantities = {q: _split(_repad(full, rows, real), targets, offset, t, tp)
                   for q, full in opt.tensors.items()}
     state: Dict[int, Dict[str, Any]] = {}
     for pos, i in enumerate(order):
@@ -603,7 +614,7 @@ def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
             groups.append(dict(opt.groups[kind], params=list(positions)))
     masters = None
     if opt.masters is not None:
-        split = _split(_repad(opt.masters, rows), targets, offset, t, tp)
+        split = _split(_repad(opt.masters, rows, real), targets, offset, t, tp)
         masters = [split[n] for n in names]
     return {"meta": {"optimizer": opt.name, "num_params": len(names),
                      "shapes": [list(s) for s in shapes], "fp32_masters": masters is not None},
@@ -664,18 +675,18 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     src_t, src_p, src_w = state.layout
     dp = dp or src_w
     config = json_safe(state.common.get("config") or {})
-    rows = target_padded_vocab(state.model[WORD_EMBEDDING].shape[0] if WORD_EMBEDDING in
-                               state.model else 0, config, tp,
-                               true_vocab_size(config, true_vocab)) \
-        if WORD_EMBEDDING in state.model else None
+    real = true_vocab_size(config, true_vocab)
+    rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
+            if WORD_EMBEDDING in state.model else None)
     if config:
         config = dict(config)
         config["parallel"] = dict(config.get("parallel") or {}, tensor_model_parallel_size=tp,
                                   pipeline_model_parallel_size=pp, world_size=tp * pp * dp)
         if rows is not None:
             config["model"] = dict(config.get("model") or {}, padded_vocab_size=rows)
-    model = _repad(state.model, rows) if rows else state.model
-    shadow = _repad(state.shadow, rows) if rows and state.shadow is not None else state.shadow
+    model = _repad(state.model, rows, real) if rows else state.model
+    shadow = (_repad(state.shadow, rows, real) if rows and state.shadow is not None
+              else state.shadow)
     same_grid = (src_t, src_p) == (tp, pp) and bool(state.ckpt.dirs)
 
     def write_files(staging: str) -> None:
@@ -690,7 +701,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
                     "model_shadow": (_split(shadow, targets, offset, t, tp)
                                      if shadow is not None else None),
                     "optimizer": (_stage_optimizer(state.optimizer, targets, offset, t, tp,
-                                                   rows or 0)
+                                                   rows or 0, real)
                                   if state.optimizer is not None else None),
                     "config": config})
                 if source:

@@ -264,6 +264,15 @@ def test_full_state_round_trip_through_another_layout(tmp_path, divisible_by):
         shapes = [list(v.shape) for v in payload["model"].values()]
         assert o["meta"]["shapes"] == shapes
         assert [list(m.shape) for m in o["fp32_masters"]] == shapes
+    if rows > 128:  # new padding rows copy the last (trained-down) padding row, moments too
+        emb = merge_checkpoint(mid)["embedding.word_embeddings.weight"]
+        src_emb = model.state_dict()["embedding.word_embeddings.weight"]
+        assert torch.equal(emb[:128], src_emb)
+        assert torch.equal(emb[128:], src_emb[127:].expand(128, -1))
+        m = mid.payloads[(1, 0)]["optimizer"]
+        wte_pos = 0  # word embedding: first matrix of stage 0, first in the decay group
+        assert torch.equal(m["optimizer"]["state"][wte_pos]["exp_avg"][-1],
+                           opt.state_dict()["optimizer"]["state"][0]["exp_avg"][127])
     # RNG files only where the (t, d) grid is unchanged: here none
     assert not [f for d in mid.dirs.values() for f in os.listdir(d) if f.startswith("rng")]
     convert(str(tmp_path / "t2d2"), str(tmp_path / "back"), tp=1, pp=1, dp=2)
