@@ -3,7 +3,8 @@
 Export (``tools/checkpoint_util.py --load CKPT --to-hf DIR``):
 
 * GPT -> ``GPT2LMHeadModel``.  Same architecture: learned positions, pre-LayerNorm
-  blocks, exact GELU (``activation_function: "gelu"``), final LayerNorm, output tied to
+  blocks, GELU (exact: ``activation_function: "gelu"``; with ``--openai-gelu`` the tanh
+  approximation, ``"gelu_new"``, as OpenAI's GPT-2), final LayerNorm, output tied to
   the word embedding (or an untied ``lm_head``).  Weight layout differences:
   transformers' GPT-2 uses ``Conv1D`` ([in, out], the transpose of our Linear weights),
   and its fused ``c_attn`` output is [q of all heads | k | v] while ours is ordered
@@ -96,7 +97,8 @@ def gpt_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: i
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": vocab, "n_positions": int(model_cfg["max_position_embeddings"]),
         "n_embd": int(model_cfg["hidden_size"]), "n_layer": layers, "n_head": heads,
-        "n_inner": int(model_cfg["ffn_hidden_size"]), "activation_function": "gelu",
+        "n_inner": int(model_cfg["ffn_hidden_size"]),
+        "activation_function": "gelu_new" if model_cfg.get("openai_gelu") else "gelu",
         "layer_norm_epsilon": float(model_cfg.get("layernorm_epsilon", 1e-5)),
         "resid_pdrop": float(model_cfg.get("hidden_dropout", 0.1)),
         "embd_pdrop": float(model_cfg.get("hidden_dropout", 0.1)),
@@ -158,7 +160,8 @@ def bert_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: 
         "model_type": "megatron-bert", "vocab_size": vocab,
         "hidden_size": int(model_cfg["hidden_size"]), "num_hidden_layers": layers,
         "num_attention_heads": heads, "intermediate_size": int(model_cfg["ffn_hidden_size"]),
-        "hidden_act": "gelu", "max_position_embeddings": int(model_cfg["max_position_embeddings"]),
+        "hidden_act": "gelu_new" if model_cfg.get("openai_gelu") else "gelu",
+        "max_position_embeddings": int(model_cfg["max_position_embeddings"]),
         "type_vocab_size": int(full["embedding.tokentype_embeddings.weight"].shape[0]),
         "layer_norm_eps": float(model_cfg.get("layernorm_epsilon", 1e-5)),
         "hidden_dropout_prob": float(model_cfg.get("hidden_dropout", 0.1)),
@@ -294,12 +297,9 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int
             raise UserError(f"--from-hf {cfg_path}: {key}={cfg[key]} has no equivalent in "
                             f"this trainer's GPT (expected {ok})")
     act = cfg.get("activation_function", "gelu_new")
-    if act in _GELU_TANH:
-        _say(f"note: {cfg_path} uses activation {act!r} (tanh approximation of GELU); this "
-             f"trainer uses exact GELU, so outputs differ slightly (finetuning absorbs it)")
-    elif act not in _GELU_EXACT:
+    if act not in _GELU_TANH + _GELU_EXACT:
         raise UserError(f"--from-hf {cfg_path}: activation_function {act!r} has no "
-                        f"equivalent here (expected gelu or gelu_new)")
+                        f"equivalent here (expected gelu, or gelu_new with --openai-gelu)")
     weights = {k[len("transformer."):] if k.startswith("transformer.") else k: v
                for k, v in _read_hf_weights(hf_dir).items()}
     heads, layers, hidden = int(cfg["n_head"]), int(cfg["n_layer"]), int(cfg["n_embd"])
@@ -346,6 +346,7 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int
                  "hidden_dropout": float(cfg.get("resid_pdrop", 0.1)),
                  "attention_dropout": float(cfg.get("attn_pdrop", 0.1)),
                  "init_method_std": float(cfg.get("initializer_range", 0.02)),
+                 "openai_gelu": act in _GELU_TANH,
                  "params_dtype": str(full["embedding.word_embeddings.weight"].dtype)}
     return full, model_cfg, vocab
 
@@ -377,7 +378,8 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
          f"--num-attention-heads {model_cfg['num_attention_heads']} --ffn-hidden-size "
          f"{model_cfg['ffn_hidden_size']} --max-position-embeddings "
          f"{model_cfg['max_position_embeddings']} --layernorm-epsilon "
-         f"{model_cfg['layernorm_epsilon']} --make-vocab-size-divisible-by {divisible_by} "
+         f"{model_cfg['layernorm_epsilon']}{' --openai-gelu' if model_cfg['openai_gelu'] else ''} "
+         f"--make-vocab-size-divisible-by {divisible_by} "
          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} {tok} "
          f"--load {save} [--finetune]")
     return out

@@ -68,9 +68,10 @@ def test_qkv_reordering_round_trips():
     assert torch.equal(qkv_ours_to_hf(w, 4)[2:4], w[6:8])    # q of head 1
 
 
-@pytest.mark.parametrize("resplit", [False, True])
-def test_gpt_export_loads_in_transformers_with_our_logits(tmp_path, capsys, resplit):
-    cfg = _cfg()
+@pytest.mark.parametrize("resplit,openai_gelu", [(False, False), (True, True)])
+def test_gpt_export_loads_in_transformers_with_our_logits(tmp_path, capsys, resplit,
+                                                          openai_gelu):
+    cfg = _cfg(openai_gelu=openai_gelu)
     model = GPTModel(cfg, TP, seed=5).eval()
     src = _save(str(tmp_path / "ckpt"), model, cfg)
     if resplit:  # export merges any layout
@@ -81,7 +82,8 @@ def test_gpt_export_loads_in_transformers_with_our_logits(tmp_path, capsys, resp
     assert "NullTokenizer" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
-    assert hf.config.vocab_size == VOCAB and hf.config.activation_function == "gelu"
+    assert hf.config.vocab_size == VOCAB
+    assert hf.config.activation_function == ("gelu_new" if openai_gelu else "gelu")
     ids = _ids()
     with torch.no_grad():
         ours = model(ids, None, None)[..., :VOCAB]
@@ -139,17 +141,18 @@ def _hf_gpt2(tmp_path, act="gelu"):
     return hf, path
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
-def test_gpt2_import_gives_transformers_logits(tmp_path, capsys, tp, pp):
-    hf, path = _hf_gpt2(tmp_path)
+@pytest.mark.parametrize("tp,pp,act", [(1, 1, "gelu"), (2, 2, "gelu_new")])
+def test_gpt2_import_gives_transformers_logits(tmp_path, capsys, tp, pp, act):
+    hf, path = _hf_gpt2(tmp_path, act)
     out = str(tmp_path / "ours")
     main(["--from-hf", path, "--save", out, "--target-tensor-parallel-size", str(tp),
           "--target-pipeline-parallel-size", str(pp), "--make-vocab-size-divisible-by", "64"])
     err = capsys.readouterr().err
     assert "--num-layers 2" in err and "--finetune" in err
+    assert ("--openai-gelu" in err) == (act == "gelu_new")
     ckpt = read_checkpoint(out)
     assert (ckpt.tensor, ckpt.pipeline, ckpt.iteration) == (tp, pp, 0)
-    cfg = _cfg(padded_vocab_size=128)
+    cfg = _cfg(padded_vocab_size=128, openai_gelu=act == "gelu_new")
     model = GPTModel(cfg, TP, seed=1).eval()
     model.load_state_dict(merge_checkpoint(ckpt))
     ids = _ids(vocab=100)
