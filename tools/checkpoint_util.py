@@ -29,7 +29,8 @@ along their ``partition_dim``.  This module
   LR scheduler, grad scaler, the engine's per-batch loss scales);
 * cuts it for another layout (``write_layout``), re-padding the vocabulary tables when
   t changes the padded size (Megatron pads to a multiple of
-  ``make_vocab_size_divisible_by * t``; new rows are zero, as are their moments), and
+  ``make_vocab_size_divisible_by * t``; new rows copy the last padding row, moments
+  too; ``--make-vocab-size-divisible-by`` halved when t doubles keeps the size), and
   writes through a staging directory renamed into place, tracker file last;
 * loads any checkpoint into the stage module of the current run
   (``load_into_stage``: how finetuning reads --pretrained-checkpoint).
@@ -660,7 +661,7 @@ def _write_atomically(save: str, iteration: int, write_files) -> str:
 
 def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int] = None,
                  *, true_vocab: Optional[int] = None, source: Optional[str] = None,
-                 allow_unsafe: bool = False) -> str:
+                 allow_unsafe: bool = False, divisible_by: Optional[int] = None) -> str:
     """Write ``state`` as a checkpoint for (tp, pp, dp) under ``save``.
 
     RNG files: a rank whose (tensor rank, stage) position and data-parallel rank exist
@@ -675,6 +676,8 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     src_t, src_p, src_w = state.layout
     dp = dp or src_w
     config = json_safe(state.common.get("config") or {})
+    if divisible_by:  # the resumed run's --make-vocab-size-divisible-by
+        config["data"] = dict(config.get("data") or {}, make_vocab_size_divisible_by=divisible_by)
     real = true_vocab_size(config, true_vocab)
     rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
             if WORD_EMBEDDING in state.model else None)
@@ -774,8 +777,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unsafe-checkpoint", action="store_true",
                    help="read an old pickle (.pt) checkpoint; unpickling can run code, so "
                         "only for files you trust; the output is written in the current format")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
-                   help="import: vocabulary padding unit (as the training run will use)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="the vocabulary padding unit the resumed/finetuning run will use "
+                        "(default: the source checkpoint's; 128 for import).  The padded "
+                        "size is a multiple of N x t: halve N when doubling t to keep it, "
+                        "and with it the exact losses")
     return p
 
 
@@ -800,7 +806,7 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
             _check_save_path(args.from_hf, args.save)
             out = import_hf(args.from_hf, args.save, tp=args.target_tensor_parallel_size or 1,
                             pp=args.target_pipeline_parallel_size or 1,
-                            divisible_by=args.make_vocab_size_divisible_by)
+                            divisible_by=args.make_vocab_size_divisible_by or 128)
         elif not args.load:
             p.error(f"{modes[0]} needs --load CHECKPOINT")
         elif args.to_hf:
@@ -818,7 +824,8 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
             out = write_layout(state, args.save, tp, pp, args.target_data_parallel_size,
                                true_vocab=args.true_vocab_size,
                                source=os.path.abspath(args.load),
-                               allow_unsafe=args.allow_unsafe_checkpoint)
+                               allow_unsafe=args.allow_unsafe_checkpoint,
+                               divisible_by=args.make_vocab_size_divisible_by)
     except UserError as exc:
         print(f"checkpoint_util.py: error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -282,6 +282,19 @@ def test_full_state_round_trip_through_another_layout(tmp_path, divisible_by):
     assert back["iteration"] == 7 and back["engine"] == {"iteration": 7, "batch_scales": {}}
 
 
+def test_divisible_by_override_keeps_the_padded_vocabulary(tmp_path):
+    from tools.checkpoint_util import main
+
+    src, model, _ = _trained_full_state_checkpoint(str(tmp_path / "src"), divisible_by=128)
+    main(["--load", src, "--save", str(tmp_path / "t2"), "--target-tensor-parallel-size", "2",
+          "--make-vocab-size-divisible-by", "64"])
+    ckpt = read_checkpoint(str(tmp_path / "t2"))
+    assert ckpt.payloads[(0, 0)]["config"]["data"]["make_vocab_size_divisible_by"] == 64
+    torch.testing.assert_close(merge_checkpoint(ckpt)["embedding.word_embeddings.weight"],
+                               model.state_dict()["embedding.word_embeddings.weight"],
+                               rtol=0, atol=0)
+
+
 def test_same_grid_keeps_rng_files_and_uses_megatron_names(tmp_path):
     src, _, _ = _trained_full_state_checkpoint(str(tmp_path / "src"))
     out = convert(src, str(tmp_path / "w1"), tp=1, pp=1, dp=1)
