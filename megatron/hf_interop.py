@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullState,
+                                         read_full_state, true_vocab_size, write_layout)
 from megatron.errors import CheckpointError, UserError
 
 _ATTN = "self_attention.query_key_value"
@@ -218,7 +220,6 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     """Write checkpoint ``load`` as a transformers model directory ``out_dir``."""
     from safetensors.torch import save_file
 
-    from tools.checkpoint_util import WORD_EMBEDDING, read_full_state, true_vocab_size
 
     state = read_full_state(load, iteration, allow_unsafe=allow_unsafe)
     config = state.common.get("config") or {}
@@ -354,7 +355,6 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int
 def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
               divisible_by: int = 128) -> str:
     """Write HF GPT-2 directory ``hf_dir`` as an iteration-0 checkpoint under ``save``."""
-    from tools.checkpoint_util import CheckpointShards, FullState, write_layout
 
     full, model_cfg, vocab = hf_gpt2_to_ours(hf_dir, divisible_by, tp)
     layers = model_cfg["num_layers"]
