@@ -331,3 +331,20 @@ def test_help_lists_the_three_workflows(capsys):
     for flag in ("--to-hf", "--from-hf", "--target-tensor-parallel-size", "reshard", "export",
                  "import"):
         assert flag in out, flag
+
+
+@pytest.mark.parametrize("cls", [GPTModel, BertModel])
+def test_name_targets_follow_the_stage_modules_parameter_order(cls):
+    """The optimizer state is positional (model.parameters() order): the script, which
+    has no module, must list each stage's names in exactly that order."""
+    from megatron.checkpoint_convert import _name_targets
+
+    cfg = _cfg()
+    full = dict(_stage(cls, cfg, 1, 0, seed=1).state_dict())
+    for d in (2, 4):
+        for p in range(d):
+            stage = _stage(cls, cfg, d, p, seed=1)
+            targets, _ = _name_targets(full, LAYERS, 1, d, p)
+            assert list(targets) == [n for n, _ in stage.named_parameters()], (cls, d, p)
+            assert [tuple(s) for s, _ in targets.values()] == \
+                [tuple(v.shape) for v in stage.parameters()]
