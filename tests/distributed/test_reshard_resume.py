@@ -66,15 +66,16 @@ def test_reshard_then_resume_matches_uninterrupted_run(tmp_path):
     # an imported Hugging Face GPT-2 (iteration 0, t2 d2) works as --load and --finetune
     hf_layout = (2, 2, 1)
     second.append(("hf-finetune", _argv("flush", hf_layout, "--load", str(tmp_path / "hf-ours"),
-                                        "--finetune", "--lr", "0", "--min-lr", "0"), None))
-    second.append(("hf-load", _argv("2bw", hf_layout, "--load", str(tmp_path / "hf-ours")),
-                   None))
+                                        "--finetune", "--lr", "0", "--min-lr", "0",
+                                        "--train-iters", "2"), None))
+    second.append(("hf-load", _argv("2bw", hf_layout, "--load", str(tmp_path / "hf-ours"),
+                                    "--train-iters", "2"), None))
     res = run_distributed(train_configs, 4, args=(second,), timeout=300)[-1]
     # the last rank holds tensor rank 1's half of the tied embedding: rows 64..127
     got = res["hf-finetune"]["shared_embedding"]
     assert got.shape == (64, 32)
     assert torch.equal(got[:32], hf_wte[64:96].to(got.dtype)) and torch.all(got[32:] == 0)
-    assert res["hf-load"]["iteration"] == 6 and sorted(res["hf-load"]["losses"]) == list(range(1, 7))
+    assert res["hf-load"]["iteration"] == 2 and sorted(res["hf-load"]["losses"]) == [1, 2]
     for s, _, _ in CASES:
         full, resumed = res[f"{s}-full"]["losses"], res[f"{s}-resumed"]["losses"]
         assert sorted(resumed) == [4, 5, 6], (s, sorted(resumed))
