@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -250,6 +251,21 @@ def target_padded_vocab(state_rows: int, config: Optional[dict], tp: int,
     return vocab_size_with_padding(true_vocab or state_rows, divisible, tp)
 
 
+def _divisor_keeping(rows: int, real: Optional[int], config: dict, src_tp: int,
+                     tp: int) -> Optional[int]:
+    """A --make-vocab-size-divisible-by that pads to ``rows`` at tensor size ``tp``
+    (the source's unit scaled by src_tp / tp when that works), or None."""
+    from megatron.tokenizer import vocab_size_with_padding
+
+    unit = int(((config or {}).get("data") or {}).get("make_vocab_size_divisible_by") or 128)
+    candidates = [unit * src_tp // tp] if (unit * src_tp) % tp == 0 else []
+    candidates += [d for d in (64, 32, 16, 8, 4, 2, 1) if d not in candidates]
+    for d in candidates:
+        if d >= 1 and vocab_size_with_padding(real or rows, d, tp) == rows:
+            return d
+    return None
+
+
 def _fit_rows(tensor: torch.Tensor, rows: int, real: Optional[int]) -> torch.Tensor:
     """Cut or extend the vocabulary rows to ``rows``.
 
@@ -384,6 +400,14 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     real = true_vocab_size(config, true_vocab)
     rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
             if WORD_EMBEDDING in state.model else None)
+    if rows is not None and rows != state.model[WORD_EMBEDDING].shape[0]:
+        have = state.model[WORD_EMBEDDING].shape[0]
+        keep = _divisor_keeping(have, real, config, src_t, tp)
+        hint = (f"; --make-vocab-size-divisible-by {keep} (here and in the resumed run) "
+                f"keeps {have} rows and exact losses" if keep else "")
+        print(f"checkpoint_util.py: note: padded vocabulary {have} -> {rows} rows for "
+              f"tensor size {tp} (real vocabulary: {real or 'unknown: --true-vocab-size'})"
+              f"{hint}", file=sys.stderr)
     if config:
         config = dict(config)
         config["parallel"] = dict(config.get("parallel") or {}, tensor_model_parallel_size=tp,

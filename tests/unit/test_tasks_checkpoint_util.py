@@ -246,11 +246,13 @@ def _assert_same(a, b, path="payload"):
 
 
 @pytest.mark.parametrize("divisible_by", [64, 128])  # 128: the padded vocab changes with t
-def test_full_state_round_trip_through_another_layout(tmp_path, divisible_by):
-    from megatron.optimizer.optimizer import MegatronOptimizer  # noqa: F401  (format owner)
-
+def test_full_state_round_trip_through_another_layout(tmp_path, capsys, divisible_by):
     src, model, opt = _trained_full_state_checkpoint(str(tmp_path / "src"), divisible_by)
     convert(src, str(tmp_path / "t2d2"), tp=2, pp=2, dp=1)
+    note = capsys.readouterr().err
+    # a changed padded size is announced, with the divisor that would have kept it
+    assert ("128 -> 256 rows" in note and "--make-vocab-size-divisible-by 64" in note) == \
+        (divisible_by == 128)
     mid = read_checkpoint(str(tmp_path / "t2d2"))
     rows = 128 if divisible_by == 64 else 256  # 96 -> multiple of divisible_by * 2
     last = mid.payloads[(1, 1)]
