@@ -394,7 +394,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
                         f"{num_layers} layers")
     src_t, src_p, src_w = state.layout
     dp = dp or src_w
-    config = json_safe(state.common.get("config") or {})
+    config = _config_copy(state.common.get("config"))
     if divisible_by:  # the resumed run's --make-vocab-size-divisible-by
         config["data"] = dict(config.get("data") or {}, make_vocab_size_divisible_by=divisible_by)
     real = true_vocab_size(config, true_vocab)
@@ -455,7 +455,8 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     return _write_atomically(save, state.iteration, write_all)
 
 
-def json_safe(config: dict) -> dict:
+def _config_copy(config: Any) -> dict:
+    """A shallow copy of the run config stored in the checkpoint ({} when absent)."""
     return dict(config) if isinstance(config, dict) else {}
 
 
