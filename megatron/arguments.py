@@ -59,6 +59,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal initialiser.")
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="Use GELU's tanh approximation, as OpenAI's GPT-2 weights (transformers' "
+                        "'gelu_new'); default: exact GELU.")
 
 
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -560,7 +563,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
         padded_vocab_size=0, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon, params_dtype=args.params_dtype,
+        layernorm_epsilon=args.layernorm_epsilon, openai_gelu=args.openai_gelu,
+        params_dtype=args.params_dtype,
         num_tokentypes=getattr(args, "num_tokentypes", 0) or 0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers)

@@ -41,6 +41,8 @@ class ModelConfig:
     """Std of the normal initialiser; output projections use std / sqrt(2 * num_layers)."""
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
+    openai_gelu: bool = False
+    """GELU's tanh approximation (OpenAI GPT-2, Megatron's --openai-gelu) instead of exact."""
     params_dtype: torch.dtype = torch.float32
     """dtype of the model's (compute) weights: fp32, fp16, bf16 or float64 (tests)."""
     num_tokentypes: int = 0
@@ -58,6 +60,11 @@ class ModelConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    @property
+    def gelu_approximate(self) -> str:
+        """``approximate`` argument of ``F.gelu``."""
+        return "tanh" if self.openai_gelu else "none"
 
     @property
     def kv_channels(self) -> int:

@@ -1,338 +1,137 @@
-"""Merge a checkpoint's pipeline stages and tensor partitions, and re-split it.
+"""Reshard a checkpoint to another (t, d, w) layout, or move it to/from Hugging Face.
 
-The trainer writes one ``model`` state dict per (tensor rank, pipeline stage)
-(``iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt``).  Stage-local names number the
-transformer layers from 0 on every stage; tensor-parallel parameters hold a contiguous
-slice of the full tensor along their ``partition_dim``.  This module
+Three workflows (``python tools/checkpoint_util.py --help``)::
 
-* merges all files into ONE full state dict with global layer numbers
-  (``merge_checkpoint``), dropping the last stage's copy of the tied word embedding;
-* cuts a full state dict for one stage of another layout (``split_for_stage``), driven
-  by the target module's own parameter names, shapes and partition flags;
-* loads any checkpoint into the stage module of the current run
-  (``load_into_stage``: how finetuning reads --pretrained-checkpoint, whatever
-  tensor/pipeline layout pretraining used);
-* as a script, rewrites a checkpoint for another layout::
+    # 1. reshard the FULL training state and resume at another layout
+    python tools/checkpoint_util.py --load ckpt_t1_d2 --save ckpt_t2_d1 \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \\
+        --target-data-parallel-size 2
+    # 2. export to a transformers model directory (GPT-2, or Megatron-BERT)
+    python tools/checkpoint_util.py --load ckpt --to-hf hf_model
+    # 3. import a transformers GPT-2 directory, then train with --load OUT [--finetune]
+    python tools/checkpoint_util.py --from-hf gpt2_dir --save ckpt_gpt2 \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
-    python tools/checkpoint_util.py --load ckpt_t2_p4 --save ckpt_t1_p2 \\
-        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
+Resharding carries the whole training state: iteration, consumed samples, model and
+2BW shadow weights, Adam moments and fp32 masters (split and merged like their
+parameters), LR scheduler, grad scaler, the engine's per-batch loss scales; the
+vocabulary is re-padded when t changes its padded size (keep the size, and exact losses,
+with ``--make-vocab-size-divisible-by`` halved when t doubles).  RNG files travel only
+where the (t, d) grid is unchanged; elsewhere ranks use the streams ``--seed`` gives.
+The output is written into a staging directory and renamed into place; ``--save`` may
+not be ``--load`` or inside it.
 
-Where a module is not at hand (the script), partition dims come from the parameter
-names (``partition_dim_by_name``): Megatron's column-parallel layers (QKV, h->4h,
-vocabulary tables) split dim 0, row-parallel ones (attention output, 4h->h) dim 1.
+The work is done by ``megatron.checkpoint_merge`` (weights of any layout -> one full
+state dict -> any stage), ``megatron.checkpoint_convert`` (the full training state) and
+``megatron.hf_interop`` (transformers); this script is their command line, and re-exports
+their functions for older imports (``from tools.checkpoint_util import load_into_stage``).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
-
-import torch
+from typing import Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, iteration_dir,  # noqa: E402
-                                    rank_dir, read_tracker)
-
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT_EMBEDDING_COPY = "output_word_embeddings.weight"
-_LAYER = re.compile(r"^(?P<head>(?:.*\.)?layers\.)(?P<num>\d+)(?P<tail>\..*)$")
-_RANK_DIR = re.compile(r"^mp_rank_(\d+)_(\d+)$")
-# Parameters whose dim 0 is the (padded) vocabulary.
-_VOCAB_NAMES = (WORD_EMBEDDING, OUTPUT_EMBEDDING_COPY, "lm_head.bias", "output_layer.weight")
-
-
-def partition_dim_by_name(name: str) -> Optional[int]:
-    """Tensor-parallel split dim of a GPT/BERT parameter from its name (None = replicated)."""
-    if name in _VOCAB_NAMES or name.endswith("word_embeddings.weight"):
-        return 0
-    if re.search(r"(query_key_value|dense_h_to_4h)\.(weight|bias)$", name):
-        return 0
-    if re.search(r"(self_attention\.dense|dense_4h_to_h)\.weight$", name):
-        return 1
-    return None
-
-
-def to_global(name: str, layer_offset: int) -> str:
-    """Stage-local parameter name -> whole-model name (layer index + offset)."""
-    m = _LAYER.match(name)
-    if not m or layer_offset == 0:
-        return name
-    return f"{m['head']}{int(m['num']) + layer_offset}{m['tail']}"
-
-
-def to_local(name: str, layer_offset: int) -> str:
-    m = _LAYER.match(name)
-    if not m or layer_offset == 0:
-        return name
-    return f"{m['head']}{int(m['num']) - layer_offset}{m['tail']}"
-
-
-@dataclass
-class CheckpointShards:
-    """Every (tensor rank, stage) model state dict of one saved iteration."""
-
-    root: str
-    iteration: int
-    tensor: int
-    pipeline: int
-    num_layers: int
-    shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=dict)
-    config: Optional[dict] = None
-
-
-def read_checkpoint(root: str, iteration: Optional[int] = None) -> CheckpointShards:
-    """Load all model shards under ``root`` (latest iteration unless given)."""
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            raise FileNotFoundError(f"checkpoint {root}: no {TRACKER}; is this a directory "
-                                    f"written by --save?")
-    base = iteration_dir(root, iteration)
-    if not os.path.isdir(base):
-        raise FileNotFoundError(f"checkpoint {root}: iteration directory {base} is missing")
-    found = {}
-    for entry in sorted(os.listdir(base)):
-        m = _RANK_DIR.match(entry)
-        if m:
-            found[(int(m.group(1)), int(m.group(2)))] = os.path.join(base, entry,
-                                                                     "model_optim_rng.pt")
-    if not found:
-        raise FileNotFoundError(f"checkpoint {base}: no mp_rank_TT_PPP directories")
-    tensor = max(t for t, _ in found) + 1
-    pipeline = max(p for _, p in found) + 1
-    missing = [(t, p) for t in range(tensor) for p in range(pipeline) if (t, p) not in found]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {base}: missing model files of (tensor rank, "
-                                f"stage) {missing}")
-    out = CheckpointShards(root=root, iteration=iteration, tensor=tensor, pipeline=pipeline,
-                           num_layers=0)
-    layers_seen = 0
-    for key, path in found.items():
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        out.shards[key] = payload["model"]
-        out.config = out.config or payload.get("config")
-        if key[0] == 0:
-            layers_seen += _num_local_layers(payload["model"])
-    model_cfg = (out.config or {}).get("model", {})
-    out.num_layers = int(model_cfg.get("num_layers") or layers_seen)
-    if out.num_layers % pipeline:
-        raise ValueError(f"checkpoint {base}: {out.num_layers} layers cannot be split over "
-                         f"{pipeline} stages")
-    return out
-
-
-def _num_local_layers(state: Dict[str, torch.Tensor]) -> int:
-    nums = {int(m["num"]) for m in (_LAYER.match(k) for k in state) if m}
-    return max(nums) + 1 if nums else 0
-
-
-def merge_checkpoint(ckpt: CheckpointShards,
-                     partition_dims: Optional[Dict[str, Optional[int]]] = None
-                     ) -> Dict[str, torch.Tensor]:
-    """One full (t=1, d=1) state dict with global layer numbers.
-
-    ``partition_dims`` maps full names to split dims; names it lacks fall back to
-    ``partition_dim_by_name``.
-    """
-    per_stage = ckpt.num_layers // ckpt.pipeline
-    full: Dict[str, torch.Tensor] = {}
-    owner: Dict[str, int] = {}
-    for stage in range(ckpt.pipeline):
-        local_names = list(ckpt.shards[(0, stage)].keys())
-        for name in local_names:
-            if name == OUTPUT_EMBEDDING_COPY and ckpt.pipeline > 1:
-                continue  # identical to the first stage's word embedding
-            gname = to_global(name, stage * per_stage)
-            if gname in owner:
-                raise ValueError(f"checkpoint {ckpt.root}: parameter {gname} appears on stages "
-                                 f"{owner[gname]} and {stage}")
-            parts = [ckpt.shards[(t, stage)][name] for t in range(ckpt.tensor)]
-            dim = (partition_dims or {}).get(gname, partition_dim_by_name(gname))
-            full[gname] = parts[0] if ckpt.tensor == 1 or dim is None else torch.cat(parts, dim)
-            owner[gname] = stage
-    return full
-
-
-def _fit_vocab(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Pad (zeros) or trim the vocabulary rows when the padded vocab sizes differ."""
-    if tensor.shape[0] == rows:
-        return tensor
-    warnings.warn(f"{name}: checkpoint has {tensor.shape[0]} vocabulary rows, the model "
-                  f"{rows} (different vocabulary padding); padding/trimming the unused rows. "
-                  f"Output logits of padding rows enter the softmax, so results differ "
-                  f"slightly: choose --make-vocab-size-divisible-by to keep the padded size")
-    if tensor.shape[0] > rows:
-        return tensor[:rows].clone()
-    pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-    return torch.cat([tensor, pad], 0)
-
-
-def split_for_stage(full: Dict[str, torch.Tensor], target: Dict[str, Tuple[torch.Size,
-                    Optional[int]]], *, layer_offset: int, tp_rank: int, tp_size: int
-                    ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
-    """This stage's state dict from a full one.
-
-    ``target`` maps each local name to (local shape, partition dim or None).  Returns
-    (state dict, local names the full dict does not provide).
-    """
-    out: Dict[str, torch.Tensor] = {}
-    missing: List[str] = []
-    for name, (shape, dim) in target.items():
-        gname = to_global(name, layer_offset)
-        if gname not in full and name == OUTPUT_EMBEDDING_COPY:
-            gname = WORD_EMBEDDING
-        if gname not in full:
-            missing.append(name)
-            continue
-        tensor = full[gname]
-        if gname in _VOCAB_NAMES or gname.endswith("word_embeddings.weight"):
-            tensor = _fit_vocab(gname, tensor, shape[0] * (tp_size if dim == 0 else 1))
-        if dim is not None and tp_size > 1:
-            if tensor.shape[dim] % tp_size:
-                raise ValueError(f"{gname}: dim {dim} of size {tensor.shape[dim]} cannot be "
-                                 f"split over {tp_size} tensor-parallel ranks")
-            tensor = torch.chunk(tensor, tp_size, dim=dim)[tp_rank]
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{gname}: checkpoint gives shape {tuple(tensor.shape)} for this "
-                             f"stage but the model expects {tuple(shape)}; the checkpoint was "
-                             f"written for a different model size (--hidden-size, "
-                             f"--num-layers, ...)")
-        out[name] = tensor.clone()
-    return out, missing
-
-
-def module_targets(module: torch.nn.Module) -> Dict[str, Tuple[torch.Size, Optional[int]]]:
-    """(shape, partition dim) of every entry of a stage module's state dict."""
-    params = dict(module.named_parameters())
-    out = {}
-    for name, value in module.state_dict().items():
-        p = params.get(name)
-        dim = None
-        if p is not None and getattr(p, "tensor_model_parallel", False):
-            dim = int(p.partition_dim)
-        out[name] = (value.shape, dim)
-    return out
-
-
-@dataclass
-class LoadReport:
-    """What ``load_into_stage`` did."""
-
-    loaded: List[str]
-    missing: List[str]
-    source_layout: Tuple[int, int]
-    iteration: int
-
-
-def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp_rank: int,
-                    tp_size: int, allow_missing: Sequence[str] = (),
-                    iteration: Optional[int] = None) -> LoadReport:
-    """Load checkpoint ``root`` (any layout) into this stage's ``module`` in place.
-
-    Parameters the checkpoint lacks must start with one of ``allow_missing`` (e.g. a
-    new task head); anything else missing is an error.  Checkpoint entries this stage
-    does not hold (other stages, pretraining heads) are ignored.
-    """
-    ckpt = read_checkpoint(root, iteration)
-    targets = module_targets(module)
-    full = merge_checkpoint(ckpt)
-    state, missing = split_for_stage(full, targets, layer_offset=layer_offset,
-                                     tp_rank=tp_rank, tp_size=tp_size)
-    unexpected = [n for n in missing if not any(n.startswith(p) for p in allow_missing)]
-    if unexpected:
-        raise ValueError(f"checkpoint {root} (tensor {ckpt.tensor}, pipeline {ckpt.pipeline}) "
-                         f"has no value for {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-                         f"; is it a checkpoint of this kind of model?")
-    module.load_state_dict(state, strict=False)
-    return LoadReport(loaded=sorted(state), missing=missing,
-                      source_layout=(ckpt.tensor, ckpt.pipeline), iteration=ckpt.iteration)
+# imports after the sys.path line; names re-exported for older imports
+from megatron.checkpoint_convert import (FullOptimizer, FullState,  # noqa: E402,F401
+                                         check_save_path, convert, read_full_state,
+                                         target_padded_vocab, true_vocab_size, write_layout)
+from megatron.checkpoint_merge import (CheckpointShards, LoadReport,  # noqa: E402,F401
+                                       load_into_stage, merge_checkpoint, merge_shards,
+                                       module_targets, partition_dim_by_name, rank_dirs,
+                                       read_checkpoint, split_for_stage, to_global, to_local)
+from megatron.errors import UserError  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the script
-def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: int,
-                  stage: int) -> Tuple[Dict[str, Tuple[torch.Size, Optional[int]]], int]:
-    """Local (shape, dim) of a stage's names when no module is available."""
-    per = num_layers // pp
-    offset = stage * per
-    targets = {}
-    for gname, tensor in full.items():
-        m = _LAYER.match(gname)
-        if m:
-            if not offset <= int(m["num"]) < offset + per:
-                continue
-        elif gname.startswith("embedding."):
-            if stage != 0:
-                continue
-        elif stage != pp - 1:
-            continue
-        dim = partition_dim_by_name(gname)
-        shape = list(tensor.shape)
-        if dim is not None:
-            if shape[dim] % tp:
-                raise ValueError(f"{gname}: dim {dim} of size {shape[dim]} does not divide by "
-                                 f"--target-tensor-parallel-size {tp}")
-            shape[dim] //= tp
-        targets[to_local(gname, offset)] = (torch.Size(shape), dim)
-    tied = "output_layer.weight" not in full and WORD_EMBEDDING in full
-    if pp > 1 and stage == pp - 1 and tied:
-        shape = list(full[WORD_EMBEDDING].shape)
-        shape[0] //= tp
-        targets[OUTPUT_EMBEDDING_COPY] = (torch.Size(shape), 0)
-    return targets, offset
+_EPILOG = """workflows:
+  reshard   --load CKPT --save OUT --target-tensor-parallel-size T
+            --target-pipeline-parallel-size D [--target-data-parallel-size W]
+  export    --load CKPT --to-hf HF_DIR          (GPT-2 or Megatron-BERT for transformers)
+  import    --from-hf HF_DIR --save OUT --target-tensor-parallel-size T
+            --target-pipeline-parallel-size D   (then train with --load OUT [--finetune])
+"""
 
 
-def convert(load: str, save: str, tp: int, pp: int, iteration: Optional[int] = None) -> str:
-    """Write the model weights of checkpoint ``load`` to ``save`` for layout (tp, pp)."""
-    ckpt = read_checkpoint(load, iteration)
-    if ckpt.num_layers % pp:
-        raise ValueError(f"--target-pipeline-parallel-size {pp} does not divide the "
-                         f"{ckpt.num_layers} layers")
-    full = merge_checkpoint(ckpt)
-    out_dir = iteration_dir(save, ckpt.iteration)
-    config = dict(ckpt.config or {})
-    if "parallel" in config:
-        config["parallel"] = dict(config["parallel"], tensor_model_parallel_size=tp,
-                                  pipeline_model_parallel_size=pp)
-    for stage in range(pp):
-        targets, offset = _name_targets(full, ckpt.num_layers, tp, pp, stage)
-        for t in range(tp):
-            state, missing = split_for_stage(full, targets, layer_offset=offset, tp_rank=t,
-                                             tp_size=tp)
-            assert not missing, missing
-            path = rank_dir(out_dir, t, stage)
-            os.makedirs(path, exist_ok=True)
-            torch.save({"checkpoint_version": CHECKPOINT_VERSION, "iteration": ckpt.iteration,
-                        "consumed_train_samples": 0, "consumed_valid_samples": 0,
-                        "layout": {"tensor": tp, "pipeline": pp, "data": 1}, "model": state,
-                        "model_shadow": None, "optimizer": None, "lr_scheduler": None,
-                        "config": config, "converted_from": os.path.abspath(load)},
-                       os.path.join(path, "model_optim_rng.pt"))
-    with open(os.path.join(save, TRACKER), "w") as fh:
-        fh.write(str(ckpt.iteration))
-    return out_dir
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="checkpoint_util.py", description=__doc__.split("\n\n")[0],
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", help="checkpoint directory written by --save (reshard, export)")
+    p.add_argument("--save", help="where to write the converted checkpoint (reshard, import); "
+                                  "must not be --load or inside it")
+    p.add_argument("--to-hf", metavar="DIR", help="export --load as a Hugging Face "
+                   "transformers model directory (safetensors, config.json, tokenizer files)")
+    p.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face GPT-2 directory "
+                   "(model.safetensors + config.json) into a checkpoint at --save")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="T",
+                   help="t of the written checkpoint (default: the source's; 1 for import)")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None, metavar="D",
+                   help="d of the written checkpoint (default: the source's; 1 for import)")
+    p.add_argument("--target-data-parallel-size", type=int, default=None, metavar="W",
+                   help="w the resumed run will use (default: the source's); decides which "
+                        "RNG files are carried over")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--true-vocab-size", type=int, default=None, metavar="N",
+                   help="unpadded vocabulary size, when the tokenizer files recorded in the "
+                        "checkpoint are not on this machine (needed to re-pad for a new t)")
+    p.add_argument("--allow-unsafe-checkpoint", action="store_true",
+                   help="read an old pickle (.pt) checkpoint; unpickling can run code, so "
+                        "only for files you trust; the output is written in the current format")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="the vocabulary padding unit the resumed/finetuning run will use "
+                        "(default: the source checkpoint's; 128 for import).  The padded "
+                        "size is a multiple of N x t: halve N when doubling t to keep it, "
+                        "and with it the exact losses")
+    return p
 
 
 def main(argv: Optional[Iterable[str]] = None) -> str:
-    p = argparse.ArgumentParser(description="Re-split a checkpoint's model weights for another "
-                                            "tensor/pipeline layout (optimizer state is dropped).")
-    p.add_argument("--load", required=True, help="checkpoint directory written by --save")
-    p.add_argument("--save", required=True, help="where to write the converted checkpoint")
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p = build_parser()
     args = p.parse_args(list(argv) if argv is not None else None)
-    if args.target_tensor_parallel_size < 1 or args.target_pipeline_parallel_size < 1:
-        p.error("target sizes must be >= 1")
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_data_parallel_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    modes = [m for m, on in (("--to-hf", args.to_hf), ("--from-hf", args.from_hf),
+                             ("--save", args.save and not args.from_hf)) if on]
+    if len(modes) != 1:
+        p.error("choose one workflow: --load X --save Y (reshard), --load X --to-hf Y "
+                "(export) or --from-hf X --save Y (import)")
     try:
-        out = convert(args.load, args.save, args.target_tensor_parallel_size,
-                      args.target_pipeline_parallel_size, args.iteration)
-    except (ValueError, FileNotFoundError) as exc:
+        if args.from_hf:
+            from megatron.hf_interop import import_hf
+            if not args.save:
+                p.error("--from-hf needs --save")
+            check_save_path(args.from_hf, args.save)
+            out = import_hf(args.from_hf, args.save, tp=args.target_tensor_parallel_size or 1,
+                            pp=args.target_pipeline_parallel_size or 1,
+                            divisible_by=args.make_vocab_size_divisible_by or 128)
+        elif not args.load:
+            p.error(f"{modes[0]} needs --load CHECKPOINT")
+        elif args.to_hf:
+            from megatron.hf_interop import export_hf
+            check_save_path(args.load, args.to_hf)
+            out = export_hf(args.load, args.to_hf, iteration=args.iteration,
+                            true_vocab=args.true_vocab_size,
+                            allow_unsafe=args.allow_unsafe_checkpoint)
+        else:
+            check_save_path(args.load, args.save)
+            state = read_full_state(args.load, args.iteration,
+                                    allow_unsafe=args.allow_unsafe_checkpoint)
+            tp = args.target_tensor_parallel_size or state.layout[0]
+            pp = args.target_pipeline_parallel_size or state.layout[1]
+            out = write_layout(state, args.save, tp, pp, args.target_data_parallel_size,
+                               true_vocab=args.true_vocab_size,
+                               source=os.path.abspath(args.load),
+                               allow_unsafe=args.allow_unsafe_checkpoint,
+                               divisible_by=args.make_vocab_size_divisible_by)
+    except UserError as exc:
         print(f"checkpoint_util.py: error: {exc}", file=sys.stderr)
         sys.exit(1)
     print(f"wrote {out}")

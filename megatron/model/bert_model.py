@@ -79,6 +79,7 @@ class BertLMHead(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPInfo, key: InitKey) -> None:
         super().__init__()
         self.tp = tp
+        self.gelu_approximate = config.gelu_approximate
         self.dense = replicated_linear(config.hidden_size, config.hidden_size,
                                        key.child("dense"), config.init_method_std,
                                        config.params_dtype)
@@ -89,7 +90,7 @@ class BertLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, word_weight: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> [s, b, V/t] logits of this rank's vocabulary slice."""
-        hidden = self.layernorm(F.gelu(self.dense(hidden)))
+        hidden = self.layernorm(F.gelu(self.dense(hidden), approximate=self.gelu_approximate))
         return parallel_lm_logits(hidden, word_weight, self.tp) + self.bias
 
 

@@ -118,6 +118,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPInfo, key: InitKey) -> None:
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_hidden_size
+        self.gelu_approximate = config.gelu_approximate
         self.dense_h_to_4h = ColumnParallelLinear(
             h, ffn, tp=tp, init_method=init_method_normal(config.init_method_std),
             params_dtype=config.params_dtype, init_key=key.child("dense_h_to_4h"))
@@ -128,7 +129,7 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.dense_h_to_4h(x)
-        out, _ = self.dense_4h_to_h(F.gelu(y))
+        out, _ = self.dense_4h_to_h(F.gelu(y, approximate=self.gelu_approximate))
         return out
 
 

@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
+from megatron.checkpointing import save_payload
 from megatron.config import ModelConfig
+from megatron.errors import CheckpointError
 from megatron.model.bert_model import BertModel
 from megatron.model.classification import Classification
 from megatron.model.gpt_model import GPTModel
@@ -41,9 +43,11 @@ def _write(root, shards, tp, pp, iteration=5):
     for (t, p), sd in shards.items():
         path = os.path.join(base, f"mp_rank_{t:02d}_{p:03d}")
         os.makedirs(path, exist_ok=True)
-        torch.save({"model": sd, "layout": {"tensor": tp, "pipeline": pp},
-                    "config": {"model": {"num_layers": LAYERS}}, "iteration": iteration},
-                   os.path.join(path, "model_optim_rng.pt"))
+        save_payload({"model": sd, "layout": {"tensor": tp, "pipeline": pp},
+                      "config": {"model": {"num_layers": LAYERS},
+                                 "data": {"make_vocab_size_divisible_by": 64}},
+                      "iteration": iteration},
+                     os.path.join(path, "model_optim_rng"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write(str(iteration))
     return root
@@ -147,7 +151,7 @@ def test_convert_script_round_trip(tmp_path):
     full = BertModel(cfg, TP, seed=8)
     src = _write(str(tmp_path / "src"), {(0, 0): full.state_dict()}, tp=1, pp=1)
     out = convert(src, str(tmp_path / "t2d2"), tp=2, pp=2)
-    assert sorted(os.listdir(out)) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+    assert sorted(d for d in os.listdir(out) if d.startswith("mp_rank")) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
                                        "mp_rank_01_001"]
     ckpt = read_checkpoint(str(tmp_path / "t2d2"))
     last = ckpt.shards[(1, 1)]
@@ -164,14 +168,14 @@ def test_finetuning_model_gets_new_head_and_errors_are_clear(tmp_path):
                   tp=1, pp=1)
     clf = Classification(cfg, TP, num_classes=3, seed=5)
     head = clf.classification_head.weight.detach().clone()
-    with pytest.raises(ValueError, match="classification_head"):
+    with pytest.raises(CheckpointError, match="classification_head"):
         load_into_stage(clf, root, layer_offset=0, tp_rank=0, tp_size=1)
     report = load_into_stage(clf, root, layer_offset=0, tp_rank=0, tp_size=1,
                              allow_missing=("classification_head.",))
     assert report.missing == ["classification_head.weight", "classification_head.bias"]
     torch.testing.assert_close(clf.classification_head.weight, head, rtol=0, atol=0)
     bigger = ModelConfig(**{**_cfg().__dict__, "hidden_size": 64, "ffn_hidden_size": 256})
-    with pytest.raises(ValueError, match="--hidden-size"):
+    with pytest.raises(CheckpointError, match="--hidden-size"):
         load_into_stage(BertModel(bigger, TP, seed=1), root, layer_offset=0, tp_rank=0,
                         tp_size=1)
 
@@ -187,3 +191,162 @@ def test_different_vocab_padding_is_fitted(tmp_path):
     w = target.embedding.word_embeddings.weight
     torch.testing.assert_close(w[:128], src.embedding.word_embeddings.weight, rtol=0, atol=0)
     assert torch.all(w[128:] == 0) and torch.all(target.lm_head.bias[128:] == 0)
+
+
+# ------------------------------------------------------------- full-state resharding
+def _trained_full_state_checkpoint(root, divisible_by=64, vocab=96):
+    """A one-stage bf16 GPT with fp32 masters after one Adam step, saved like training."""
+    from megatron.config import OptimizerConfig, PrecisionConfig
+    from megatron.optimizer import get_megatron_optimizer
+    from megatron.tokenizer import vocab_size_with_padding
+
+    padded = vocab_size_with_padding(vocab, divisible_by, 1)
+    cfg = ModelConfig(**{**_cfg().__dict__, "padded_vocab_size": padded,
+                         "params_dtype": torch.bfloat16})
+    model = GPTModel(cfg, TP, seed=3)
+    opt = get_megatron_optimizer(OptimizerConfig(), PrecisionConfig(bf16=True),
+                                 list(model.parameters()))
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, None, None, labels=ids).float().mean().backward()
+    params = list(model.parameters())
+    assert opt.step(params, params, params, lr=1e-3).skipped is False
+    base = os.path.join(root, "iter_0000007", "mp_rank_00")  # Megatron's pp=1 name
+    os.makedirs(base)
+    save_payload({"iteration": 7, "consumed_train_samples": 56, "consumed_valid_samples": 8,
+                  "layout": {"tensor": 1, "pipeline": 1, "data": 2},
+                  "model": model.state_dict(), "model_shadow": None,
+                  "optimizer": opt.state_dict(), "engine": {"iteration": 7, "batch_scales": {}},
+                  "lr_scheduler": {"max_lr": 1e-3, "num_steps": 7},
+                  "config": {"model": {"num_layers": LAYERS},
+                             "data": {"make_vocab_size_divisible_by": divisible_by,
+                                      "tokenizer_type": "NullTokenizer", "vocab_size": vocab}}},
+                 os.path.join(base, "model_optim_rng"))
+    for d in range(2):
+        save_payload({"cpu": torch.get_rng_state(), "d": d},
+                     os.path.join(base, f"rng_dp_{d:03d}"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("7")
+    return root, model, opt
+
+
+def _assert_same(a, b, path="payload"):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert sorted(map(str, a)) == sorted(map(str, b)), (path, list(a), list(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("divisible_by", [64, 128])  # 128: the padded vocab changes with t
+def test_full_state_round_trip_through_another_layout(tmp_path, capsys, divisible_by):
+    src, model, opt = _trained_full_state_checkpoint(str(tmp_path / "src"), divisible_by)
+    convert(src, str(tmp_path / "t2d2"), tp=2, pp=2, dp=1)
+    note = capsys.readouterr().err
+    # a changed padded size is announced, with the divisor that would have kept it
+    assert ("128 -> 256 rows" in note and "--make-vocab-size-divisible-by 64" in note) == \
+        (divisible_by == 128)
+    mid = read_checkpoint(str(tmp_path / "t2d2"))
+    rows = 128 if divisible_by == 64 else 256  # 96 -> multiple of divisible_by * 2
+    last = mid.payloads[(1, 1)]
+    assert last["model"]["output_word_embeddings.weight"].shape[0] == rows // 2
+    assert last["consumed_train_samples"] == 56 and last["lr_scheduler"]["num_steps"] == 7
+    assert last["layout"] == {"tensor": 2, "pipeline": 2, "data": 1}
+    assert last["config"]["model"]["padded_vocab_size"] == rows
+    # every stage's optimizer state matches its own parameters one to one
+    for payload in mid.payloads.values():
+        o = payload["optimizer"]
+        shapes = [list(v.shape) for v in payload["model"].values()]
+        assert o["meta"]["shapes"] == shapes
+        assert [list(m.shape) for m in o["fp32_masters"]] == shapes
+    if rows > 128:  # new padding rows copy the last (trained-down) padding row, moments too
+        emb = merge_checkpoint(mid)["embedding.word_embeddings.weight"]
+        src_emb = model.state_dict()["embedding.word_embeddings.weight"]
+        assert torch.equal(emb[:128], src_emb)
+        assert torch.equal(emb[128:], src_emb[127:].expand(128, -1))
+        m = mid.payloads[(1, 0)]["optimizer"]
+        wte_pos = 0  # word embedding: first matrix of stage 0, first in the decay group
+        assert torch.equal(m["optimizer"]["state"][wte_pos]["exp_avg"][-1],
+                           opt.state_dict()["optimizer"]["state"][0]["exp_avg"][127])
+    # RNG files only where the (t, d) grid is unchanged: here none
+    assert not [f for d in mid.dirs.values() for f in os.listdir(d) if f.startswith("rng")]
+    convert(str(tmp_path / "t2d2"), str(tmp_path / "back"), tp=1, pp=1, dp=2)
+    back = read_checkpoint(str(tmp_path / "back")).payloads[(0, 0)]
+    _assert_same(model.state_dict(), back["model"], "model")
+    _assert_same(opt.state_dict(), back["optimizer"], "optimizer")
+    assert back["iteration"] == 7 and back["engine"] == {"iteration": 7, "batch_scales": {}}
+
+
+def test_divisible_by_override_keeps_the_padded_vocabulary(tmp_path):
+    from tools.checkpoint_util import main
+
+    src, model, _ = _trained_full_state_checkpoint(str(tmp_path / "src"), divisible_by=128)
+    main(["--load", src, "--save", str(tmp_path / "t2"), "--target-tensor-parallel-size", "2",
+          "--make-vocab-size-divisible-by", "64"])
+    ckpt = read_checkpoint(str(tmp_path / "t2"))
+    assert ckpt.payloads[(0, 0)]["config"]["data"]["make_vocab_size_divisible_by"] == 64
+    torch.testing.assert_close(merge_checkpoint(ckpt)["embedding.word_embeddings.weight"],
+                               model.state_dict()["embedding.word_embeddings.weight"],
+                               rtol=0, atol=0)
+
+
+def test_same_grid_keeps_rng_files_and_uses_megatron_names(tmp_path):
+    src, _, _ = _trained_full_state_checkpoint(str(tmp_path / "src"))
+    out = convert(src, str(tmp_path / "w1"), tp=1, pp=1, dp=1)
+    ranks = [d for d in os.listdir(out) if d.startswith("mp_rank")]
+    assert ranks in (["mp_rank_00"], ["mp_rank_00_000"])  # Megatron's name once rank_dir has it
+    files = sorted(os.listdir(os.path.join(out, ranks[0])))
+    assert [f for f in files if f.startswith("rng_dp_")][0].startswith("rng_dp_000")
+    assert not [f for f in files if f.startswith("rng_dp_001")]
+    assert not [f for f in os.listdir(str(tmp_path / "w1")) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_script_refuses_save_inside_load(tmp_path, capsys, where):
+    from tools.checkpoint_util import main
+
+    src, _, _ = _trained_full_state_checkpoint(str(tmp_path / "src"))
+    before = sorted(os.listdir(os.path.join(src, "iter_0000007", "mp_rank_00")))
+    save = src if where == "same" else os.path.join(src, "sub", "out")
+    with pytest.raises(SystemExit) as exc:
+        main(["--load", src, "--save", save, "--target-tensor-parallel-size", "2"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--save" in err[0] and "--load" in err[0], err
+    assert sorted(os.listdir(os.path.join(src, "iter_0000007", "mp_rank_00"))) == before
+    assert not os.path.exists(os.path.join(src, "sub"))
+
+
+def test_help_lists_the_three_workflows(capsys):
+    from tools.checkpoint_util import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--to-hf", "--from-hf", "--target-tensor-parallel-size", "reshard", "export",
+                 "import"):
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize("cls", [GPTModel, BertModel])
+def test_name_targets_follow_the_stage_modules_parameter_order(cls):
+    """The optimizer state is positional (model.parameters() order): the script, which
+    has no module, must list each stage's names in exactly that order."""
+    from megatron.checkpoint_convert import _name_targets
+
+    cfg = _cfg()
+    full = dict(_stage(cls, cfg, 1, 0, seed=1).state_dict())
+    for d in (2, 4):
+        for p in range(d):
+            stage = _stage(cls, cfg, d, p, seed=1)
+            targets, _ = _name_targets(full, LAYERS, 1, d, p)
+            assert list(targets) == [n for n, _ in stage.named_parameters()], (cls, d, p)
+            assert [tuple(s) for s, _ in targets.values()] == \
+                [tuple(v.shape) for v in stage.parameters()]

@@ -1,0 +1,470 @@
+"""Full-state resharding: a checkpoint of any (t, d, w) layout rewritten for any other.
+
+``read_full_state`` merges every rank file into one layout-free ``FullState``: the model
+weights and 2BW shadow weights (see ``megatron.checkpoint_merge``), the optimizer state
+(Adam moments and fp32 master weights split and merged exactly like their parameters;
+per-parameter scalars such as Adam's step count copied), and what every rank shares
+(iteration, consumed samples, LR scheduler, grad scaler, the engine's per-batch loss
+scales, the run config).  ``write_layout`` cuts it for the target layout:
+
+* the vocabulary tables are re-padded when t changes the padded size (Megatron pads to
+  a multiple of ``make_vocab_size_divisible_by * t``); new rows copy the last padding
+  row (and its moments), rows beyond the new size are dropped;
+* files are written into ``iter_X.tmp`` and renamed into place, the tracker last, with
+  a manifest when ``megatron.checkpointing`` provides one;
+* RNG state (``rng_dp_DDD`` per rank) is carried over only where the (t, d) grid is
+  unchanged and the data-parallel rank exists in both layouts; other ranks start from
+  the streams ``--seed`` gives them (one layout's generator states do not describe
+  another's: dropout masks are drawn per rank and per slice).  The data position is
+  exact in every case: the sampler resumes from ``consumed_train_samples`` whatever w.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.checkpoint_merge import (LAYER_NAME, MODEL_FILE, OUTPUT_EMBEDDING_COPY,
+                                       VOCAB_NAMES, WORD_EMBEDDING, CheckpointShards,
+                                       load_stage_payload, megatron_rank_dir, merge_checkpoint,
+                                       merge_shards, partition_dim_by_name, read_checkpoint,
+                                       split_for_stage, to_global, to_local)
+from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, iteration_dir,
+                                    payload_exists, save_payload)
+from megatron.errors import CheckpointError, UserError
+
+try:  # the manifest (size + sha256 per file) that training saves write
+    from megatron.checkpointing import write_manifest
+except ImportError:  # pragma: no cover - checkpointing without manifests
+    write_manifest = None
+
+
+def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: int,
+                  stage: int, padded_vocab: Optional[int] = None
+                  ) -> Tuple[Dict[str, Tuple[torch.Size, Optional[int]]], int]:
+    """Local (shape, dim) of a stage's names when no module is available, in the stage
+    module's parameter order.  ``padded_vocab``: rows of the vocabulary tables in the
+    target layout (default: as in ``full``)."""
+    per = num_layers // pp
+    offset = stage * per
+    targets = {}
+    for gname, tensor in full.items():
+        m = LAYER_NAME.match(gname)
+        if m:
+            if not offset <= int(m["num"]) < offset + per:
+                continue
+        elif gname.startswith("embedding."):
+            if stage != 0:
+                continue
+        elif stage != pp - 1:
+            continue
+        dim = partition_dim_by_name(gname)
+        shape = list(tensor.shape)
+        if padded_vocab is not None and is_vocab(gname):
+            shape[0] = padded_vocab
+        if dim is not None:
+            if shape[dim] % tp:
+                raise CheckpointError(f"{gname}: dim {dim} of size {shape[dim]} does not divide "
+                                      f"by --target-tensor-parallel-size {tp}")
+            shape[dim] //= tp
+        targets[to_local(gname, offset)] = (torch.Size(shape), dim)
+    tied = "output_layer.weight" not in full and WORD_EMBEDDING in full
+    if pp > 1 and stage == pp - 1 and tied:
+        shape = list(full[WORD_EMBEDDING].shape)
+        shape[0] = (padded_vocab or shape[0]) // tp
+        targets[OUTPUT_EMBEDDING_COPY] = (torch.Size(shape), 0)
+    return targets, offset
+
+
+def is_vocab(gname: str) -> bool:
+    return gname in VOCAB_NAMES or gname.endswith("word_embeddings.weight")
+
+
+@dataclass
+class FullOptimizer:
+    """A layout-free optimizer state: every per-parameter quantity as a full tensor."""
+
+    name: str
+    """--optimizer (adam, sgd)."""
+    tensors: Dict[str, Dict[str, torch.Tensor]]
+    """quantity (exp_avg, exp_avg_sq, momentum_buffer, ...) -> global name -> full tensor."""
+    scalars: Dict[str, Dict[str, Any]]
+    """global name -> per-parameter values that are not split (Adam's step count)."""
+    masters: Optional[Dict[str, torch.Tensor]]
+    """fp32 master weights by global name (mixed precision), else None."""
+    groups: Dict[str, Dict[str, Any]]
+    """'decay' / 'no_decay' -> torch param-group hyper-parameters (without 'params')."""
+    grad_scaler: Any
+
+
+@dataclass
+class FullState:
+    """Everything a checkpoint holds, independent of its (t, d, w) layout."""
+
+    iteration: int
+    model: Dict[str, torch.Tensor]
+    shadow: Optional[Dict[str, torch.Tensor]]
+    optimizer: Optional[FullOptimizer]
+    common: Dict[str, Any]
+    """Entries every rank file shares: consumed samples, lr_scheduler, engine, config, ..."""
+    layout: Tuple[int, int, int]
+    """Source (tensor, pipeline, data) sizes."""
+    ckpt: CheckpointShards
+
+
+def _decay_order(shapes: Sequence[Sequence[int]]) -> List[int]:
+    """Model-order positions in the order torch numbers them in the optimizer state:
+    the weight-decay group (matrices) first, then the no-decay group (biases, norms),
+    as ``get_megatron_optimizer`` builds its param groups."""
+    decay = [i for i, s in enumerate(shapes) if len(s) >= 2]
+    return decay + [i for i, s in enumerate(shapes) if len(s) < 2]
+
+
+def _stage_optimizer_by_name(opt: Dict[str, Any], names: List[str], where: str
+                             ) -> Tuple[Dict[str, Dict[str, torch.Tensor]],
+                                        Dict[str, Dict[str, Any]], Optional[Dict[str, Any]],
+                                        Dict[str, Dict[str, Any]]]:
+    """One stage's ``MegatronOptimizer.state_dict()`` keyed by local parameter names."""
+    meta = opt.get("meta") or {}
+    shapes = [tuple(s) for s in meta.get("shapes", [])]
+    if len(shapes) != len(names):
+        raise CheckpointError(f"{where}: optimizer state holds {len(shapes)} parameters, the "
+                              f"model {len(names)}; not written by this trainer's optimizer")
+    torch_sd = opt["optimizer"]
+    order = _decay_order(shapes)
+    flat = [int(i) for g in torch_sd["param_groups"] for i in g["params"]]
+    if sorted(flat) != list(range(len(names))):
+        raise CheckpointError(f"{where}: optimizer param groups number {len(flat)} "
+                              f"parameters, expected 0..{len(names) - 1}")
+    index_to_name = {idx: names[order[pos]] for pos, idx in enumerate(flat)}
+    groups: Dict[str, Dict[str, Any]] = {}
+    for g in torch_sd["param_groups"]:
+        kinds = {len(shapes[order[flat.index(int(i))]]) >= 2 for i in g["params"]}
+        if len(kinds) != 1:
+            raise CheckpointError(f"{where}: an optimizer param group mixes matrices and "
+                                  f"vectors; expected the decay / no-decay split")
+        groups["decay" if kinds.pop() else "no_decay"] = {k: v for k, v in g.items()
+                                                          if k != "params"}
+    tensors: Dict[str, Dict[str, torch.Tensor]] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for idx, entry in torch_sd["state"].items():
+        name = index_to_name[int(idx)]
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors.setdefault(key, {})[name] = value
+            else:
+                scalars.setdefault(name, {})[key] = value
+    masters = None
+    if opt.get("fp32_masters") is not None:
+        masters = dict(zip(names, opt["fp32_masters"]))
+    return tensors, scalars, masters, groups
+
+
+def read_full_state(root: str, iteration: Optional[int] = None, *,
+                    allow_unsafe: bool = False) -> FullState:
+    """Merge every file of a checkpoint into one layout-free ``FullState``."""
+    ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe)
+    first = ckpt.payloads[(0, 0)]
+    layout = first.get("layout") or {}
+    data = int(layout.get("data") or 1)
+    model = merge_checkpoint(ckpt)
+    shadow = None
+    if all(p.get("model_shadow") is not None for p in ckpt.payloads.values()):
+        shadow = merge_shards({k: p["model_shadow"] for k, p in ckpt.payloads.items()}, ckpt)
+    optimizer = None
+    if all(p.get("optimizer") is not None for p in ckpt.payloads.values()):
+        optimizer = _merge_optimizer(ckpt)
+    skip = {"model", "model_shadow", "optimizer", "layout", "iteration", "rng_state"}
+    common = {k: v for k, v in first.items() if k not in skip}
+    return FullState(iteration=ckpt.iteration, model=model, shadow=shadow,
+                     optimizer=optimizer, common=common,
+                     layout=(ckpt.tensor, ckpt.pipeline, data), ckpt=ckpt)
+
+
+def _merge_optimizer(ckpt: CheckpointShards) -> FullOptimizer:
+    per_key: Dict[str, Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}
+    scalars_by_shard, masters_by_shard = {}, {}
+    groups: Dict[str, Dict[str, Any]] = {}
+    for key, payload in ckpt.payloads.items():
+        names = list(payload["model"].keys())
+        tensors, scalars, masters, g = _stage_optimizer_by_name(
+            payload["optimizer"], names, f"{ckpt.dirs[key]}")
+        for quantity, by_name in tensors.items():
+            per_key.setdefault(quantity, {})[key] = by_name
+        scalars_by_shard[key] = scalars
+        masters_by_shard[key] = masters
+        for kind, hp in g.items():
+            groups.setdefault(kind, hp)
+    shards_all = list(ckpt.payloads)
+    tensors_full = {}
+    for quantity, shards in per_key.items():
+        if set(shards) != set(shards_all):
+            raise CheckpointError(f"checkpoint {ckpt.root}: optimizer quantity {quantity} is "
+                                  f"missing on some ranks")
+        tensors_full[quantity] = merge_shards(shards, ckpt)
+    scalars_full = merge_shards(scalars_by_shard, _NoSplit(ckpt))  # type: ignore[arg-type]
+    masters_full = None
+    if all(m is not None for m in masters_by_shard.values()):
+        masters_full = merge_shards(masters_by_shard, ckpt)  # type: ignore[arg-type]
+    first = ckpt.payloads[(0, 0)]["optimizer"]
+    return FullOptimizer(name=first["meta"]["optimizer"], tensors=tensors_full,
+                         scalars=scalars_full, masters=masters_full, groups=groups,
+                         grad_scaler=first.get("grad_scaler"))
+
+
+class _NoSplit:
+    """A CheckpointShards view with tensor size 1, for values replicated across TP."""
+
+    def __init__(self, ckpt: CheckpointShards) -> None:
+        self.root, self.num_layers, self.pipeline, self.tensor = (ckpt.root, ckpt.num_layers,
+                                                                  ckpt.pipeline, 1)
+
+
+def true_vocab_size(config: Optional[dict], override: Optional[int] = None) -> Optional[int]:
+    """The unpadded vocabulary size of a checkpoint (None when it cannot be told)."""
+    if override:
+        return override
+    data = (config or {}).get("data") or {}
+    try:
+        from megatron.config import DataConfig
+        from megatron.tokenizer import build_tokenizer
+        if data.get("tokenizer_type"):
+            return int(build_tokenizer(DataConfig(**data), 1,
+                                       vocab_size=data.get("vocab_size")).vocab_size)
+    except Exception:  # noqa: BLE001 - vocabulary files not on this machine: fall back
+        pass
+    return int(data["vocab_size"]) if data.get("vocab_size") else None
+
+
+def target_padded_vocab(state_rows: int, config: Optional[dict], tp: int,
+                        true_vocab: Optional[int]) -> int:
+    """Padded vocabulary rows for tensor size ``tp``: Megatron pads to a multiple of
+    make_vocab_size_divisible_by * tp, so the table may grow or shrink with tp."""
+    from megatron.tokenizer import vocab_size_with_padding
+
+    divisible = int(((config or {}).get("data") or {}).get("make_vocab_size_divisible_by")
+                    or 128)
+    return vocab_size_with_padding(true_vocab or state_rows, divisible, tp)
+
+
+def _divisor_keeping(rows: int, real: Optional[int], config: dict, src_tp: int,
+                     tp: int) -> Optional[int]:
+    """A --make-vocab-size-divisible-by that pads to ``rows`` at tensor size ``tp``
+    (the source's unit scaled by src_tp / tp when that works), or None."""
+    from megatron.tokenizer import vocab_size_with_padding
+
+    unit = int(((config or {}).get("data") or {}).get("make_vocab_size_divisible_by") or 128)
+    candidates = [unit * src_tp // tp] if (unit * src_tp) % tp == 0 else []
+    candidates += [d for d in (64, 32, 16, 8, 4, 2, 1) if d not in candidates]
+    for d in candidates:
+        if d >= 1 and vocab_size_with_padding(real or rows, d, tp) == rows:
+            return d
+    return None
+
+
+def _fit_rows(tensor: torch.Tensor, rows: int, real: Optional[int]) -> torch.Tensor:
+    """Cut or extend the vocabulary rows to ``rows``.
+
+    New rows copy the source's last PADDING row when it has one: padding rows are never
+    an input and only ever pushed down as outputs, so a copy keeps the new logits as
+    unlikely as the old padding ones (a zero row would give logit 0, which can be a
+    likely token).  Its optimizer moments are copied alike.  Without padding rows in the
+    source, new rows are zero."""
+    have = tensor.shape[0]
+    if have >= rows:
+        return tensor if have == rows else tensor[:rows].clone()
+    shape = (rows - have,) + tuple(tensor.shape[1:])
+    if real is not None and real < have:
+        extra = tensor[-1:].expand(shape).clone()
+    else:
+        extra = torch.zeros(shape, dtype=tensor.dtype)
+    return torch.cat([tensor, extra], 0)
+
+
+def _repad(full: Dict[str, torch.Tensor], rows: int, real: Optional[int] = None
+           ) -> Dict[str, torch.Tensor]:
+    """Vocabulary tables (and their optimizer state) fitted to ``rows`` padded rows;
+    ``real``: the unpadded vocabulary size (None: unknown)."""
+    return {k: (_fit_rows(v, rows, real) if is_vocab(k) and v.dim() > 0 else v)
+            for k, v in full.items()}
+
+
+def _split(full: Dict[str, torch.Tensor], targets, offset: int, t: int, tp: int
+           ) -> Dict[str, torch.Tensor]:
+    sub = {n: spec for n, spec in targets.items()
+           if to_global(n, offset) in full or n == OUTPUT_EMBEDDING_COPY}
+    state, missing = split_for_stage(full, sub, layer_offset=offset, tp_rank=t, tp_size=tp)
+    if missing:
+        raise CheckpointError(f"cannot place {missing[:4]} in the target layout")
+    return state
+
+
+def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
+                     rows: int, real: Optional[int] = None) -> Dict[str, Any]:
+    """A ``MegatronOptimizer.state_dict()`` for one (tensor rank, stage) of the target."""
+    names = list(targets)
+    shapes = [tuple(targets[n][0]) for n in names]
+    order = _decay_order(shapes)
+    quantities = {q: _split(_repad(full, rows, real), targets, offset, t, tp)
+                  for q, full in opt.tensors.items()}
+    state: Dict[int, Dict[str, Any]] = {}
+    for pos, i in enumerate(order):
+        name = names[i]
+        gname = to_global(name, offset)
+        if name == OUTPUT_EMBEDDING_COPY and gname not in opt.scalars:
+            gname = WORD_EMBEDDING
+        entry = {k: (v.clone() if torch.is_tensor(v) else v)
+                 for k, v in opt.scalars.get(gname, {}).items()}
+        for q, by_name in quantities.items():
+            if name in by_name:
+                entry[q] = by_name[name]
+        if entry:
+            state[pos] = entry
+    n_decay = sum(1 for s in shapes if len(s) >= 2)
+    groups = []
+    for kind, positions in (("decay", range(n_decay)), ("no_decay", range(n_decay, len(names)))):
+        if len(positions):
+            if kind not in opt.groups:
+                raise CheckpointError(f"the source optimizer has no {kind} parameter group "
+                                      f"to copy hyper-parameters from")
+            groups.append(dict(opt.groups[kind], params=list(positions)))
+    masters = None
+    if opt.masters is not None:
+        split = _split(_repad(opt.masters, rows, real), targets, offset, t, tp)
+        masters = [split[n] for n in names]
+    return {"meta": {"optimizer": opt.name, "num_params": len(names),
+                     "shapes": [list(s) for s in shapes], "fp32_masters": masters is not None},
+            "optimizer": {"state": state, "param_groups": groups},
+            "fp32_masters": masters, "grad_scaler": opt.grad_scaler}
+
+
+def check_save_path(load: Optional[str], save: str) -> None:
+    """--save must not be --load or inside it: a failed rewrite would mix old and new
+    files in the only copy of the checkpoint."""
+    if load is None:
+        return
+    src, dst = os.path.realpath(load), os.path.realpath(save)
+    if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+        raise UserError(f"--save {save}: expected a directory outside --load {load}, found "
+                        f"{'the same directory' if dst == src else 'a directory inside it'}")
+
+
+def _write_atomically(save: str, iteration: int, write_files) -> str:
+    """Write one iteration into ``iter_X.tmp`` and rename it into place; the tracker file
+    is rewritten last, so a crash leaves ``save`` as it was.  (Training saves do the
+    same; see megatron/checkpointing.py.)"""
+    os.makedirs(save, exist_ok=True)
+    final = iteration_dir(save, iteration)
+    staging = final + ".tmp"
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+    write_files(staging)
+    aside = None
+    if os.path.exists(final):
+        aside = f"{final}.old.{os.getpid()}"
+        os.replace(final, aside)
+    os.replace(staging, final)
+    tmp = os.path.join(save, f"{TRACKER}.tmp.{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(str(iteration))
+    os.replace(tmp, os.path.join(save, TRACKER))
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int] = None,
+                 *, true_vocab: Optional[int] = None, source: Optional[str] = None,
+                 allow_unsafe: bool = False, divisible_by: Optional[int] = None) -> str:
+    """Write ``state`` as a checkpoint for (tp, pp, dp) under ``save``.
+
+    RNG files: a rank whose (tensor rank, stage) position and data-parallel rank exist
+    in the source with the same t and d gets its own RNG state back; every other rank
+    gets none and keeps the streams ``--seed`` gives it (the RNG state of one layout
+    does not describe another: dropout masks are drawn per rank and per slice).
+    """
+    num_layers = state.ckpt.num_layers
+    if num_layers % pp:
+        raise UserError(f"--target-pipeline-parallel-size {pp}: expected a divisor of the "
+                        f"{num_layers} layers")
+    src_t, src_p, src_w = state.layout
+    dp = dp or src_w
+    config = _config_copy(state.common.get("config"))
+    if divisible_by:  # the resumed run's --make-vocab-size-divisible-by
+        config["data"] = dict(config.get("data") or {}, make_vocab_size_divisible_by=divisible_by)
+    real = true_vocab_size(config, true_vocab)
+    rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
+            if WORD_EMBEDDING in state.model else None)
+    if rows is not None and rows != state.model[WORD_EMBEDDING].shape[0]:
+        have = state.model[WORD_EMBEDDING].shape[0]
+        keep = _divisor_keeping(have, real, config, src_t, tp)
+        hint = (f"; --make-vocab-size-divisible-by {keep} (here and in the resumed run) "
+                f"keeps {have} rows and exact losses" if keep else "")
+        print(f"checkpoint_util.py: note: padded vocabulary {have} -> {rows} rows for "
+              f"tensor size {tp} (real vocabulary: {real or 'unknown: --true-vocab-size'})"
+              f"{hint}", file=sys.stderr)
+    if config:
+        config = dict(config)
+        config["parallel"] = dict(config.get("parallel") or {}, tensor_model_parallel_size=tp,
+                                  pipeline_model_parallel_size=pp, world_size=tp * pp * dp)
+        if rows is not None:
+            config["model"] = dict(config.get("model") or {}, padded_vocab_size=rows)
+    model = _repad(state.model, rows, real) if rows else state.model
+    shadow = (_repad(state.shadow, rows, real) if rows and state.shadow is not None
+              else state.shadow)
+    same_grid = (src_t, src_p) == (tp, pp) and bool(state.ckpt.dirs)
+
+    def write_files(staging: str) -> None:
+        for stage in range(pp):
+            targets, offset = _name_targets(model, num_layers, tp, pp, stage, rows)
+            for t in range(tp):
+                payload = dict(state.common)
+                payload.update({
+                    "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
+                    "layout": {"tensor": tp, "pipeline": pp, "data": dp},
+                    "model": _split(model, targets, offset, t, tp),
+                    "model_shadow": (_split(shadow, targets, offset, t, tp)
+                                     if shadow is not None else None),
+                    "optimizer": (_stage_optimizer(state.optimizer, targets, offset, t, tp,
+                                                   rows or 0, real)
+                                  if state.optimizer is not None else None),
+                    "config": config})
+                if source:
+                    payload["converted_from"] = source
+                out_dir = megatron_rank_dir(staging, t, stage, pp)
+                os.makedirs(out_dir, exist_ok=True)
+                save_payload(payload, os.path.join(out_dir, MODEL_FILE))
+                if same_grid:
+                    src_dir = state.ckpt.dirs[(t, stage)]
+                    for d in range(min(dp, src_w)):
+                        stem = os.path.join(src_dir, f"rng_dp_{d:03d}")
+                        if payload_exists(stem):
+                            save_payload(load_stage_payload(stem, allow_unsafe),
+                                         os.path.join(out_dir, f"rng_dp_{d:03d}"))
+
+    def write_all(staging: str) -> None:
+        write_files(staging)
+        if write_manifest is not None:
+            write_manifest(staging, state.iteration, {"tensor": tp, "pipeline": pp, "data": dp})
+
+    return _write_atomically(save, state.iteration, write_all)
+
+
+def _config_copy(config: Any) -> dict:
+    """A shallow copy of the run config stored in the checkpoint ({} when absent)."""
+    return dict(config) if isinstance(config, dict) else {}
+
+
+def convert(load: str, save: str, tp: int, pp: int, iteration: Optional[int] = None,
+            dp: Optional[int] = None, true_vocab: Optional[int] = None,
+            allow_unsafe: bool = False) -> str:
+    """Rewrite checkpoint ``load`` (full state) for layout (tp, pp, dp) under ``save``."""
+    check_save_path(load, save)
+    state = read_full_state(load, iteration, allow_unsafe=allow_unsafe)
+    return write_layout(state, save, tp, pp, dp, true_vocab=true_vocab,
+                        source=os.path.abspath(load), allow_unsafe=allow_unsafe)

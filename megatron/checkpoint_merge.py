@@ -1,0 +1,300 @@
+"""Merge a checkpoint's pipeline stages and tensor partitions into one full state dict,
+and cut a full state dict for one stage of any other layout.
+
+The trainer writes one file set per (tensor rank, pipeline stage)
+(``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng``; Megatron's ``mp_rank_TT`` at one
+stage), read here only through ``megatron.checkpointing.load_payload``.  Stage-local
+names number the transformer layers from 0 on every stage; tensor-parallel parameters
+hold a contiguous slice of the full tensor along their ``partition_dim``.  This module
+
+* merges all files into ONE full state dict with global layer numbers
+  (``merge_checkpoint``/``merge_shards``), dropping the last stage's copy of the tied
+  word embedding (its gradient is all-reduced with the first stage's, so its value and
+  its Adam moments are identical);
+* cuts a full state dict for one stage of another layout (``split_for_stage``);
+* loads any checkpoint into the stage module of the current run
+  (``load_into_stage``: how finetuning reads --pretrained-checkpoint).
+
+Where a module is not at hand, partition dims come from the parameter names
+(``partition_dim_by_name``): Megatron's column-parallel layers (QKV, h->4h, vocabulary
+tables) split dim 0, row-parallel ones (attention output, 4h->h) dim 1.
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron.checkpointing import (TRACKER, iteration_dir, load_payload, payload_exists,
+                                    rank_dir, read_tracker)
+from megatron.errors import CheckpointError
+
+
+def megatron_rank_dir(base: str, t: int, p: int, pp: int) -> str:
+    """Megatron's name for a rank directory of a layout with ``pp`` stages."""
+    try:
+        return rank_dir(base, t, p, pp)  # mp_rank_TT at pp == 1
+    except TypeError:  # older rank_dir(base, t, p)
+        return rank_dir(base, t, p)
+
+
+def load_stage_payload(stem: str, allow_unsafe: bool = False) -> Any:
+    """``load_payload``; ``allow_unsafe`` reads old pickle checkpoints where supported."""
+    if allow_unsafe:
+        try:
+            return load_payload(stem, allow_unsafe=True)
+        except TypeError:
+            pass
+    return load_payload(stem)
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_EMBEDDING_COPY = "output_word_embeddings.weight"
+LAYER_NAME = re.compile(r"^(?P<head>(?:.*\.)?layers\.)(?P<num>\d+)(?P<tail>\..*)$")
+# Megatron names a rank directory mp_rank_TT when pp == 1 and mp_rank_TT_PPP otherwise.
+_RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
+MODEL_FILE = "model_optim_rng"
+# Parameters whose dim 0 is the (padded) vocabulary.
+VOCAB_NAMES = (WORD_EMBEDDING, OUTPUT_EMBEDDING_COPY, "lm_head.bias", "output_layer.weight")
+
+
+def partition_dim_by_name(name: str) -> Optional[int]:
+    """Tensor-parallel split dim of a GPT/BERT parameter from its name (None = replicated)."""
+    if name in VOCAB_NAMES or name.endswith("word_embeddings.weight"):
+        return 0
+    if re.search(r"(query_key_value|dense_h_to_4h)\.(weight|bias)$", name):
+        return 0
+    if re.search(r"(self_attention\.dense|dense_4h_to_h)\.weight$", name):
+        return 1
+    return None
+
+
+def to_global(name: str, layer_offset: int) -> str:
+    """Stage-local parameter name -> whole-model name (layer index + offset)."""
+    m = LAYER_NAME.match(name)
+    if not m or layer_offset == 0:
+        return name
+    return f"{m['head']}{int(m['num']) + layer_offset}{m['tail']}"
+
+
+def to_local(name: str, layer_offset: int) -> str:
+    m = LAYER_NAME.match(name)
+    if not m or layer_offset == 0:
+        return name
+    return f"{m['head']}{int(m['num']) - layer_offset}{m['tail']}"
+
+
+@dataclass
+class CheckpointShards:
+    """Every (tensor rank, stage) model state dict of one saved iteration."""
+
+    root: str
+    iteration: int
+    tensor: int
+    pipeline: int
+    num_layers: int
+    shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=dict)
+    config: Optional[dict] = None
+    payloads: Dict[Tuple[int, int], Dict[str, Any]] = field(default_factory=dict)
+    """The whole file of every (tensor rank, stage): model, optimizer, scheduler, ..."""
+    dirs: Dict[Tuple[int, int], str] = field(default_factory=dict)
+
+
+def rank_dirs(base: str) -> Dict[Tuple[int, int], str]:
+    """(tensor rank, stage) -> rank directory of one iteration directory."""
+    found = {}
+    for entry in sorted(os.listdir(base)):
+        m = _RANK_DIR.match(entry)
+        if m and os.path.isdir(os.path.join(base, entry)):
+            found[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(base, entry)
+    return found
+
+
+def read_checkpoint(root: str, iteration: Optional[int] = None, *,
+                    allow_unsafe: bool = False) -> CheckpointShards:
+    """Load all shards under ``root`` (latest iteration unless given).  ``allow_unsafe``:
+    also read old pickle checkpoints (--allow-unsafe-checkpoint; trusted files only)."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint {root}: expected a directory written by --save, "
+                              f"found {'a file' if os.path.exists(root) else 'nothing'}")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"checkpoint {root}: no {TRACKER}; is this a directory "
+                                  f"written by --save?")
+    base = iteration_dir(root, iteration)
+    if not os.path.isdir(base):
+        raise CheckpointError(f"checkpoint {root}: iteration directory {base} is missing")
+    dirs = rank_dirs(base)
+    if not dirs:
+        raise CheckpointError(f"checkpoint {base}: no mp_rank_TT or mp_rank_TT_PPP directories")
+    tensor = max(t for t, _ in dirs) + 1
+    pipeline = max(p for _, p in dirs) + 1
+    missing = [(t, p) for t in range(tensor) for p in range(pipeline)
+               if (t, p) not in dirs or not payload_exists(os.path.join(dirs[(t, p)],
+                                                                        MODEL_FILE))]
+    if missing:
+        raise CheckpointError(f"checkpoint {base}: missing model files of (tensor rank, "
+                              f"stage) {missing}")
+    out = CheckpointShards(root=root, iteration=iteration, tensor=tensor, pipeline=pipeline,
+                           num_layers=0, dirs=dirs)
+    layers_seen = 0
+    for key in sorted(dirs):
+        payload = load_stage_payload(os.path.join(dirs[key], MODEL_FILE), allow_unsafe)
+        out.payloads[key] = payload
+        out.shards[key] = payload["model"]
+        out.config = out.config or payload.get("config")
+        if key[0] == 0:
+            layers_seen += _num_local_layers(payload["model"])
+    model_cfg = (out.config or {}).get("model", {})
+    out.num_layers = int(model_cfg.get("num_layers") or layers_seen)
+    if out.num_layers % pipeline:
+        raise CheckpointError(f"checkpoint {base}: {out.num_layers} layers cannot be split "
+                              f"over {pipeline} stages")
+    return out
+
+
+def _num_local_layers(state: Dict[str, torch.Tensor]) -> int:
+    nums = {int(m["num"]) for m in (LAYER_NAME.match(k) for k in state) if m}
+    return max(nums) + 1 if nums else 0
+
+
+def merge_checkpoint(ckpt: CheckpointShards,
+                     partition_dims: Optional[Dict[str, Optional[int]]] = None
+                     ) -> Dict[str, torch.Tensor]:
+    """One full (t=1, d=1) state dict with global layer numbers.
+
+    ``partition_dims`` maps full names to split dims; names it lacks fall back to
+    ``partition_dim_by_name``.
+    """
+    return merge_shards(ckpt.shards, ckpt, partition_dims)
+
+
+def merge_shards(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
+                 ckpt: CheckpointShards,
+                 partition_dims: Optional[Dict[str, Optional[int]]] = None
+                 ) -> Dict[str, torch.Tensor]:
+    """Merge per-(tensor rank, stage) dicts keyed by stage-local parameter names (model
+    weights, or one optimizer quantity such as Adam's ``exp_avg``) into one full dict.
+
+    The order of the result is stage 0's names, then stage 1's, ...: the parameter order
+    of a one-stage model.  Tensors of a partitioned parameter that are not shaped like
+    the parameter's slice (Adam's 0-d ``step``) are taken from tensor rank 0.
+    """
+    per_stage = ckpt.num_layers // ckpt.pipeline
+    full: Dict[str, torch.Tensor] = {}
+    owner: Dict[str, int] = {}
+    for stage in range(ckpt.pipeline):
+        for name in list(shards[(0, stage)].keys()):
+            if name == OUTPUT_EMBEDDING_COPY and ckpt.pipeline > 1:
+                continue  # identical to the first stage's word embedding
+            gname = to_global(name, stage * per_stage)
+            if gname in owner:
+                raise CheckpointError(f"checkpoint {ckpt.root}: parameter {gname} appears on "
+                                      f"stages {owner[gname]} and {stage}")
+            parts = [shards[(t, stage)][name] for t in range(ckpt.tensor)]
+            dim = (partition_dims or {}).get(gname, partition_dim_by_name(gname))
+            if ckpt.tensor == 1 or dim is None or parts[0].dim() <= dim:
+                full[gname] = parts[0]
+            else:
+                full[gname] = torch.cat(parts, dim)
+            owner[gname] = stage
+    return full
+
+
+def _fit_vocab(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pad (zeros) or trim the vocabulary rows when the padded vocab sizes differ."""
+    if tensor.shape[0] == rows:
+        return tensor
+    warnings.warn(f"{name}: checkpoint has {tensor.shape[0]} vocabulary rows, the model "
+                  f"{rows} (different vocabulary padding); padding/trimming the unused rows. "
+                  f"Output logits of padding rows enter the softmax, so results differ "
+                  f"slightly: choose --make-vocab-size-divisible-by to keep the padded size")
+    if tensor.shape[0] > rows:
+        return tensor[:rows].clone()
+    pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad], 0)
+
+
+def split_for_stage(full: Dict[str, torch.Tensor], target: Dict[str, Tuple[torch.Size,
+                    Optional[int]]], *, layer_offset: int, tp_rank: int, tp_size: int
+                    ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """This stage's state dict from a full one.
+
+    ``target`` maps each local name to (local shape, partition dim or None).  Returns
+    (state dict, local names the full dict does not provide).
+    """
+    out: Dict[str, torch.Tensor] = {}
+    missing: List[str] = []
+    for name, (shape, dim) in target.items():
+        gname = to_global(name, layer_offset)
+        if gname not in full and name == OUTPUT_EMBEDDING_COPY:
+            gname = WORD_EMBEDDING
+        if gname not in full:
+            missing.append(name)
+            continue
+        tensor = full[gname]
+        if gname in VOCAB_NAMES or gname.endswith("word_embeddings.weight"):
+            tensor = _fit_vocab(gname, tensor, shape[0] * (tp_size if dim == 0 else 1))
+        if dim is not None and tp_size > 1:
+            if tensor.shape[dim] % tp_size:
+                raise CheckpointError(f"{gname}: dim {dim} of size {tensor.shape[dim]} cannot be "
+                                 f"split over {tp_size} tensor-parallel ranks")
+            tensor = torch.chunk(tensor, tp_size, dim=dim)[tp_rank]
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"{gname}: checkpoint gives shape {tuple(tensor.shape)} for this "
+                             f"stage but the model expects {tuple(shape)}; the checkpoint was "
+                             f"written for a different model size (--hidden-size, "
+                             f"--num-layers, ...)")
+        out[name] = tensor.clone()
+    return out, missing
+
+
+def module_targets(module: torch.nn.Module) -> Dict[str, Tuple[torch.Size, Optional[int]]]:
+    """(shape, partition dim) of every entry of a stage module's state dict."""
+    params = dict(module.named_parameters())
+    out = {}
+    for name, value in module.state_dict().items():
+        p = params.get(name)
+        dim = None
+        if p is not None and getattr(p, "tensor_model_parallel", False):
+            dim = int(p.partition_dim)
+        out[name] = (value.shape, dim)
+    return out
+
+
+@dataclass
+class LoadReport:
+    """What ``load_into_stage`` did."""
+
+    loaded: List[str]
+    missing: List[str]
+    source_layout: Tuple[int, int]
+    iteration: int
+
+
+def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp_rank: int,
+                    tp_size: int, allow_missing: Sequence[str] = (),
+                    iteration: Optional[int] = None) -> LoadReport:
+    """Load checkpoint ``root`` (any layout) into this stage's ``module`` in place.
+
+    Parameters the checkpoint lacks must start with one of ``allow_missing`` (e.g. a
+    new task head); anything else missing is an error.  Checkpoint entries this stage
+    does not hold (other stages, pretraining heads) are ignored.
+    """
+    ckpt = read_checkpoint(root, iteration)
+    targets = module_targets(module)
+    full = merge_checkpoint(ckpt)
+    state, missing = split_for_stage(full, targets, layer_offset=layer_offset,
+                                     tp_rank=tp_rank, tp_size=tp_size)
+    unexpected = [n for n in missing if not any(n.startswith(p) for p in allow_missing)]
+    if unexpected:
+        raise CheckpointError(f"checkpoint {root} (tensor {ckpt.tensor}, pipeline {ckpt.pipeline}) "
+                         f"has no value for {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+                         f"; is it a checkpoint of this kind of model?")
+    module.load_state_dict(state, strict=False)
+    return LoadReport(loaded=sorted(state), missing=missing,
+                      source_layout=(ckpt.tensor, ckpt.pipeline), iteration=ckpt.iteration)
