@@ -94,7 +94,8 @@ def test_pipeline_checkpoint_loads_into_one_stage_model(runs):
     from tools.checkpoint_util import load_into_stage, merge_checkpoint, read_checkpoint
 
     results, root = runs
-    assert sorted(os.listdir(root / "d2" / "iter_0000003")) == ["mp_rank_00_000",
+    assert sorted(os.listdir(root / "d2" / "iter_0000003")) == ["manifest.json",
+                                                                 "mp_rank_00_000",
                                                                  "mp_rank_00_001"]
     d2 = merge_checkpoint(read_checkpoint(str(root / "d2")))
     d1 = merge_checkpoint(read_checkpoint(str(root / "d1")))
