@@ -19,6 +19,7 @@ import sys
 import time
 from itertools import chain, islice
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -26,7 +27,6 @@ import numpy as np
 # Allow running from a source checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.config import DataConfig  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
 from megatron.errors import DataError, UserError  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
@@ -95,8 +95,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _make_tokenizer(args: argparse.Namespace):
-    cfg = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                     merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
+    # The DataConfig fields build_tokenizer reads; megatron.config itself would import
+    # torch, seconds of start-up this tool does not need.
+    cfg = SimpleNamespace(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                          merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                          make_vocab_size_divisible_by=128)
     return build_tokenizer(cfg, vocab_size=args.vocab_size,
                            fast=False if args.no_fast_tokenizer else None)
 
