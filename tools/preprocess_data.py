@@ -200,6 +200,9 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
         with open(args.input, "r", encoding="utf-8") as fin:
             chunks = _chunks(enumerate(fin, start=1), args.chunk_size)
             if args.workers > 1:
+                # The worker processes are the parallelism; a thread pool inside each
+                # tokenizers backend would only oversubscribe the cores.
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
                 pool = multiprocessing.Pool(args.workers, initializer=_init_worker,
                                             initargs=(args,))
                 results = pool.imap(_encode_chunk, chunks)
