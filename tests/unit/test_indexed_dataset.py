@@ -285,7 +285,8 @@ def test_legacy_files_still_read_with_one_warning_and_upgrade(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "old.idx" in err and "deprecated" in err
     assert ds.legacy and [ds[i].tolist() for i in range(3)] == [[1, 2, 3], [4], [5, 6]]
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, "-m", "megatron.data.indexed_dataset", "upgrade", p],
                    check=True, env=env, capture_output=True)
     _, docs, _ = _independent_read(p)
