@@ -7,14 +7,12 @@ agree on.
 import os
 import pickle
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import (HEADER_BYTES, MAGIC, IndexedDataset,
-                                           IndexedDatasetBuilder, best_fitting_dtype)
+                                           IndexedDatasetBuilder, best_fitting_dtype, upgrade)
 from megatron.errors import DataError
 
 # Megatron-LM core's DType codes, written down independently of the module's table.
@@ -285,10 +283,7 @@ def test_legacy_files_still_read_with_one_warning_and_upgrade(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "old.idx" in err and "deprecated" in err
     assert ds.legacy and [ds[i].tolist() for i in range(3)] == [[1, 2, 3], [4], [5, 6]]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, "-m", "megatron.data.indexed_dataset", "upgrade", p],
-                   check=True, env=env, capture_output=True)
+    upgrade(p)  # what `python -m megatron.data.indexed_dataset upgrade PREFIX` runs
     _, docs, _ = _independent_read(p)
     assert docs == [[[1, 2, 3]], [[4]], [[5, 6]]]
 
