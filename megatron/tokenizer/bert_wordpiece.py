@@ -12,7 +12,7 @@ import unicodedata
 from typing import Dict, List, Optional, Sequence
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
-from megatron.tokenizer.fast import GuardedEncoder, want_fast, wordpiece_backend
+from megatron.tokenizer.fast import build_guarded, wordpiece_backend
 
 UNK, CLS, SEP, PAD, MASK = "[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"
 MAX_CHARS_PER_WORD = 100
@@ -137,10 +137,10 @@ class BertWordPieceTokenizer(MegatronTokenizer):
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self.lower_case = lower_case
         self._size = max(self._vocab.values()) + 1
-        self._fast = None
-        if want_fast(fast, name):
-            backend = wordpiece_backend(self._vocab, lower_case, UNK, MAX_CHARS_PER_WORD)
-            self._fast = GuardedEncoder(backend, self.tokenize_python)
+        self._fast = build_guarded(
+            fast, name,
+            lambda: wordpiece_backend(self._vocab, lower_case, UNK, MAX_CHARS_PER_WORD),
+            self.tokenize_python)
 
     @property
     def backend(self) -> str:

@@ -43,6 +43,25 @@ def want_fast(fast: Optional[bool], name: str) -> bool:
     return bool(fast)
 
 
+def build_guarded(fast: Optional[bool], name: str, build_backend: Callable[[], object],
+                  reference: Callable[[str], List[int]]) -> Optional["GuardedEncoder"]:
+    """The guarded fast encoder, or None for the Python path.
+
+    With ``fast=None`` a backend that cannot be built (e.g. a hand-made merges file the
+    Rust BPE rejects) quietly leaves the Python path in charge; ``fast=True`` raises.
+    """
+    if not want_fast(fast, name):
+        return None
+    try:
+        backend = build_backend()
+    except Exception as exc:  # any failure of the optional library means "not available"
+        if fast:
+            raise ValueError(f"{name}: the 'tokenizers' backend could not be built from "
+                             f"these vocabulary files ({exc})") from None
+        return None
+    return GuardedEncoder(backend, reference)
+
+
 def _probe_texts(ch: str) -> str:
     # Word-internal, word-final (final sigma), doubled, after a digit/accented capital
     # (normalisation), and alone between spaces.

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import regex
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
-from megatron.tokenizer.fast import GuardedEncoder, gpt2_backend, want_fast
+from megatron.tokenizer.fast import build_guarded, gpt2_backend
 
 # Contractions first, then runs of letters / digits / other symbols each with at most
 # one leading space, then whitespace.  ``\s+(?!\S)`` leaves the last space of a run to
@@ -106,8 +106,8 @@ class GPT2BPETokenizer(MegatronTokenizer):
         # makes tokenisation several times faster.
         self.cache: Dict[str, List[str]] = {}
         self._eod_id = encoder[EOD_TOKEN]
-        self._fast = (GuardedEncoder(gpt2_backend(encoder, merges), self.tokenize_python)
-                      if want_fast(fast, "GPT2BPETokenizer") else None)
+        self._fast = build_guarded(fast, "GPT2BPETokenizer",
+                                   lambda: gpt2_backend(encoder, merges), self.tokenize_python)
 
     @property
     def backend(self) -> str:

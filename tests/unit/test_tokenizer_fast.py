@@ -137,3 +137,14 @@ def test_preprocess_output_identical_with_and_without_fast_backend(tmp_path):
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"fast_text_document{ext}").read_bytes() == \
             (tmp_path / f"slow_text_document{ext}").read_bytes()
+
+
+def test_unbuildable_backend_falls_back_to_python(tmp_path):
+    """A merges file the Rust BPE rejects (merge result not in the vocabulary) leaves the
+    Python path in charge, unless fast=True was asked for."""
+    (tmp_path / "v.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2}))
+    (tmp_path / "m.txt").write_text("#version: 0.2\na b\n")
+    files = (str(tmp_path / "v.json"), str(tmp_path / "m.txt"))
+    assert GPT2BPETokenizer(*files).backend == "python"
+    with pytest.raises(ValueError, match="could not be built"):
+        GPT2BPETokenizer(*files, fast=True)
