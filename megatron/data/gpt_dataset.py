@@ -224,8 +224,9 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
 
     A split gets None when it needs no samples or, for a single prefix, is a valid or
     test split without documents; a train split that needs samples but has no tokens
-    is a ``DataError``.  ``vocab_size`` enables the per-sample token-id check.  Several weighted prefixes give ``BlendableDataset``s whose components
-    hold exactly the samples the blend draws from them.
+    is a ``DataError``.  ``vocab_size`` enables the per-sample token-id check.
+    Several weighted prefixes give ``BlendableDataset``s whose components hold exactly
+    the samples the blend draws from them.
     """
     from megatron.data.blendable_dataset import BlendableDataset
 
