@@ -342,8 +342,16 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
     cached = load_cached_arrays([path])
     if cached is not None and cached[0].ndim == 2 and cached[0].shape == (num_samples, 3):
         return cached[0], True
-    mapping = helpers.build_bert_mapping(docs, ds.sizes, num_samples, max_num_tokens,
-                                         masking.short_seq_prob, seed, min_num_sent)
+    try:
+        mapping = helpers.build_bert_mapping(docs, ds.sizes, num_samples, max_num_tokens,
+                                             masking.short_seq_prob, seed, min_num_sent)
+    except RuntimeError as exc:
+        if "enough sentences" not in str(exc):
+            raise
+        # A corpus without sentence splitting has one sequence per document.
+        raise DataError(f"{ds.prefix}: the {name} split has no document with {min_num_sent} "
+                        f"or more sentences, which sentence-pair samples need; preprocess "
+                        f"with tools/preprocess_data.py --split-sentences") from None
     try:
         write_text_atomic(cache / f"{key}-{name}_bert_description.json",
                           json.dumps(description, indent=2, sort_keys=True))

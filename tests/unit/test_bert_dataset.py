@@ -274,3 +274,17 @@ def test_bert_empty_train_split_is_one_error(tmp_path):
     with pytest.raises(DataError, match=r"--split '0,50,50' with --data-path .*train split"):
         build_train_valid_test_datasets([prefix], "0,50,50", (10, 5, 5), 32, 1, _info(100),
                                         MaskingConfig(), str(tmp_path / "cache"))
+
+
+def test_bert_corpus_without_sentence_split_is_one_error(tmp_path):
+    from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from megatron.errors import DataError
+
+    b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), np.int32)
+    for _ in range(5):
+        b.add_item(np.arange(4, 40))
+        b.end_document()  # one sequence per document: no sentence pairs possible
+    b.finalize(str(tmp_path / "d.idx"))
+    with pytest.raises(DataError, match="--split-sentences"):
+        BertDataset("train", IndexedDataset(str(tmp_path / "d")), 0, 5, 10, 32, 1, _info(100),
+                    MaskingConfig(), str(tmp_path / "cache"))
