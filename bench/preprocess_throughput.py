@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -160,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args.repeats = args.repeats or (2 if args.quick else 3)
 
     rows = []
+    load_at_start = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
         source = make_corpus(corpus, max_bytes, repeat)
@@ -184,11 +184,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "encode_batch_fast_tokens_per_s": ref_fast,
                              "ratio_to_encode_batch": per_worker / ref if ref else None})
                 print_row(rows[-1], header=len(rows) == 1)
-    result = {"benchmark": "preprocess_throughput", "corpus": source, "quick": args.quick,
-              "repeats": args.repeats,
-              "cpu_count": cpus, "load_average": list(os.getloadavg()),
-              "platform": platform.platform(),
-              "python": platform.python_version(), "rows": rows}
+    sys.path.insert(0, str(ROOT))
+    from bench.common import machine_info
+
+    result = {"bench": "preprocess_throughput", "machine": machine_info(),
+              "command": "PYTHONPATH=. python bench/preprocess_throughput.py "
+                         + " ".join(argv if argv is not None else sys.argv[1:]),
+              "corpus": source, "quick": args.quick, "repeats": args.repeats,
+              "load_average_at_start": load_at_start, "rows": rows}
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
