@@ -264,7 +264,7 @@ class BertDataset(torch.utils.data.Dataset):
                  data_cache_path: Optional[str] = None) -> None:
         if not 0 <= first_doc < last_doc <= len(indexed_dataset.doc_idx) - 1:
             raise DataError(f"{indexed_dataset.prefix}: the {name} split [{first_doc}, "
-                             f"{last_doc}) has no documents")
+                            f"{last_doc}) has no documents")
         if max_seq_length < 8:
             raise ValueError(f"--seq-length {max_seq_length} is too short for BERT samples")
         self.name = name
