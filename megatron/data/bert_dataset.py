@@ -289,8 +289,9 @@ class BertDataset(torch.utils.data.Dataset):
         sentences = [self.ds.get(i) for i in range(start, end)]
         # Cheap (a min/max per sentence of one sample) and it names the file and id
         # instead of an IndexError deep in the embedding.
-        check_token_ids(self.ds, np.concatenate(sentences), sentences, list(range(start, end)),
-                        self.info.vocab_size, f"{self.name} sample {idx}")
+        check_token_ids(self.ds, np.concatenate(sentences), self.info.vocab_size,
+                        f"{self.name} sample {idx}",
+                        lambda: list(zip(range(start, end), sentences)))
         rng = np.random.RandomState((self.seed + idx) % 2 ** 32)
         m = self.masking
         return build_training_sample(sentences, target, self.max_seq_length, self.info,

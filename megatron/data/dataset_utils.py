@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -146,24 +146,24 @@ def empty_split_error(split: str, prefix: str, name: str, needed: int, total: in
                      f"non-empty dataset")
 
 
-def check_token_ids(ds: IndexedDataset, tokens: np.ndarray, parts: Sequence[np.ndarray],
-                    sequences: Sequence[int], vocab_size: int, where: str) -> None:
+def check_token_ids(ds: IndexedDataset, tokens: np.ndarray, vocab_size: int, where: str,
+                    locate: Callable[[], Sequence[Tuple[int, np.ndarray]]]) -> None:
     """Raise a DataError naming the file, sequence and id if ``tokens`` leave the vocabulary.
 
-    ``parts`` are the pieces ``tokens`` was assembled from and ``sequences`` their
-    sequence ids; they are only looked at once a bad id is known to exist.
+    The common case costs one vectorised max (and a min for signed dtypes);
+    ``locate()`` lists the (sequence id, tokens) pieces of the sample and is only
+    called once a bad id is known to exist.
     """
     if tokens.size == 0:
         return
-    if int(tokens.max()) < vocab_size and int(tokens.min()) >= 0:
+    if int(tokens.max()) < vocab_size and (tokens.dtype.kind == "u" or int(tokens.min()) >= 0):
         return
-    for part, seq in zip(parts, sequences):
+    seq, token = -1, int(tokens.max())
+    for seq_id, part in locate():
         bad = np.flatnonzero((part >= vocab_size) | (part < 0)) if part.size else []
         if len(bad):
-            token = int(part[bad[0]])
+            seq, token = seq_id, int(part[bad[0]])
             break
-    else:  # unreachable unless parts and tokens disagree; report the sample then
-        token, seq = int(tokens.max()), -1
     raise DataError(f"{data_file_path(ds.prefix)}: token id {token} in document (sequence) "
                     f"{seq}, {where}, is outside the vocabulary [0, {vocab_size}); the data "
                     f"was tokenized with another vocabulary than --tokenizer-type/--vocab-file")

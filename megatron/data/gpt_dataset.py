@@ -84,8 +84,9 @@ class GPTDataset(torch.utils.data.Dataset):
             parts.append(ds.get(int(docs[p1]), length=o1 + 1))
             tokens = np.concatenate(parts)
         if self.vocab_size is not None:
-            check_token_ids(ds, tokens, parts, [int(docs[p]) for p in range(p0, p1 + 1)],
-                            self.vocab_size, f"{self.name} sample {idx}")
+            check_token_ids(ds, tokens, self.vocab_size, f"{self.name} sample {idx}",
+                            lambda: list(zip((int(docs[p]) for p in range(p0, p1 + 1)),
+                                             parts)))
         if tokens.size != self.seq_length + 1:
             raise RuntimeError(f"{self.name}: sample {idx} has {tokens.size} tokens, expected "
                                f"{self.seq_length + 1}; the cached index does not match "
