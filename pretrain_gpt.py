@@ -50,9 +50,12 @@ def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, in
                      for i, n in enumerate(num_samples))
     from megatron.data.gpt_dataset import build_train_valid_test_datasets
 
+    # Token ids are checked against the tokenizer's vocabulary, so data made with
+    # another tokenizer stops with the file and id instead of an embedding IndexError.
+    vocab = tokenizer.vocab_size if tokenizer is not None else cfg.model.padded_vocab_size
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, num_samples,
                                            cfg.model.seq_length, cfg.training.seed,
-                                           cfg.data.data_cache_path)
+                                           cfg.data.data_cache_path, vocab_size=vocab)
 
 
 def get_batch(data: Dict[str, Any], device: torch.device) -> Dict[str, torch.Tensor]:

@@ -46,8 +46,12 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest"],
+        # transformers/safetensors: Hugging Face export tests; tokenizers: the fast
+        # tokenizer backend is tested against the pure-Python reference.
+        "test": ["pytest", "transformers", "safetensors", "tokenizers"],
         "tensorboard": ["tensorboard"],
+        # Optional speed-up of GPT-2 BPE / WordPiece (same ids as the built-in code).
+        "fast": ["tokenizers"],
     },
     zip_safe=False,
 )

@@ -17,22 +17,28 @@ import multiprocessing
 import os
 import sys
 import time
+from itertools import chain, islice
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 # Allow running from a source checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.config import DataConfig  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
+from megatron.errors import DataError, UserError  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
 # Per-worker state, set by _init_worker in each pool process.
 _tokenizer = None
 _args: Optional[argparse.Namespace] = None
 _dtype = None
+
+# One chunk's output for one --json-keys entry: all token ids back to back, the length
+# of each sequence, and how many sequences each document has.
+Encoded = Tuple[np.ndarray, List[int], List[int]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for compatibility; only mmap exists")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--chunk-size", type=int, default=64,
-                   help="lines handed to a worker at a time")
+    g.add_argument("--chunk-size", type=int, default=256,
+                   help="lines handed to a worker at a time (and encoded in one batch)")
+    g.add_argument("--no-fast-tokenizer", action="store_true",
+                   help="use the pure-Python GPT-2 BPE / WordPiece even when the "
+                        "'tokenizers' package is installed (ids are identical either way)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every this many documents")
     return p
@@ -86,9 +95,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _make_tokenizer(args: argparse.Namespace):
-    cfg = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                     merge_file=args.merge_file, tokenizer_model=args.tokenizer_model)
-    return build_tokenizer(cfg, vocab_size=args.vocab_size)
+    # The DataConfig fields build_tokenizer reads; megatron.config itself would import
+    # torch, seconds of start-up this tool does not need.
+    cfg = SimpleNamespace(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                          merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                          make_vocab_size_divisible_by=128)
+    return build_tokenizer(cfg, vocab_size=args.vocab_size,
+                           fast=False if args.no_fast_tokenizer else None)
 
 
 def _init_worker(args: argparse.Namespace) -> None:
@@ -98,44 +111,69 @@ def _init_worker(args: argparse.Namespace) -> None:
     _dtype = best_fitting_dtype(_tokenizer.vocab_size)
 
 
-def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray], int]:
-    """(line number, line) -> (line number, {key: token array}, bytes of input)."""
-    lineno, line = item
-    nbytes = len(line.encode("utf-8"))
+def _document_texts(lineno: int, line: str) -> Optional[Dict[str, str]]:
+    """{key: text} of one input line; None for a blank line."""
     if not line.strip():
-        return lineno, {}, nbytes
+        return None
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--input {_args.input}, line {lineno}: not valid JSON ({exc})") from None
+        raise DataError(f"--input {_args.input}, line {lineno}: not valid JSON ({exc})") from None
     out = {}
     for key in _args.json_keys:
         if not isinstance(obj, dict) or key not in obj:
-            raise ValueError(f"--input {_args.input}, line {lineno}: no key {key!r} "
-                             f"(requested by --json-keys)")
+            raise DataError(f"--input {_args.input}, line {lineno}: no key {key!r} "
+                            f"(requested by --json-keys)")
         text = obj[key]
         if not isinstance(text, str):
-            raise ValueError(f"--input {_args.input}, line {lineno}: {key!r} must be a string, "
-                             f"got {type(text).__name__}")
+            raise DataError(f"--input {_args.input}, line {lineno}: {key!r} must be a string, "
+                            f"found {type(text).__name__}")
+        out[key] = text
+    return out
+
+
+def _encode_chunk(chunk: List[Tuple[int, str]]) -> Tuple[int, int, Dict[str, Encoded]]:
+    """Lines -> (documents, input bytes, {key: Encoded}).
+
+    All texts of a chunk go to the tokenizer in one ``tokenize_batch`` call (the fast
+    backend's batch API); the ids come back as one flat array per key, so the parent
+    process handles a few numpy arrays per chunk rather than a list per document.
+    """
+    nbytes = sum(len(line.encode("utf-8")) for _, line in chunk)
+    docs = [d for d in (_document_texts(n, line) for n, line in chunk) if d is not None]
+    out: Dict[str, Encoded] = {}
+    for key in _args.json_keys:
+        texts = [d[key] for d in docs]
         if _args.split_sentences:
-            out[key] = _encode_sentences(text)
-            continue
-        ids = _tokenizer.tokenize(text)
-        if ids and _args.append_eod:
-            ids.append(_tokenizer.eod)
-        out[key] = np.asarray(ids, dtype=_dtype)
-    return lineno, out, nbytes
+            from megatron.data.sentence_split import split_sentences
+
+            per_doc = [split_sentences(t, _args.keep_newlines) for t in texts]
+            flat = _tokenizer.tokenize_batch([s for sents in per_doc for s in sents])
+            pieces, pos = [], 0
+            for sents in per_doc:
+                pieces.append([ids for ids in flat[pos:pos + len(sents)] if ids])
+                pos += len(sents)
+        else:
+            pieces = [[ids] if ids else [] for ids in _tokenizer.tokenize_batch(texts)]
+        seq_lengths: List[int] = []
+        seqs_per_doc: List[int] = []
+        for doc in pieces:
+            if doc and _args.append_eod:
+                doc[-1].append(_tokenizer.eod)  # after the document's last sentence
+            seq_lengths.extend(len(ids) for ids in doc)
+            seqs_per_doc.append(len(doc))
+        tokens = np.fromiter(chain.from_iterable(ids for doc in pieces for ids in doc),
+                             dtype=_dtype, count=sum(seq_lengths))
+        out[key] = (tokens, seq_lengths, seqs_per_doc)
+    return len(docs), nbytes, out
 
 
-def _encode_sentences(text: str) -> List[np.ndarray]:
-    """One token array per non-empty sentence; --append-eod goes after the last one."""
-    from megatron.data.sentence_split import split_sentences
-
-    pieces = [_tokenizer.tokenize(s) for s in split_sentences(text, _args.keep_newlines)]
-    pieces = [p for p in pieces if p]
-    if pieces and _args.append_eod:
-        pieces[-1].append(_tokenizer.eod)
-    return [np.asarray(p, dtype=_dtype) for p in pieces]
+def _chunks(lines: Iterator[Tuple[int, str]], size: int) -> Iterator[List[Tuple[int, str]]]:
+    while True:
+        chunk = list(islice(lines, size))
+        if not chunk:
+            return
+        yield chunk
 
 
 def output_prefix(args: argparse.Namespace, key: str) -> str:
@@ -155,37 +193,39 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
     builders = {k: IndexedDatasetBuilder(output_prefix(args, k) + ".bin", _dtype)
                 for k in args.json_keys}
     n_docs = n_tokens = n_bytes = n_empty = 0
+    next_log = args.log_interval
     start = time.perf_counter()
     pool = None
     try:
         with open(args.input, "r", encoding="utf-8") as fin:
-            lines = enumerate(fin, start=1)
+            chunks = _chunks(enumerate(fin, start=1), args.chunk_size)
             if args.workers > 1:
+                # The worker processes are the parallelism; a thread pool inside each
+                # tokenizers backend would only oversubscribe the cores.
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
                 pool = multiprocessing.Pool(args.workers, initializer=_init_worker,
                                             initargs=(args,))
-                results = pool.imap(_encode, lines, chunksize=args.chunk_size)
+                results = pool.imap(_encode_chunk, chunks)
             else:
-                results = map(_encode, lines)
-            for _, docs, nbytes in results:
+                results = map(_encode_chunk, chunks)
+            for docs, nbytes, encoded in results:
                 n_bytes += nbytes
-                if not docs:
-                    continue
-                n_docs += 1
-                for key, ids in docs.items():
-                    # Sentence-split documents arrive as a list of sentences.
-                    sequences = ids if isinstance(ids, list) else [ids]
-                    # An empty document would only add a zero-length sequence.
-                    if sum(int(x.size) for x in sequences) == 0:
-                        n_empty += 1
-                        continue
-                    for seq in sequences:
-                        builders[key].add_item(seq)
-                        n_tokens += int(seq.size)
-                    builders[key].end_document()
-                if n_docs % args.log_interval == 0:
+                n_docs += docs
+                for key, (tokens, seq_lengths, seqs_per_doc) in encoded.items():
+                    # A document without tokens would only add a zero-length sequence.
+                    n_empty += seqs_per_doc.count(0)
+                    builders[key].add_documents(tokens, seq_lengths,
+                                                [n for n in seqs_per_doc if n])
+                    n_tokens += int(tokens.size)
+                if n_docs >= next_log:
+                    next_log = (n_docs // args.log_interval + 1) * args.log_interval
                     print(f"Processed {n_docs} documents ("
                           f"{_progress(n_docs, n_tokens, n_bytes, time.perf_counter() - start)})",
                           file=sys.stderr, flush=True)
+        if n_tokens == 0:
+            raise DataError(f"--input {args.input}: no tokens to write; found {n_docs} "
+                            f"documents under --json-keys {' '.join(args.json_keys)} "
+                            f"({n_empty} empty) in {n_bytes} bytes; nothing was written")
         for key, builder in builders.items():
             builder.finalize(output_prefix(args, key) + ".idx")
     except BaseException:
@@ -212,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     args = parse_args(argv)
     try:
         return preprocess(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (UserError, ValueError, FileNotFoundError) as exc:
         print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
         sys.exit(1)
 

@@ -30,10 +30,12 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.dataset_utils import (cache_key, index_cache_dir, open_prefix,
+from megatron.data.dataset_utils import (cache_key, check_token_ids, empty_split_error,
+                                         index_cache_dir, load_cached_arrays, open_prefix,
                                          parse_data_path, save_npy_atomic, split_boundaries,
                                          write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.errors import DataError
 
 _SPLIT_NAMES = ("train", "valid", "test")
 _MAPPING_VERSION = 1
@@ -261,8 +263,8 @@ class BertDataset(torch.utils.data.Dataset):
                  info: BertVocabInfo, masking: MaskingConfig,
                  data_cache_path: Optional[str] = None) -> None:
         if not 0 <= first_doc < last_doc <= len(indexed_dataset.doc_idx) - 1:
-            raise ValueError(f"{indexed_dataset.prefix}: the {name} split [{first_doc}, "
-                             f"{last_doc}) has no documents")
+            raise DataError(f"{indexed_dataset.prefix}: the {name} split [{first_doc}, "
+                            f"{last_doc}) has no documents")
         if max_seq_length < 8:
             raise ValueError(f"--seq-length {max_seq_length} is too short for BERT samples")
         self.name = name
@@ -285,6 +287,11 @@ class BertDataset(torch.utils.data.Dataset):
             raise IndexError(f"{self.name}: sample {idx} out of range [0, {self.num_samples})")
         start, end, target = (int(v) for v in self.mapping[idx])
         sentences = [self.ds.get(i) for i in range(start, end)]
+        # Cheap (a min/max per sentence of one sample) and it names the file and id
+        # instead of an IndexError deep in the embedding.
+        check_token_ids(self.ds, np.concatenate(sentences), self.info.vocab_size,
+                        f"{self.name} sample {idx}",
+                        lambda: list(zip(range(start, end), sentences)))
         rng = np.random.RandomState((self.seed + idx) % 2 ** 32)
         m = self.masking
         return build_training_sample(sentences, target, self.max_seq_length, self.info,
@@ -333,10 +340,19 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
     key = cache_key(description)
     cache = index_cache_dir(ds.prefix, data_cache_path)
     path = cache / f"{key}-{name}_bert_mapping.npy"
-    if path.exists():
-        return np.load(path, mmap_mode="r", allow_pickle=False), True
-    mapping = helpers.build_bert_mapping(docs, ds.sizes, num_samples, max_num_tokens,
-                                         masking.short_seq_prob, seed, min_num_sent)
+    cached = load_cached_arrays([path])
+    if cached is not None and cached[0].ndim == 2 and cached[0].shape == (num_samples, 3):
+        return cached[0], True
+    try:
+        mapping = helpers.build_bert_mapping(docs, ds.sizes, num_samples, max_num_tokens,
+                                             masking.short_seq_prob, seed, min_num_sent)
+    except RuntimeError as exc:
+        if "enough sentences" not in str(exc):
+            raise
+        # A corpus without sentence splitting has one sequence per document.
+        raise DataError(f"{ds.prefix}: the {name} split has no document with {min_num_sent} "
+                        f"or more sentences, which sentence-pair samples need; preprocess "
+                        f"with tools/preprocess_data.py --split-sentences") from None
     try:
         write_text_atomic(cache / f"{key}-{name}_bert_description.json",
                           json.dumps(description, indent=2, sort_keys=True))
@@ -375,9 +391,10 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
         for s, name in enumerate(_SPLIT_NAMES):
             n = int(counts[j, s])
             if n <= 0 or bounds[s] == bounds[s + 1]:
-                if n > 0 and len(prefixes) > 1:
-                    raise ValueError(f"--split {split!r} gives the {name} split of {prefix} no "
-                                     f"documents, but the blend needs {n} samples from it")
+                # Training needs its split; an empty valid/test split is skipped
+                # (Megatron's behaviour) unless a blend needs samples from it.
+                if n > 0 and (len(prefixes) > 1 or name == "train"):
+                    raise empty_split_error(split, prefix, name, n, len(ds.doc_idx) - 1)
                 splits.append(None)
                 continue
             splits.append(BertDataset(name, ds, bounds[s], bounds[s + 1], n, max_seq_length,

@@ -8,12 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from megatron.errors import DataError
 
 
 def parse_split(split: str) -> List[float]:
@@ -78,7 +80,7 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
 def open_prefix(prefix: str) -> IndexedDataset:
     """Open a dataset named on --data-path, with a flag-level message when it is missing."""
     if not IndexedDataset.exists(prefix):
-        raise FileNotFoundError(
+        raise DataError(
             f"--data-path: dataset prefix {prefix!r} not found; expected both "
             f"{data_file_path(prefix)} and {index_file_path(prefix)} "
             f"(create them with tools/preprocess_data.py)")
@@ -133,6 +135,62 @@ def build_blending_indices_py(weights: Sequence[float], size: int
         sample_index[i] = taken[best]
         taken[best] += 1
     return dataset_index, sample_index
+
+
+def empty_split_error(split: str, prefix: str, name: str, needed: int, total: int
+                      ) -> DataError:
+    """The one-line error for a split that must supply samples but has no tokens."""
+    return DataError(f"--split {split!r} with --data-path {prefix}: the {name} split needs "
+                     f"{needed} samples but gets no tokens ({total} sequences in the dataset); "
+                     f"give it a non-zero share of --split or point --data-path at a "
+                     f"non-empty dataset")
+
+
+def check_token_ids(ds: IndexedDataset, tokens: np.ndarray, vocab_size: int, where: str,
+                    locate: Callable[[], Sequence[Tuple[int, np.ndarray]]]) -> None:
+    """Raise a DataError naming the file, sequence and id if ``tokens`` leave the vocabulary.
+
+    The common case costs one vectorised max (and a min for signed dtypes);
+    ``locate()`` lists the (sequence id, tokens) pieces of the sample and is only
+    called once a bad id is known to exist.
+    """
+    if tokens.size == 0:
+        return
+    if int(tokens.max()) < vocab_size and (tokens.dtype.kind == "u" or int(tokens.min()) >= 0):
+        return
+    seq, token = -1, int(tokens.max())
+    for seq_id, part in locate():
+        bad = np.flatnonzero((part >= vocab_size) | (part < 0)) if part.size else []
+        if len(bad):
+            seq, token = seq_id, int(part[bad[0]])
+            break
+    raise DataError(f"{data_file_path(ds.prefix)}: token id {token} in document (sequence) "
+                    f"{seq}, {where}, is outside the vocabulary [0, {vocab_size}); the data "
+                    f"was tokenized with another vocabulary than --tokenizer-type/--vocab-file")
+
+
+def load_cached_arrays(paths: Sequence[Path]) -> Optional[List[np.ndarray]]:
+    """Memory-map cached index arrays; None when any is missing or unreadable.
+
+    A truncated or corrupt cache file (e.g. from a full disk) is reported on one line,
+    deleted and rebuilt by the caller rather than failing inside ``np.load``.
+    """
+    if not all(p.exists() for p in paths):
+        return None
+    arrays = []
+    for p in paths:
+        try:
+            arrays.append(np.load(p, mmap_mode="r", allow_pickle=False))
+        except (ValueError, OSError, EOFError) as exc:
+            print(f"warning: index cache file {p} is unreadable ({exc}); deleting and "
+                  f"rebuilding it", file=sys.stderr, flush=True)
+            for q in paths:
+                try:
+                    os.unlink(q)
+                except OSError:
+                    pass
+            return None
+    return arrays
 
 
 def index_cache_dir(prefix: str, data_cache_path: Optional[str]) -> Path:

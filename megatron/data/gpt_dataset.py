@@ -24,24 +24,32 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.dataset_utils import (cache_key, index_cache_dir, open_prefix,
+from megatron.data.dataset_utils import (cache_key, check_token_ids, empty_split_error,
+                                         index_cache_dir, load_cached_arrays, open_prefix,
                                          parse_data_path, save_npy_atomic, split_boundaries,
                                          write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.errors import DataError
 
 _SPLIT_NAMES = ("train", "valid", "test")
 _INDEX_VERSION = 1
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """``num_samples`` samples of ``seq_length + 1`` tokens from ``documents``."""
+    """``num_samples`` samples of ``seq_length + 1`` tokens from ``documents``.
+
+    With ``vocab_size`` every sample is checked to hold ids in [0, vocab_size): a
+    vectorised min/max over seq_length + 1 tokens costs microseconds per sample, while
+    a once-per-file scan would read the whole corpus on every rank at start-up.
+    """
 
     def __init__(self, name: str, indexed_dataset: IndexedDataset, documents: np.ndarray,
                  num_samples: int, seq_length: int, seed: int,
-                 data_cache_path: Optional[str] = None) -> None:
+                 data_cache_path: Optional[str] = None,
+                 vocab_size: Optional[int] = None) -> None:
         documents = np.asarray(documents, dtype=np.int64)
         if documents.size == 0:
-            raise ValueError(f"{indexed_dataset.prefix}: the {name} split has no documents")
+            raise DataError(f"{indexed_dataset.prefix}: the {name} split has no documents")
         if documents.min() < 0 or documents.max() >= len(indexed_dataset):
             raise ValueError(f"{indexed_dataset.prefix}: {name} documents outside "
                              f"[0, {len(indexed_dataset)})")
@@ -52,6 +60,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.indexed_dataset = indexed_dataset
         self.num_samples = int(num_samples)
         self.seq_length = int(seq_length)
+        self.vocab_size = vocab_size
         self.doc_idx, self.sample_idx, self.shuffle_idx, self.index_cache_hit = \
             _index_mappings(name, indexed_dataset, documents, self.num_samples,
                             self.seq_length, seed, data_cache_path)
@@ -67,12 +76,17 @@ class GPTDataset(torch.utils.data.Dataset):
         p1, o1 = (int(v) for v in self.sample_idx[i + 1])
         ds, docs = self.indexed_dataset, self.doc_idx
         if p0 == p1:
-            tokens = ds.get(int(docs[p0]), offset=o0, length=o1 - o0 + 1)
+            parts = [ds.get(int(docs[p0]), offset=o0, length=o1 - o0 + 1)]
+            tokens = parts[0]
         else:
             parts = [ds.get(int(docs[p0]), offset=o0)]
             parts += [ds.get(int(docs[p])) for p in range(p0 + 1, p1)]
             parts.append(ds.get(int(docs[p1]), length=o1 + 1))
             tokens = np.concatenate(parts)
+        if self.vocab_size is not None:
+            check_token_ids(ds, tokens, self.vocab_size, f"{self.name} sample {idx}",
+                            lambda: list(zip((int(docs[p]) for p in range(p0, p1 + 1)),
+                                             parts)))
         if tokens.size != self.seq_length + 1:
             raise RuntimeError(f"{self.name}: sample {idx} has {tokens.size} tokens, expected "
                                f"{self.seq_length + 1}; the cached index does not match "
@@ -114,7 +128,7 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
     sizes = ds.sizes
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     if tokens_per_epoch <= 0:
-        raise ValueError(f"{ds.prefix}: the {name} split's documents hold no tokens")
+        raise DataError(f"{ds.prefix}: the {name} split's documents hold no tokens")
     description = {
         "class": "GPTDataset", "version": _INDEX_VERSION, "name": name,
         "prefix": os.path.abspath(ds.prefix), "num_sequences": len(ds),
@@ -125,9 +139,8 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
     key = cache_key(description)
     cache = index_cache_dir(ds.prefix, data_cache_path)
     paths = {k: cache / f"{key}-{name}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
-    if all(p.exists() for p in paths.values()):
-        loaded = [np.load(paths[k], mmap_mode="r", allow_pickle=False)
-                  for k in ("doc", "sample", "shuffle")]
+    loaded = load_cached_arrays([paths[k] for k in ("doc", "sample", "shuffle")])
+    if loaded is not None and _cached_shapes_ok(loaded, num_samples):
         return loaded[0], loaded[1], loaded[2], True
 
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
@@ -148,6 +161,13 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
         warnings.warn(f"could not cache dataset indices in {cache} ({exc}); they will be "
                       f"rebuilt next run. Point --data-cache-path at a writable directory.")
     return doc_idx, sample_idx, shuffle_idx, False
+
+
+def _cached_shapes_ok(arrays: List[np.ndarray], num_samples: int) -> bool:
+    doc_idx, sample_idx, shuffle_idx = arrays
+    return (doc_idx.ndim == 1 and sample_idx.ndim == 2 and sample_idx.shape[1] == 2
+            and shuffle_idx.ndim == 1 and shuffle_idx.size >= num_samples
+            and sample_idx.shape[0] == shuffle_idx.size + 1)
 
 
 def _build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
@@ -172,7 +192,8 @@ def _build_shuffle_idx(first: int, total: int, rng: np.random.RandomState) -> np
 
 def _build_split_datasets(prefix: str, split: str, num_samples: Sequence[int],
                           seq_length: int, seed: int, data_cache_path: Optional[str],
-                          require: bool) -> List[Optional[GPTDataset]]:
+                          require: bool, vocab_size: Optional[int] = None
+                          ) -> List[Optional[GPTDataset]]:
     ds = open_prefix(prefix)
     # Splits cut the sequence ids; preprocess_data.py writes one sequence per document,
     # so these are document ranges too.
@@ -183,26 +204,30 @@ def _build_split_datasets(prefix: str, split: str, num_samples: Sequence[int],
         n = int(num_samples[i])
         if n <= 0:
             out.append(None)
-        elif documents.size == 0:
-            if require:
-                raise ValueError(f"--split {split!r} gives the {name} split of {prefix} no "
-                                 f"documents ({len(ds)} in total), but the blend needs {n} "
-                                 f"samples from it")
+        elif documents.size == 0 or int(ds.sizes[documents].sum(dtype=np.int64)) == 0:
+            # Training needs its split; validation/test without documents are skipped
+            # (Megatron's behaviour, e.g. --split 100,0,0) unless a blend needs them.
+            if require or name == "train":
+                raise empty_split_error(split, prefix, name, n, len(ds))
             out.append(None)
         else:
-            out.append(GPTDataset(name, ds, documents, n, seq_length, seed, data_cache_path))
+            out.append(GPTDataset(name, ds, documents, n, seq_length, seed, data_cache_path,
+                                  vocab_size))
     return out
 
 
 def build_train_valid_test_datasets(data_prefix: List[str], split: str,
                                     train_valid_test_num_samples: Tuple[int, int, int],
                                     seq_length: int, seed: int,
-                                    data_cache_path: Optional[str] = None):
+                                    data_cache_path: Optional[str] = None,
+                                    vocab_size: Optional[int] = None):
     """(train, valid, test) datasets from ``--data-path``, ``--split`` and sample counts.
 
-    A split gets None when it needs no samples or, for a single prefix, has no
-    documents.  Several weighted prefixes give ``BlendableDataset``s whose components
-    hold exactly the samples the blend draws from them.
+    A split gets None when it needs no samples or, for a single prefix, is a valid or
+    test split without documents; a train split that needs samples but has no tokens
+    is a ``DataError``.  ``vocab_size`` enables the per-sample token-id check.
+    Several weighted prefixes give ``BlendableDataset``s whose components hold exactly
+    the samples the blend draws from them.
     """
     from megatron.data.blendable_dataset import BlendableDataset
 
@@ -211,7 +236,8 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
         raise ValueError("train_valid_test_num_samples must have three entries")
     if len(prefixes) == 1:
         return tuple(_build_split_datasets(prefixes[0], split, train_valid_test_num_samples,
-                                           seq_length, seed, data_cache_path, require=False))
+                                           seq_length, seed, data_cache_path, require=False,
+                                           vocab_size=vocab_size))
     # Count how many samples the blend takes from each prefix in each split, so every
     # component is built at exactly that size.
     counts = np.zeros((len(prefixes), 3), dtype=np.int64)
@@ -220,7 +246,7 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
             index, _ = helpers.build_blending_indices(np.asarray(weights), int(n))
             counts[:, s] = np.bincount(index, minlength=len(prefixes))
     per_prefix = [_build_split_datasets(p, split, counts[j], seq_length, seed,
-                                        data_cache_path, require=True)
+                                        data_cache_path, require=True, vocab_size=vocab_size)
                   for j, p in enumerate(prefixes)]
     blends = []
     for s, n in enumerate(train_valid_test_num_samples):

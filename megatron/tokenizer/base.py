@@ -43,6 +43,10 @@ class MegatronTokenizer(ABC):
     def tokenize(self, text: str) -> List[int]:
         """Text -> token ids."""
 
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """Many texts at once; fast backends override this to encode in one call."""
+        return [self.tokenize(t) for t in texts]
+
     @abstractmethod
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Token ids -> text."""

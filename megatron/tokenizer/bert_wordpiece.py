@@ -9,9 +9,10 @@ or is longer than 100 characters, becomes ``[UNK]``.
 from __future__ import annotations
 
 import unicodedata
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
+from megatron.tokenizer.fast import build_guarded, wordpiece_backend
 
 UNK, CLS, SEP, PAD, MASK = "[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"
 MAX_CHARS_PER_WORD = 100
@@ -112,9 +113,14 @@ def load_vocab(vocab_file: str) -> Dict[str, int]:
 
 
 class BertWordPieceTokenizer(MegatronTokenizer):
-    """BERT tokenizer over a ``vocab.txt`` (``--vocab-file``), cased or lower-cased."""
+    """BERT tokenizer over a ``vocab.txt`` (``--vocab-file``), cased or lower-cased.
 
-    def __init__(self, vocab_file: str, lower_case: bool = True) -> None:
+    ``fast`` (None = when installed) encodes with Hugging Face ``tokenizers``, guarded
+    to give exactly the ids of ``tokenize_python`` (see ``megatron.tokenizer.fast``).
+    """
+
+    def __init__(self, vocab_file: str, lower_case: bool = True,
+                 fast: Optional[bool] = None) -> None:
         name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
         super().__init__(name)
         check_file(vocab_file, "--vocab-file", name)
@@ -131,6 +137,15 @@ class BertWordPieceTokenizer(MegatronTokenizer):
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self.lower_case = lower_case
         self._size = max(self._vocab.values()) + 1
+        self._fast = build_guarded(
+            fast, name,
+            lambda: wordpiece_backend(self._vocab, lower_case, UNK, MAX_CHARS_PER_WORD),
+            self.tokenize_python)
+
+    @property
+    def backend(self) -> str:
+        """"tokenizers" or "python": which implementation ``tokenize`` runs."""
+        return "tokenizers" if self._fast is not None else "python"
 
     @property
     def vocab_size(self) -> int:
@@ -155,6 +170,17 @@ class BertWordPieceTokenizer(MegatronTokenizer):
         return [self._inv_vocab[int(i)] for i in token_ids]
 
     def tokenize(self, text: str) -> List[int]:
+        if self._fast is not None:
+            return self._fast.encode(text)
+        return self.tokenize_python(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        if self._fast is not None:
+            return self._fast.encode_batch(texts)
+        return [self.tokenize_python(t) for t in texts]
+
+    def tokenize_python(self, text: str) -> List[int]:
+        """The pure-Python reference encoder (the definition of the ids)."""
         return self.convert_tokens_to_ids(self.text_to_tokens(text))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

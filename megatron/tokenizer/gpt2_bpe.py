@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import regex
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
+from megatron.tokenizer.fast import build_guarded, gpt2_backend
 
 # Contractions first, then runs of letters / digits / other symbols each with at most
 # one leading space, then whitespace.  ``\s+(?!\S)`` leaves the last space of a run to
@@ -70,9 +71,12 @@ class GPT2BPETokenizer(MegatronTokenizer):
 
     Like the reference encoder, ``tokenize`` treats the text ``<|endoftext|>`` as plain
     characters; documents are separated by appending ``eod`` ids instead.
+
+    ``fast`` (None = when installed) encodes with Hugging Face ``tokenizers``, guarded
+    to give exactly the ids of ``tokenize_python`` (see ``megatron.tokenizer.fast``).
     """
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
+    def __init__(self, vocab_file: str, merge_file: str, fast: Optional[bool] = None) -> None:
         super().__init__("GPT2 BPE")
         check_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
         check_file(merge_file, "--merge-file", "GPT2BPETokenizer")
@@ -102,6 +106,13 @@ class GPT2BPETokenizer(MegatronTokenizer):
         # makes tokenisation several times faster.
         self.cache: Dict[str, List[str]] = {}
         self._eod_id = encoder[EOD_TOKEN]
+        self._fast = build_guarded(fast, "GPT2BPETokenizer",
+                                   lambda: gpt2_backend(encoder, merges), self.tokenize_python)
+
+    @property
+    def backend(self) -> str:
+        """"tokenizers" or "python": which implementation ``tokenize`` runs."""
+        return "tokenizers" if self._fast is not None else "python"
 
     @property
     def vocab_size(self) -> int:
@@ -148,6 +159,17 @@ class GPT2BPETokenizer(MegatronTokenizer):
         return symbols
 
     def tokenize(self, text: str) -> List[int]:
+        if self._fast is not None:
+            return self._fast.encode(text)
+        return self.tokenize_python(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        if self._fast is not None:
+            return self._fast.encode_batch(texts)
+        return [self.tokenize_python(t) for t in texts]
+
+    def tokenize_python(self, text: str) -> List[int]:
+        """The pure-Python reference encoder (the definition of the ids)."""
         ids: List[int] = []
         byte_encoder = self.byte_encoder
         for piece in self.pattern.findall(text):

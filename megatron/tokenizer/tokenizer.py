@@ -170,11 +170,13 @@ def vocab_size_with_padding(
 
 
 def build_tokenizer(
-    cfg, tensor_model_parallel_size: int = 1, vocab_size: Optional[int] = None
+    cfg, tensor_model_parallel_size: int = 1, vocab_size: Optional[int] = None,
+    fast: Optional[bool] = None,
 ) -> MegatronTokenizer:
     """Create the tokenizer named by ``cfg.tokenizer_type`` (a ``DataConfig``).
 
-    ``vocab_size`` is only used by ``NullTokenizer``.  The result carries
+    ``vocab_size`` is only used by ``NullTokenizer``; ``fast`` (None = when installed)
+    selects the Hugging Face ``tokenizers`` backend of GPT-2 BPE and WordPiece.  The result carries
     ``padded_vocab_size`` computed with ``cfg.make_vocab_size_divisible_by`` and
     ``tensor_model_parallel_size``.
     """
@@ -185,13 +187,14 @@ def build_tokenizer(
     if kind == "GPT2BPETokenizer":
         check_file(cfg.vocab_file, "--vocab-file", kind)
         check_file(cfg.merge_file, "--merge-file", kind)
-        tokenizer = GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+        tokenizer = GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file, fast=fast)
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         check_file(cfg.tokenizer_model, "--tokenizer-model", kind)
         tokenizer = SentencePieceTokenizer(cfg.tokenizer_model)
     elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         check_file(cfg.vocab_file, "--vocab-file", kind)
-        tokenizer = BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"))
+        tokenizer = BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"),
+                                           fast=fast)
     elif kind == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--vocab-size is required for tokenizer type NullTokenizer")

@@ -236,3 +236,55 @@ def test_dataset_from_split_sentences_corpus(tmp_path):
         start, end, _ = first.mapping[i]
         assert end - start >= 2 and start >= 0 and end <= 10
         assert not (start < 3 < end or start < 4 < end)  # never across documents
+
+
+# ------------------------------------------------------------- issue 12: data errors
+def _sentence_corpus(prefix, vocab_top):
+    from megatron.data.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(5)
+    b = IndexedDatasetBuilder(f"{prefix}.bin", np.int32)
+    for _ in range(12):
+        for _ in range(4):
+            b.add_item(rng.integers(4, vocab_top, 10))
+        b.end_document()
+    b.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def test_bert_token_id_outside_vocabulary_is_one_error(tmp_path):
+    from megatron.data.indexed_dataset import IndexedDataset
+    from megatron.errors import DataError
+
+    ds = IndexedDataset(_sentence_corpus(tmp_path / "s", 500))
+    bert = BertDataset("train", ds, 0, 12, 10, 32, 1, _info(100), MaskingConfig(),
+                       str(tmp_path / "cache"))
+    with pytest.raises(DataError) as info:
+        bert[0]
+    msg = str(info.value)
+    assert f"{tmp_path / 's'}.bin: token id" in msg and "vocabulary [0, 100)" in msg
+    assert "train sample 0" in msg
+
+
+def test_bert_empty_train_split_is_one_error(tmp_path):
+    from megatron.data.bert_dataset import build_train_valid_test_datasets
+    from megatron.errors import DataError
+
+    prefix = _sentence_corpus(tmp_path / "s", 90)
+    with pytest.raises(DataError, match=r"--split '0,50,50' with --data-path .*train split"):
+        build_train_valid_test_datasets([prefix], "0,50,50", (10, 5, 5), 32, 1, _info(100),
+                                        MaskingConfig(), str(tmp_path / "cache"))
+
+
+def test_bert_corpus_without_sentence_split_is_one_error(tmp_path):
+    from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from megatron.errors import DataError
+
+    b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), np.int32)
+    for _ in range(5):
+        b.add_item(np.arange(4, 40))
+        b.end_document()  # one sequence per document: no sentence pairs possible
+    b.finalize(str(tmp_path / "d.idx"))
+    with pytest.raises(DataError, match="--split-sentences"):
+        BertDataset("train", IndexedDataset(str(tmp_path / "d")), 0, 5, 10, 32, 1, _info(100),
+                    MaskingConfig(), str(tmp_path / "cache"))

@@ -1,5 +1,6 @@
 """GPT dataset: split parsing, sample contents, epochs, caching, blending, mock data."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from megatron.data.dataset_utils import parse_data_path, parse_split, split_boun
 from megatron.data.gpt_dataset import (GPTDataset, MockGPTDataset,
                                        build_train_valid_test_datasets, num_epochs_needed)
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.errors import DataError
 
 
 def _make_corpus(prefix, n_docs, seed=0, base=0, max_len=30):
@@ -64,7 +66,7 @@ def test_parse_data_path():
 
 
 def test_missing_prefix_names_flag_and_files(tmp_path):
-    with pytest.raises(FileNotFoundError) as info:
+    with pytest.raises(DataError) as info:
         build_train_valid_test_datasets([str(tmp_path / "nope")], "1,0,0", (4, 0, 0), 8, 1)
     msg = str(info.value)
     assert "--data-path" in msg and "nope.bin" in msg and "nope.idx" in msg
@@ -168,7 +170,7 @@ def test_blended_datasets(tmp_path):
 def test_blend_with_empty_split_component_errors(tmp_path):
     pa, _ = _make_corpus(tmp_path / "a", 40)
     pb, _ = _make_corpus(tmp_path / "b", 1)
-    with pytest.raises(ValueError, match="--split"):
+    with pytest.raises(DataError, match="--split"):
         build_train_valid_test_datasets(["0.5", pa, "0.5", pb], "50,50,0", (10, 10, 0), 4,
                                         1, str(tmp_path / "cache"))
 
@@ -181,3 +183,56 @@ def test_mock_dataset():
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, ds[5]["text"])
     assert not np.array_equal(a, MockGPTDataset(10, 16, 50, seed=4)[4]["text"])
+
+
+# ------------------------------------------------------------- issue 12: data errors
+def test_empty_train_split_is_one_error_naming_split_and_data_path(tmp_path):
+    prefix, _ = _make_corpus(tmp_path / "c", 20)
+    with pytest.raises(DataError) as info:
+        build_train_valid_test_datasets([prefix], "0,50,50", (8, 4, 4), 8, 1,
+                                        str(tmp_path / "cache"))
+    msg = str(info.value)
+    assert "--split '0,50,50'" in msg and f"--data-path {prefix}" in msg
+    assert "train split needs 8 samples" in msg and "\n" not in msg
+
+
+def test_empty_dataset_is_an_error_for_training(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "e.bin"), np.uint16)
+    b.finalize(str(tmp_path / "e.idx"))
+    with pytest.raises(DataError, match="train split needs 4 samples but gets no tokens"):
+        build_train_valid_test_datasets([str(tmp_path / "e")], "1,0,0", (4, 0, 0), 8, 1)
+
+
+def test_token_id_outside_vocabulary_names_file_document_and_id(tmp_path):
+    prefix, _ = _make_corpus(tmp_path / "c", 20)  # ids are doc * 1000 + position
+    train, _, _ = build_train_valid_test_datasets([prefix], "1,0,0", (30, 0, 0), 8, 1,
+                                                  str(tmp_path / "cache"), vocab_size=15000)
+    with pytest.raises(DataError) as info:
+        [train[i] for i in range(len(train))]  # documents 15..19 hold ids >= 15000
+    msg = str(info.value)
+    assert re.match(r".*c\.bin: token id (1[5-9])\d{3} in document \(sequence\) \1, "
+                    r"train sample \d+, is outside the vocabulary \[0, 15000\)", msg), msg
+    # Without a vocabulary size (old callers) nothing is checked.
+    train, _, _ = build_train_valid_test_datasets([prefix], "1,0,0", (30, 0, 0), 8, 1,
+                                                  str(tmp_path / "cache"))
+    assert len([train[i] for i in range(len(train))]) == 30
+
+
+@pytest.mark.parametrize("which", ["doc", "sample", "shuffle"])
+def test_truncated_index_cache_is_named_and_rebuilt(tmp_path, capsys, which):
+    prefix, _ = _make_corpus(tmp_path / "c", 30)
+    ds = IndexedDataset(prefix)
+    cache = tmp_path / "cache"
+    first = GPTDataset("train", ds, np.arange(30), 40, 6, seed=3, data_cache_path=str(cache))
+    expected = [first[i]["text"] for i in range(40)]
+    (victim,) = cache.glob(f"*_{which}_idx.npy")
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    again = GPTDataset("train", ds, np.arange(30), 40, 6, seed=3, data_cache_path=str(cache))
+    err = capsys.readouterr().err
+    assert str(victim) in err and "rebuilding" in err and err.count("\n") == 1
+    assert not again.index_cache_hit
+    for i in range(40):
+        np.testing.assert_array_equal(again[i]["text"], expected[i])
+    third = GPTDataset("train", ds, np.arange(30), 40, 6, seed=3, data_cache_path=str(cache))
+    assert third.index_cache_hit

@@ -124,3 +124,32 @@ def test_flag_errors(tmp_path, capsys):
         with pytest.raises(SystemExit):
             module.main(argv + base)
         assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", '{"text": ""}\n{"text": ""}\n'])
+def test_empty_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, content):
+    (tmp_path / "in.jsonl").write_text(content)
+    module = _load_module()
+    with pytest.raises(SystemExit) as info:
+        module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type",
+                     "CharTokenizer", "--output-prefix", str(tmp_path / "empty")])
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("preprocess_data.py: error: --input")
+    assert "no tokens to write" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_megatron_index_and_chunked_batches(tmp_path):
+    """Output is Megatron's MMIDIDX and does not depend on how lines are batched."""
+    texts = [f"doc {i}. " * (i % 4) + "end." for i in range(50)]
+    _write_jsonl(tmp_path / "in.jsonl", texts)
+    module = _load_module()
+    for chunk in ("1", "7", "1000"):
+        module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type", "CharTokenizer",
+                     "--split-sentences", "--append-eod", "--chunk-size", chunk,
+                     "--output-prefix", str(tmp_path / f"c{chunk}")])
+    blobs = {(tmp_path / f"c{c}_text_document.idx").read_bytes() for c in ("1", "7", "1000")}
+    assert len(blobs) == 1 and next(iter(blobs))[:9] == b"MMIDIDX\x00\x00"
+    ds = IndexedDataset(str(tmp_path / "c7_text_document"))
+    assert len(ds.doc_idx) == 51 and ds[len(ds) - 1].tolist()[-1] == 256  # eod at the end
