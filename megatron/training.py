@@ -451,9 +451,10 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
         cfg, groups, device, model_provider, forward_step,
         trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)
     state = maybe_load(cfg, groups, engine, optimizer, scheduler)
+    check_iterations_left(cfg, state)
     train_iter, valid_iter, test_iter = build_data_iterators(cfg, groups, tokenizer,
                                                              datasets_provider, state)
-    check_something_to_train(cfg, state, train_iter)
+    check_train_data(cfg, train_iter)
     flops = flops_per_iteration(cfg) if flops_per_iteration else None
     logger = TrainingLogger(cfg, groups, flops_per_iteration=flops)
     logger.banner(engine, model)
@@ -489,20 +490,23 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
     return result
 
 
-def check_something_to_train(cfg: MegatronConfig, state: TrainState, train_iter) -> None:
-    """Training was asked for: there must be iterations left and samples to train on.
+def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
+    """Training was asked for: the loaded checkpoint must leave iterations to train.
 
-    Same verdict on every rank (same flags, same checkpoint, same datasets), raised
-    before the first collective of training."""
+    Same verdict on every rank (same flags, same checkpoint), raised before the data
+    loaders are positioned past the end and before any collective of training."""
     tr = cfg.training
-    if tr.skip_train:
-        return
     train_iters = tr.train_iters or 0
-    if state.iteration >= train_iters:
+    if not tr.skip_train and state.iteration >= train_iters:
         raise UserError(f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
                         f"{state.iteration} and --train-iters is {train_iters}; raise "
                         "--train-iters to continue, or pass --skip-train to only evaluate")
-    if train_iter is None:
+
+
+def check_train_data(cfg: MegatronConfig, train_iter) -> None:
+    """Training was asked for: there must be samples to train on (every rank builds the
+    same datasets, so every rank raises)."""
+    if not cfg.training.skip_train and train_iter is None:
         raise DataError(f"nothing to train on: the training split is empty (--split "
                         f"'{cfg.data.split}', --data-path {' '.join(cfg.data.data_path) or '-'}); "
                         "give the training part a share of the data")
