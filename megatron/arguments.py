@@ -178,11 +178,13 @@ def _add_fault_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-consecutive-skipped-steps", type=int, default=10,
                    help="Stop the run with an error after this many optimizer steps in a row "
                         "were skipped for non-finite loss or gradients (fp16 overflow skips "
-                        "count once a step has been applied).  0 disables the limit.")
+                        "count once a step has been applied).  0 disables the limit.  Under "
+                        "2bw the check runs at pipeline drains, at least every 100 batches.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM finish the current batch, save a checkpoint (with --save) "
-                        "and exit 0, as schedulers such as SLURM expect.  Ranks agree on the "
-                        "signal after every batch, so this drains the pipeline every batch.")
+                        "and exit 0, as schedulers such as SLURM expect.  All ranks agree on "
+                        "the signal at a batch boundary: after every batch, or about every "
+                        "20 s of training under 2bw (each check drains its pipeline).")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:

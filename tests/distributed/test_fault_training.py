@@ -350,7 +350,7 @@ def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(tmp_pa
     """torchrun, 2 pipeline stages: SIGTERM to ONE worker; both agree, save the same
     iteration, and the job exits 0 (old code: killed, nothing saved)."""
     ckpt, log = tmp_path / "ck", tmp_path / "out.txt"
-    argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
+    argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
                  "--eval-iters", "0", "--log-interval", "1", "--exit-signal-handler",
                  "--save", str(ckpt), "--save-interval", "1000", iters=100000)
     with open(log, "w") as out:
@@ -424,3 +424,20 @@ def test_parent_death_check_is_off_outside_torchrun(monkeypatch):
     monkeypatch.delenv("MEGATRON_EXIT_WITH_PARENT", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert exit_when_parent_dies() is False  # nohup python pretrain_gpt.py & must survive
+
+
+def test_fault_checks_drain_2bw_rarely_and_flush_every_batch():
+    from megatron.arguments import parse_and_validate
+    from megatron.training import _check_every
+
+    def cfg(*extra):
+        return parse_and_validate(_argv(*extra), world_size=1)[1]
+
+    assert _check_every(cfg("--pipeline-schedule", "flush"), 0.0) == 1
+    assert _check_every(cfg("--pipeline-schedule", "2bw"), 0.0) == 100
+    assert _check_every(cfg("--pipeline-schedule", "2bw", "--max-consecutive-skipped-steps",
+                            "0"), 0.0) == 0
+    sig = cfg("--pipeline-schedule", "2bw", "--exit-signal-handler")
+    assert _check_every(sig, 0.0) == 1          # nothing measured yet
+    assert _check_every(sig, 1.0) == 20         # about every 20 s
+    assert _check_every(sig, 0.01) == 100       # never rarer than the NaN check
