@@ -673,6 +673,12 @@ def parse_and_validate(argv: Optional[List[str]] = None,
         validate_args(args, world_size)
         config = build_config(args)
     except ArgumentError as err:
+        from megatron.entry import debug_requested
+
+        if args.debug or debug_requested([]):
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     return args, config
