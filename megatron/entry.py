@@ -8,6 +8,9 @@
   the error class says otherwise);
 * Ctrl-C (KeyboardInterrupt): one line ``interrupted``, exit code 130 (128 + SIGINT, what
   shells report for a process killed by Ctrl-C);
+* an error that only says a peer rank went away (gloo "Connection closed by peer"):
+  one ``error: [rank R] a peer rank exited ...`` line, exit code 1 -- the peer prints
+  the real cause;
 * anything else is a bug: the normal traceback and exit code 1.
 
 ``--debug`` on the command line (removed before ``main`` sees it, so tools whose parser
@@ -15,9 +18,10 @@ does not know it accept it too) or ``MEGATRON_DEBUG=1`` in the environment shows
 traceback of a UserError / KeyboardInterrupt as well.
 
 Multi-rank runs: a rank that exits here leaves its peers blocked in their next
-collective; torchrun's agent notices the failed worker and stops the others at once
-(SIGTERM), and without an agent they fail when their collective times out
-(``--distributed-timeout-minutes``).  Neither hangs forever.
+collective or p2p wait.  With gloo they see the closed connection within seconds
+(the one-line "peer rank exited" above); torchrun's agent also stops the remaining
+workers at once (SIGTERM) when one fails; otherwise they fail when their collective
+times out (``--distributed-timeout-minutes``).  None hangs forever.
 
 This module imports nothing heavy (no torch) so small tools stay fast to start.
 """
@@ -66,7 +70,26 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
             traceback.print_exc()
         _print_error("interrupted")
         sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:  # noqa: BLE001 - only a lost peer is shortened, the rest re-raised
+        if debug or not _lost_peer(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        _print_error(f"error: [rank {os.environ.get('RANK', '?')}] a peer rank exited (it "
+                     f"probably failed: see its own error line); here: {first}")
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """The error only says that another rank went away (its own message says why)."""
+    while exc is not None:
+        if any(s in str(exc) for s in _LOST_PEER):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _one_line(err: BaseException) -> str:

@@ -260,6 +260,26 @@ def test_entry_point_user_error_and_ctrl_c(debug, capsys, monkeypatch):
     assert _entry(lambda argv: None, [], monkeypatch) == 0
 
 
+def test_entry_point_lost_peer_is_one_line_other_errors_keep_their_traceback(capsys,
+                                                                             monkeypatch):
+    def lost(argv):
+        try:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2171")
+        except RuntimeError as exc:
+            raise ValueError("[rank 0] pipeline stage 0 failed at action #3\ngrid") from exc
+
+    def bug(argv):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setenv("RANK", "0")
+    assert _entry(lost, [], monkeypatch) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: [rank 0] a peer rank exited") and "\n" not in err
+    with pytest.raises(ZeroDivisionError):
+        from megatron.entry import run_entry_point
+        run_entry_point(bug, [])
+
+
 def test_nan_run_exits_1_with_one_line_and_saves_nothing(tmp_path):
     """--lr huge through the real entry point: NaN after one step, stop, exit 1."""
     argv = _argv("--lr", "1e30", "--max-consecutive-skipped-steps", "3", "--eval-iters", "0",
