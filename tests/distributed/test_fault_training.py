@@ -231,7 +231,8 @@ def test_unwritable_output_dir_is_found_at_start_up(flag, capsys, tmp_path):
 def _entry(main, argv, monkeypatch, debug=False):
     from megatron.entry import run_entry_point
 
-    monkeypatch.delenv("MEGATRON_DEBUG", raising=False)
+    # "0" (not delenv): monkeypatch then also undoes the "1" that --debug exports.
+    monkeypatch.setenv("MEGATRON_DEBUG", "0")
     if debug:
         argv = argv + ["--debug"]
     with pytest.raises(SystemExit) as exc:
