@@ -146,4 +146,6 @@ def main(argv: Optional[List[str]] = None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from megatron.entry import run_entry_point
+
+    run_entry_point(main)

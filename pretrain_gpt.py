@@ -10,7 +10,6 @@ The three providers below are all this file contributes; megatron.training does 
 """
 from __future__ import annotations
 
-import sys
 from functools import partial
 from typing import Any, Dict, Iterator, Tuple
 
@@ -99,4 +98,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -173,6 +174,23 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="Write traced pipeline actions as JSON (one file per rank) for "
                         "tools/draw_timeline.py.")
     g.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
+    g.add_argument("--debug", action="store_true",
+                   help="Show the traceback of user errors (bad flag, data, checkpoint) too; "
+                        "same as MEGATRON_DEBUG=1.")
+
+
+def _add_fault_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("faults", "non-finite steps and scheduler signals")
+    g.add_argument("--max-consecutive-skipped-steps", type=int, default=10,
+                   help="Stop the run with an error after this many optimizer steps in a row "
+                        "were skipped for non-finite loss or gradients (fp16 overflow skips "
+                        "count once a step has been applied).  0 disables the limit.  Under "
+                        "2bw the check runs at pipeline drains, at least every 100 batches.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM finish the current batch, save a checkpoint (with --save) "
+                        "and exit 0, as schedulers such as SLURM expect.  All ranks agree on "
+                        "the signal at a batch boundary: after every batch, or about every "
+                        "20 s of training under 2bw (each check drains its pipeline).")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -215,7 +233,7 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
                                                  "PipeDream-2BW pipelines", allow_abbrev=False)
     for add in (_add_model_args, _add_batch_args, _add_parallel_args, _add_pipeline_args,
                 _add_precision_args, _add_optimizer_args, _add_checkpoint_args,
-                _add_logging_args, _add_data_args, _add_recompute_args):
+                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -515,7 +533,38 @@ def _check_recompute(args: argparse.Namespace) -> None:
                  f"stage ({per_stage} = --num-layers / --pipeline-model-parallel-size)")
 
 
+def _check_finite_floats(args: argparse.Namespace) -> None:
+    """No float flag may be inf or nan (``--lr inf`` parses as a float and would train
+    straight to NaN weights).  Covers entry-point flags too: every float in ``args``."""
+    for dest, value in sorted(vars(args).items()):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ArgumentError(f"{_flag(dest)} must be a finite number, got {v}")
+
+
+def _check_writable_dir(flag: str, path: str) -> None:
+    """Create ``path`` if missing and write (then delete) a probe file in it, so an
+    unwritable --save is found now rather than after hours of training."""
+    probe = os.path.join(path, f".write-probe-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ArgumentError(f"{flag} {path} is not a writable directory ({reason})") from None
+
+
 def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
+    if args.save is not None:
+        _check_writable_dir("--save", args.save)
+    if args.tensorboard_dir is not None:
+        _check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
+    _require(args.max_consecutive_skipped_steps >= 0,
+             f"--max-consecutive-skipped-steps must be >= 0 (0 disables the limit), got "
+             f"{args.max_consecutive_skipped_steps}")
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval needs --save (a checkpoint directory)")
         _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
@@ -537,6 +586,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     Raises ``ArgumentError`` naming the flag(s) on the first inconsistency.
     """
     _check_required(args)
+    _check_finite_floats(args)
     _check_model(args)
     _check_parallel(args, world_size)
     _check_batches(args)
@@ -600,7 +650,9 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
         finetune=args.finetune, allow_unsafe_checkpoint=args.allow_unsafe_checkpoint,
-        skip_train=args.skip_train, timeline_file=args.timeline_file)
+        skip_train=args.skip_train, timeline_file=args.timeline_file,
+        max_consecutive_skipped_steps=args.max_consecutive_skipped_steps,
+        exit_signal_handler=args.exit_signal_handler)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
                           optimizer=optimizer, data=data, training=training)
 
@@ -629,6 +681,12 @@ def parse_and_validate(argv: Optional[List[str]] = None,
         validate_args(args, world_size)
         config = build_config(args)
     except ArgumentError as err:
+        from megatron.entry import debug_requested
+
+        if args.debug or debug_requested([]):
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     return args, config

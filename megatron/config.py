@@ -198,6 +198,10 @@ class TrainingConfig:
     skip_train: bool = False
     timeline_file: Optional[str] = None
     """Write every rank's traced pipeline actions to this JSON file (rank suffix added)."""
+    max_consecutive_skipped_steps: int = 10
+    """Stop the run after this many skipped (non-finite) steps in a row; 0: never."""
+    exit_signal_handler: bool = False
+    """SIGTERM: drain at the next batch boundary, save (with --save) and exit 0."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)

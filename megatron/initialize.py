@@ -6,9 +6,14 @@ ever waits on a peer that has already exited with an argument error.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import random
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,3 +108,58 @@ def barrier_with_message(what: str) -> None:
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         raise RuntimeError(f"rank {dist.get_rank()}: a peer rank did not reach '{what}' "
                            "(it probably failed; see its log)") from exc
+
+
+PARENT_CHECK_ENV = "MEGATRON_EXIT_WITH_PARENT"
+"""1: always exit when the parent process dies; 0: never; unset: only under torchrun."""
+
+
+def exit_when_parent_dies(poll_seconds: float = 1.0) -> bool:
+    """Kill this worker when the process that started it (torchrun's agent) dies.
+
+    Without it a ``kill -9`` of the agent leaves the workers training (and saving) as
+    orphans.  Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, delivered by the kernel the
+    moment the parent exits; elsewhere a daemon thread notices ``os.getppid()`` change
+    within ``poll_seconds``.  SIGKILL, not SIGTERM: the peers are dying as well, so a
+    --exit-signal-handler save could only hang.
+
+    Only under torchrun (TORCHELASTIC_RUN_ID is set) unless MEGATRON_EXIT_WITH_PARENT
+    says otherwise: a plain ``nohup python pretrain_gpt.py &`` must survive its shell.
+    Returns whether the check is active.
+    """
+    wanted = os.environ.get(PARENT_CHECK_ENV)
+    if wanted is None:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return False
+    elif wanted.strip() in ("", "0"):
+        return False
+    parent = os.getppid()
+    if not _set_parent_death_signal():
+        threading.Thread(target=_watch_parent, args=(parent, poll_seconds),
+                         name="parent-death-check", daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the check was armed
+        _die_orphaned()
+    return True
+
+
+def _set_parent_death_signal() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        return libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int, poll_seconds: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_seconds)
+    _die_orphaned()
+
+
+def _die_orphaned() -> None:
+    print(f"[pid {os.getpid()}] the launching process (torchrun agent) died; exiting",
+          file=sys.stderr, flush=True)
+    os._exit(1)

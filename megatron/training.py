@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -25,10 +26,123 @@ import torch.distributed as dist
 
 from megatron.checkpointing import TrainState, load_for_run, save_checkpoint
 from megatron.config import MegatronConfig
-from megatron.initialize import barrier_with_message, initialize_distributed, set_random_seed
+from megatron.entry import run_entry_point  # noqa: F401 - entry points import it from here
+from megatron.errors import DataError, UserError
+from megatron.initialize import (barrier_with_message, exit_when_parent_dies,
+                                 initialize_distributed, set_random_seed)
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.engine import PipelineEngine, StepReport
 from megatron.training_log import TrainingLogger, print_rank_last
+
+
+class NonFiniteError(UserError):
+    """The run stopped because its steps keep producing inf/nan (or its weights are not
+    finite).  One line; the entry point exits 1 without saving."""
+
+    exit_code = 1
+
+
+@dataclass
+class SkipMonitor:
+    """Decides, from the agreed step reports, when a run that keeps skipping must stop.
+
+    Every rank sees the same ``skipped``/``grad_scale`` sequence (the optimizer agrees
+    on them), so every rank reaches the same verdict at the same iteration.
+
+    * ``limit`` skipped steps in a row stop the run (0: never).  With dynamic fp16 loss
+      scaling the skips before the first applied step are the scale calibrating down
+      from --initial-loss-scale (dozens with the default 2^32) and do not count; any
+      later skip (loss-scale backoff included) does.
+    * dynamic fp16 only: an overflow of a batch that already ran at --min-loss-scale
+      stops the run at once (the scale cannot go lower; every later step would skip).
+    """
+
+    limit: int
+    dynamic_fp16: bool = False
+    min_loss_scale: float = 1.0
+    consecutive: int = 0
+    first_skipped: int = 0
+    applied_any: bool = False
+    reason: Optional[str] = None
+
+    @classmethod
+    def from_config(cls, cfg: MegatronConfig) -> "SkipMonitor":
+        prec = cfg.precision
+        return cls(limit=cfg.training.max_consecutive_skipped_steps,
+                   dynamic_fp16=bool(prec.fp16 and prec.loss_scale is None),
+                   min_loss_scale=prec.min_loss_scale)
+
+    def update(self, report: StepReport) -> None:
+        if self.reason is not None:
+            return
+        t = report.iteration + 1  # 1-based, as logged
+        if not report.skipped:
+            self.consecutive, self.applied_any = 0, True
+            return
+        if (self.dynamic_fp16 and report.grad_scale <= self.min_loss_scale
+                and not math.isfinite(report.grad_norm)):
+            self.reason = (f"iteration {t}: gradients overflow at the minimum loss scale "
+                           f"{report.grad_scale:g} (--min-loss-scale), so every further step "
+                           "would be skipped; stopped without saving (lower --lr, or check "
+                           "the data and the last checkpoint)")
+            return
+        if self.dynamic_fp16 and not self.applied_any:
+            return
+        if self.consecutive == 0:
+            self.first_skipped = t
+        self.consecutive += 1
+        if self.limit and self.consecutive >= self.limit:
+            self.reason = (f"{self.consecutive} optimizer steps in a row were skipped for "
+                           f"non-finite loss or gradients (iterations {self.first_skipped}-{t}, "
+                           f"--max-consecutive-skipped-steps {self.limit}); stopped without "
+                           "saving (lower --lr, or check the data and the last checkpoint)")
+
+
+class _SignalFlag:
+    """SIGTERM noted by a handler; acted on at the next drain point (never mid-batch)."""
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self._previous: Any = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self.received = signum
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def check_weights_finite(engine: PipelineEngine, iteration: int) -> None:
+    """Refuse to checkpoint inf/nan weights (every weight buffer, every rank agrees).
+
+    Collective: every rank calls it before the same save."""
+    bad = None
+    with torch.no_grad():
+        for b in range(engine.weights.num_buffers):
+            for p in engine.weights.params(b):
+                if not bool(torch.isfinite(p).all()):
+                    bad = f"pipeline stage {engine.stage}"
+                    break
+            if bad:
+                break
+    if _any_rank(bad is not None, engine.device):
+        raise NonFiniteError(f"refusing to save the checkpoint of iteration {iteration}: the "
+                             f"weights are not finite ({bad or 'on another rank'}); the last "
+                             "saved checkpoint is kept")
 
 
 @dataclass
@@ -195,31 +309,81 @@ def evaluate_and_print(engine: PipelineEngine, iterator, eval_iters: int, label:
     if losses:
         parts = []
         for k, v in losses.items():
-            ppl = math.exp(min(20.0, v))
-            parts.append(f"{k} value: {v:.6E} | {k} PPL: {ppl:.6E}")
+            # min(20, nan) is 20: a NaN loss would print a perfectly normal-looking PPL.
+            ppl = f"{math.exp(min(20.0, v)):.6E}" if math.isfinite(v) else "nan"
+            parts.append(f"{k} value: {v:.6E} | {k} PPL: {ppl}")
             logger.scalar(f"{label}/{k}", v, iteration)
         print_rank_last(f"{'-' * 80}\n {label} loss at iteration {iteration} | "
                         + " | ".join(parts) + f"\n{'-' * 80}")
     return losses
 
 
-def _next_drain(it: int, cfg: MegatronConfig, train_iters: int, do_eval: bool) -> int:
-    """First iteration > it where the pipeline must drain (eval, save, exit, end)."""
+def _next_drain(it: int, cfg: MegatronConfig, train_iters: int, do_eval: bool,
+                check_every: int = 0) -> int:
+    """First iteration > it where the pipeline must drain (eval, save, exit, end, and
+    every ``check_every`` iterations the fault checks of ``_check_every``)."""
     tr = cfg.training
     stops = [train_iters]
     for interval, on in ((tr.eval_interval, do_eval), (tr.save_interval, bool(tr.save)),
-                         (tr.exit_interval, True)):
+                         (tr.exit_interval, True), (check_every, True)):
         if on and interval:
             stops.append((it // interval + 1) * interval)
     return min(stops)
 
 
+SIGNAL_CHECK_SECONDS = 20.0
+"""2BW with --exit-signal-handler: drain about this often to look for a SIGTERM."""
+NAN_CHECK_BATCHES_2BW = 100
+"""2BW: drain at least this often to stop a run that keeps skipping steps."""
+
+
+def _check_every(cfg: MegatronConfig, seconds_per_iteration: float) -> int:
+    """Iterations between the drain points at which every rank agrees on a SIGTERM and
+    stops a run that keeps skipping steps (0: no extra drain points).
+
+    flush/gpipe/none drain after every batch anyway: checking every batch is free.
+    2BW never drains inside a segment, and each drain costs a pipeline fill (simulated,
+    d=4 m=8: +3% when draining every 10 batches, +37% every batch), so it checks every
+    NAN_CHECK_BATCHES_2BW batches (a stuck run stops that much later, its steps all
+    skipped) and, with --exit-signal-handler, about every SIGNAL_CHECK_SECONDS of
+    training (``seconds_per_iteration`` is agreed by all ranks, so every rank picks the
+    same segment length; 1 batch until a time has been measured)."""
+    tr = cfg.training
+    if cfg.parallel.pipeline_schedule != "2bw":
+        return 1
+    every = max(NAN_CHECK_BATCHES_2BW, tr.max_consecutive_skipped_steps)
+    if tr.max_consecutive_skipped_steps == 0:
+        every = 0
+    if tr.exit_signal_handler:
+        by_time = (max(1, int(SIGNAL_CHECK_SECONDS / seconds_per_iteration))
+                   if seconds_per_iteration > 0 else 1)
+        every = min(every, by_time) if every else by_time
+    return every
+
+
+def _agree(flag: bool, seconds_per_iteration: float, device: torch.device) -> Tuple[bool, float]:
+    """(any rank saw a SIGTERM, slowest rank's seconds per iteration): one all-reduce."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag, seconds_per_iteration
+    t = torch.tensor([1.0 if flag else 0.0, seconds_per_iteration], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0].item() > 0), float(t[1].item())
+
+
+def _save_checked(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
+                  optimizer, scheduler, state: TrainState) -> None:
+    check_weights_finite(engine, state.iteration)
+    save(cfg, groups, engine, optimizer, scheduler, state)
+
+
 def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
           scheduler, state: TrainState, train_iter, valid_iter, logger: TrainingLogger,
-          result: TrainingResult) -> TrainingResult:
+          result: TrainingResult, signals: Optional["_SignalFlag"] = None) -> TrainingResult:
     tr = cfg.training
     train_iters = tr.train_iters or 0
     gbs = tr.global_batch_size
+    monitor = SkipMonitor.from_config(cfg)
 
     def on_step(report: StepReport) -> None:
         if not report.skipped:
@@ -230,23 +394,45 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         if report.losses:
             result.losses[report.iteration + 1] = report.losses
         logger.on_step(report, state)
+        monitor.update(report)
 
     start_iteration = state.iteration
     t0 = time.perf_counter()
+    check_every = _check_every(cfg, 0.0)
     while state.iteration < train_iters:
-        stop = _next_drain(state.iteration, cfg, train_iters, valid_iter is not None)
+        stop = _next_drain(state.iteration, cfg, train_iters, valid_iter is not None,
+                           check_every)
+        t_segment, first = time.perf_counter(), state.iteration
         engine.train_batches(train_iter, stop - state.iteration,
                              lr_provider=scheduler.get_lr, on_step=on_step)
         it = state.iteration
+        # Identical on every rank (agreed step reports): all stop here, none saves.
+        if monitor.reason is not None:
+            logger.close()
+            raise NonFiniteError(monitor.reason)
+        if signals is None:
+            received = False
+        else:
+            per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
+            received, per_iter = _agree(signals.received is not None, per_iter, engine.device)
+            check_every = _check_every(cfg, per_iter)
+        if received:
+            if tr.save:
+                _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+            print_rank_last(f"SIGTERM: stopped at iteration {it} (--exit-signal-handler)"
+                            + (f", checkpoint saved to {tr.save}" if tr.save else
+                               ", no checkpoint (no --save)"))
+            result.exited_early = True
+            break
         if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
             losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation", it, logger)
             if losses:
                 result.eval_losses[it] = losses
         if tr.save and tr.save_interval and it % tr.save_interval == 0:
-            save(cfg, groups, engine, optimizer, scheduler, state)
+            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
         if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
             if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
-                save(cfg, groups, engine, optimizer, scheduler, state)
+                _save_checked(cfg, groups, engine, optimizer, scheduler, state)
             print_rank_last(f"exiting at iteration {it} (--exit-interval {tr.exit_interval})")
             result.exited_early = True
             break
@@ -285,6 +471,7 @@ def initialize_megatron(args, cfg: MegatronConfig):
     if vocab:
         cfg.model.padded_vocab_size = vocab_size_with_padding(
             vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    exit_when_parent_dies()
     groups, device = initialize_distributed(cfg.parallel)
     set_random_seed(cfg.training.seed, groups, device)
     return tokenizer, groups, device
@@ -304,17 +491,26 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
         cfg, groups, device, model_provider, forward_step,
         trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)
     state = maybe_load(cfg, groups, engine, optimizer, scheduler)
+    check_iterations_left(cfg, state)
     train_iter, valid_iter, test_iter = build_data_iterators(cfg, groups, tokenizer,
                                                              datasets_provider, state)
+    check_train_data(cfg, train_iter)
     flops = flops_per_iteration(cfg) if flops_per_iteration else None
     logger = TrainingLogger(cfg, groups, flops_per_iteration=flops)
     logger.banner(engine, model)
     result = TrainingResult()
     barrier_with_message("start of training")
     engine.clock_origin = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
-    if not cfg.training.skip_train and train_iter is not None:
-        train(cfg, groups, engine, optimizer, scheduler, state, train_iter, valid_iter, logger,
-              result)
+    if not cfg.training.skip_train:
+        signals = _SignalFlag() if cfg.training.exit_signal_handler else None
+        if signals is not None:
+            signals.install()
+        try:
+            train(cfg, groups, engine, optimizer, scheduler, state, train_iter, valid_iter,
+                  logger, result, signals)
+        finally:
+            if signals is not None:
+                signals.restore()
     result.iteration = state.iteration
     result.shared_embedding = _shared_embedding_copy(engine)
     result.memory = gather_memory_report(engine, groups)
@@ -327,11 +523,33 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
                 result.eval_losses[state.iteration] = losses
         if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (
                 cfg.training.save_interval and state.iteration % cfg.training.save_interval == 0):
-            save(cfg, groups, engine, optimizer, scheduler, state)
+            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
     if cfg.training.timeline_file:
         _write_timeline(cfg.training.timeline_file, engine, groups, cfg)
     logger.close()
     return result
+
+
+def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
+    """Training was asked for: the loaded checkpoint must leave iterations to train.
+
+    Same verdict on every rank (same flags, same checkpoint), raised before the data
+    loaders are positioned past the end and before any collective of training."""
+    tr = cfg.training
+    train_iters = tr.train_iters or 0
+    if not tr.skip_train and state.iteration >= train_iters:
+        raise UserError(f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
+                        f"{state.iteration} and --train-iters is {train_iters}; raise "
+                        "--train-iters to continue, or pass --skip-train to only evaluate")
+
+
+def check_train_data(cfg: MegatronConfig, train_iter) -> None:
+    """Training was asked for: there must be samples to train on (every rank builds the
+    same datasets, so every rank raises)."""
+    if not cfg.training.skip_train and train_iter is None:
+        raise DataError(f"nothing to train on: the training split is empty (--split "
+                        f"'{cfg.data.split}', --data-path {' '.join(cfg.data.data_path) or '-'}); "
+                        "give the training part a share of the data")
 
 
 def _shared_embedding_copy(engine: PipelineEngine) -> Optional[torch.Tensor]:

@@ -57,6 +57,7 @@ class TrainingLogger:
         self.nan = 0
         self.loss_sums: Dict[str, float] = {}
         self.loss_count = 0
+        self.loss_keys: set = set()
 
     def banner(self, engine, model) -> None:
         tr, par = self.cfg.training, self.cfg.parallel
@@ -78,12 +79,15 @@ class TrainingLogger:
             return
         self.steps += 1
         self.skipped += int(report.skipped)
-        if report.grad_norm is not None and not math.isfinite(report.grad_norm) and not report.skipped:
+        if self.is_nan_iteration(report):
             self.nan += 1
-        if report.losses:
+        finite = report.losses and all(math.isfinite(v) for v in report.losses.values())
+        if finite:  # a NaN batch (skipped) must not turn the interval's average into NaN
             for k, v in report.losses.items():
                 self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
             self.loss_count += 1
+        if report.losses:
+            self.loss_keys.update(report.losses)
             for k, v in report.losses.items():
                 self.scalar(f"train/{k}", v, state.iteration)
         self.scalar("train/lr", report.lr, state.iteration)
@@ -91,6 +95,14 @@ class TrainingLogger:
         interval = self.cfg.training.log_interval
         if state.iteration % interval == 0:
             self._print(report, state)
+
+    def is_nan_iteration(self, report) -> bool:
+        """A non-finite loss, or non-finite gradients where they are not the routine
+        overflow that fp16 loss scaling expects (those count as skipped only)."""
+        if report.losses and any(not math.isfinite(v) for v in report.losses.values()):
+            return True
+        grad_nan = report.grad_norm is not None and not math.isfinite(report.grad_norm)
+        return grad_nan and not self.cfg.precision.fp16
 
     def _print(self, report, state) -> None:
         tr = self.cfg.training
@@ -105,8 +117,11 @@ class TrainingLogger:
             tflops = self.flops / per_iter / self.world / 1e12
             parts.append(f"TFLOP/s per device: {tflops:.4g}")
         parts.append(f"learning rate: {report.lr:.6E}")
-        for k, v in self.loss_sums.items():
-            parts.append(f"{k}: {v / max(self.loss_count, 1):.6E}")
+        for k in list(self.loss_sums) + sorted(self.loss_keys - set(self.loss_sums)):
+            if k in self.loss_sums:
+                parts.append(f"{k}: {self.loss_sums[k] / max(self.loss_count, 1):.6E}")
+            else:  # every batch of the interval had a non-finite loss (all skipped)
+                parts.append(f"{k}: nan")
         parts += [f"loss scale: {report.loss_scale:.1f}",
                   f"grad norm: {report.grad_norm:.3f}",
                   f"number of skipped iterations: {self.skipped:3d}",

@@ -139,4 +139,6 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -282,4 +282,6 @@ if __name__ == "__main__":
     # module (e.g. tools/trace.py) would then be documented instead of the real one.
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
-    sys.exit(main())
+    from megatron.entry import run_entry_point
+
+    run_entry_point(main)

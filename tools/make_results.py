@@ -447,4 +447,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -184,4 +184,6 @@ def run(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    from megatron.entry import run_entry_point
+
+    run_entry_point(run)

@@ -258,4 +258,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -26,10 +26,11 @@ all-reduce: the global gradient norm (for clipping), whether any gradient overfl
 (so every stage skips the same batch and weight versions stay aligned), and the
 optional zero count.
 
-Non-finite gradients: they are detected for every precision and reported in
-``StepInfo.num_nonfinite``; only fp16 skips the step for them (and backs off the loss
-scale).  bf16/fp32 runs take the step, as Megatron-LM does, and leave it to the trainer
-to stop on the report.  ``extra_found_inf=True`` on any rank skips the step everywhere.
+Non-finite gradients: they are detected for every precision, reported in
+``StepInfo.num_nonfinite`` and the step is skipped everywhere (weights and optimizer
+state unchanged; ``write_to`` gets a copy of ``base``); fp16 also backs off its loss
+scale.  The trainer counts skipped steps and stops a run that keeps skipping.
+``extra_found_inf=True`` on any rank skips the step everywhere too.
 """
 from __future__ import annotations
 
@@ -169,7 +170,11 @@ class MegatronOptimizer:
             info = dict(grad_norm=grad_norm, loss_scale=self.scaler.scale,
                         num_zeros=int(zeros) if self.log_num_zeros else None,
                         num_nonfinite=int(nonfinite))
-            if extra > 0 or (found_inf and self.skip_on_nonfinite):
+            # Any non-finite gradient skips the step, whatever the precision: applying it
+            # would write NaN into the weights (and, under 2BW, into both versions in
+            # turn).  Only fp16 also backs off its loss scale (above).  ``extra`` carries
+            # the caller's own findings, e.g. a non-finite loss on the last stage.
+            if extra > 0 or found_inf:
                 _copy_buffer(base, write_to)
                 self._release_grads(grads_from)
                 return StepInfo(skipped=True, **info)

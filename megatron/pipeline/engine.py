@@ -271,7 +271,10 @@ class PipelineEngine:
     def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
         try:
             from megatron.pipeline.schedules import format_grid
-            grid = format_grid(actions, mark=(self.stage, index))
+            # A window of 12 time units either side of the failing action: the full grid
+            # of a long segment is tens of kilobytes per stage line, printed by every
+            # failing rank.
+            grid = format_grid(actions, mark=(self.stage, index), window=12)
         except Exception as grid_exc:  # noqa: BLE001 - the original error matters more
             grid = f"(could not draw the schedule grid: {grid_exc})"
         msg = (f"[rank {self.groups.rank}] pipeline stage {self.stage} failed at action "
@@ -416,10 +419,20 @@ class PipelineEngine:
             with torch.no_grad():
                 next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
         grad_scale = self._batch_scales.pop(t)
-        pending = self.optimizer.begin_step(params, grad_scale=grad_scale)
+        pending = self.optimizer.begin_step(params, grad_scale=grad_scale,
+                                            extra_found_inf=self._loss_nonfinite(seg, t))
         self._pending_steps.append((t, pending, grad_scale))
         if self.schedule_name != "2bw":
             self._finish_steps(seg, before_batch=t + 1)
+
+    def _loss_nonfinite(self, seg: _Segment, t: int) -> bool:
+        """Last stage: batch t's reported loss is inf/nan.  Fed into the optimizer's
+        agreement so every stage skips the step: a loss like ``l + nan`` leaves the
+        gradients finite, so the gradient check alone would apply the step."""
+        if not self.is_last:
+            return False
+        return any(not bool(torch.isfinite(torch.as_tensor(v)).all())
+                   for v in seg.loss_sums.get(t, {}).values())
 
     def _finish_steps(self, seg: _Segment, before_batch: Optional[int] = None) -> None:
         """Finish pending updates that batch ``before_batch`` needs (all when None)."""

@@ -208,16 +208,56 @@ def format_schedule(schedule: Sequence[Sequence[Action]]) -> str:
 
 
 def format_grid(schedule: Sequence[Sequence[Action]],
-                mark: Optional[Tuple[int, int]] = None) -> str:
+                mark: Optional[Tuple[int, int]] = None, window: Optional[int] = None) -> str:
     """Stage-by-time grid of the compute actions (unit-cost run: F=1, B=2).
 
     ``mark=(stage, index into that stage's list)`` is shown as ``>>F5<<`` (a marked
     send/recv/step highlights the next compute action of its stage and is named below
     the grid): the executor prints this when an action fails.  Works on schedules that
     deadlock too; the stuck stages are listed under the grid.
+
+    ``window``: show only about that many time units either side of the marked action
+    (of the end of the run when nothing is marked), all stages, with a note of how many
+    units were cut; a long segment's full grid is tens of kilobytes per line.
     """
     state = run_schedule(schedule, unit_cost(), step_barrier=True)
-    return render_grid(state, len(schedule), mark)
+    text = render_grid(state, len(schedule), mark)
+    if window is None:
+        return text
+    labels = [len(a.short) for actions in schedule for a in actions if is_compute(a)]
+    unit = max(labels, default=2) + (4 if mark is not None else 0) + 1
+    return _crop_grid(text, window, unit)
+
+
+def _crop_grid(text: str, window: int, unit: int) -> str:
+    """Cut every ``stage NN | ...`` line of a rendered grid to the same column range:
+    ``window`` units of ``unit`` characters either side of the ``>>`` mark."""
+    lines = text.split("\n")
+    rows = [i for i, line in enumerate(lines) if line.startswith("stage ") and " | " in line]
+    if not rows:
+        return text
+    prefix = lines[rows[0]].index(" | ") + 3
+    length = max(len(lines[i]) for i in rows)
+    marked = next((lines[i].index(">>") for i in rows if ">>" in lines[i]), length)
+    lo = max(prefix, marked - window * unit)
+    hi = min(length, marked + (window + 1) * unit)
+    if lo == prefix and hi == length:
+        return text
+    for i in rows:
+        body = lines[i].ljust(length)[lo:hi]
+        # Do not start or end inside a label cut in two.
+        if lo > prefix and lines[i][lo - 1:lo].strip() and body[:1].strip():
+            body = " " * (len(body.split(" ", 1)[0])) + body[len(body.split(" ", 1)[0]):]
+        if hi < length and lines[i][hi:hi + 1].strip() and body[-1:].strip():
+            tail = body.rsplit(" ", 1)[-1]
+            body = body[:len(body) - len(tail)] + " " * len(tail)
+        lines[i] = (lines[i][:prefix] + ("... " if lo > prefix else "")
+                    + body + (" ..." if hi < length else "")).rstrip()
+    left, right = (lo - prefix) // unit, max(0, length - hi) // unit
+    around = "the marked action" if marked < length else "the end of the run"
+    lines.insert(rows[-1] + 1, f"(grid cut to {window} time units either side of {around}: "
+                               f"about {left} units left and {right} right not shown)")
+    return "\n".join(lines)
 
 
 def compute_order(actions: Sequence[Action]) -> str:

@@ -102,14 +102,17 @@ def test_fp16_inf_gradient_skips_and_backs_off(two_buffers):
     assert not opt.step(grads_from=x, write_to=x, base=base, lr=1.0).skipped
 
 
-def test_bf16_nonfinite_gradient_is_reported_not_skipped():
-    params = params_of(torch.bfloat16)
-    opt = get_megatron_optimizer(sgd(), PrecisionConfig(bf16=True), params)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nonfinite_gradient_skips_without_loss_scaling(dtype):
+    params = params_of(dtype)
+    before = [p.detach().clone() for p in params]
+    opt = get_megatron_optimizer(sgd(), PrecisionConfig(bf16=dtype == torch.bfloat16), params)
     grads = grads_of(params)
     grads[0][0, 0] = float("nan")
     set_grads(params, grads)
     info = opt.step(params, params, params, lr=1.0)
-    assert not info.skipped and info.num_nonfinite == 1 and info.loss_scale == 1.0
+    assert info.skipped and info.num_nonfinite == 1 and info.loss_scale == 1.0
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
 def test_extra_found_inf_skips_without_touching_the_scaler():

@@ -1,0 +1,105 @@
+"""How every entry point (pretrain_*.py, tasks/main.py, tools/*.py) ends.
+
+    if __name__ == "__main__":
+        run_entry_point(main)
+
+* ``UserError`` (bad flag, data file or checkpoint; a run stopped on NaN): one line
+  ``error: <message>`` on stderr, no traceback, exit code ``err.exit_code`` (2 unless
+  the error class says otherwise);
+* Ctrl-C (KeyboardInterrupt): one line ``interrupted``, exit code 130 (128 + SIGINT, what
+  shells report for a process killed by Ctrl-C);
+* an error that only says a peer rank went away (gloo "Connection closed by peer"):
+  one ``error: [rank R] a peer rank exited ...`` line, exit code 1 -- the peer prints
+  the real cause;
+* anything else is a bug: the normal traceback and exit code 1.
+
+``--debug`` on the command line (removed before ``main`` sees it, so tools whose parser
+does not know it accept it too) or ``MEGATRON_DEBUG=1`` in the environment shows the
+traceback of a UserError / KeyboardInterrupt as well.
+
+Multi-rank runs: a rank that exits here leaves its peers blocked in their next
+collective or p2p wait.  With gloo they see the closed connection within seconds
+(the one-line "peer rank exited" above); torchrun's agent also stops the remaining
+workers at once (SIGTERM) when one fails; otherwise they fail when their collective
+times out (``--distributed-timeout-minutes``).  None hangs forever.
+
+This module imports nothing heavy (no torch) so small tools stay fast to start.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Callable, List, Optional
+
+from megatron.errors import UserError
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "MEGATRON_DEBUG"
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def debug_requested(argv: Optional[List[str]] = None) -> bool:
+    """True when ``--debug`` is in ``argv`` (default sys.argv) or MEGATRON_DEBUG is set."""
+    argv = sys.argv[1:] if argv is None else argv
+    env = os.environ.get(DEBUG_ENV, "").strip().lower()
+    return DEBUG_FLAG in argv or env not in ("", "0", "false", "no")
+
+
+def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) -> None:
+    """Run ``main(argv)`` (or ``main()`` when ``argv`` is None) and exit the process.
+
+    The integer ``main`` returns becomes the exit code (None means 0)."""
+    debug = debug_requested(argv)
+    if argv is None:
+        sys.argv = [a for a in sys.argv if a != DEBUG_FLAG]
+    else:
+        argv = [a for a in argv if a != DEBUG_FLAG]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # spawned workers inherit it
+    try:
+        code = main() if argv is None else main(argv)
+    except UserError as err:
+        if debug:
+            traceback.print_exc()
+        _print_error(f"error: {_one_line(err)}")
+        sys.exit(getattr(err, "exit_code", EXIT_USER_ERROR))
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        _print_error("interrupted")
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:  # noqa: BLE001 - only a lost peer is shortened, the rest re-raised
+        if debug or not _lost_peer(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        _print_error(f"error: [rank {os.environ.get('RANK', '?')}] a peer rank exited (it "
+                     f"probably failed: see its own error line); here: {first}")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """The error only says that another rank went away (its own message says why)."""
+    while exc is not None:
+        if any(s in str(exc) for s in _LOST_PEER):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text
+
+
+def _print_error(line: str) -> None:
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - a closed stdout must not hide the error line
+        pass
+    print(line, file=sys.stderr, flush=True)

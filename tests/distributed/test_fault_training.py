@@ -1,0 +1,464 @@
+"""Fault injection for the training loop (issue 12): what a user gets when a run goes wrong.
+
+* NaN/Inf loss or gradients: skipped on every rank and schedule (fp32 too), counted,
+  never applied or saved; a run that keeps skipping stops with one line and exit 1;
+* a run with nothing to train (no iterations left, empty training split) is an error;
+* bad flags (--lr inf, unwritable --save) stop before anything starts;
+* entry points: one ``error:`` line / ``interrupted``, exit codes 2 / 130, --debug;
+* failure grids are a window, not the whole segment;
+* SIGTERM with --exit-signal-handler: every rank saves at the same iteration, exit 0;
+* a worker whose launcher (torchrun's agent) is killed exits within seconds.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.distributed.gpt_harness import TINY
+
+REPO = Path(__file__).resolve().parents[2]
+# float32 (the issue's "in fp32 a NaN step is applied and saved"), 4 layers for pp=2.
+FP32 = [a for a in TINY if a != "--fp64"]
+
+
+def _argv(*extra: str, iters: int = 4) -> list:
+    base = list(FP32)
+    base[base.index("--train-iters") + 1] = str(iters)
+    return base + list(extra)
+
+
+# ---- NaN injection: forward_steps that poison the loss of chosen batches ------------------
+
+class _Poison:
+    """Counts last-stage forwards (m per batch) and poisons the loss of chosen batches."""
+
+    def __init__(self, batches, m: int, how: str) -> None:
+        self.batches, self.m, self.how, self.calls = set(batches), m, how, 0
+
+    def __call__(self, data_iterator, model):
+        import pretrain_gpt
+
+        output, loss_fn = pretrain_gpt.forward_step(data_iterator, model)
+        batch = self.calls // self.m
+        self.calls += 1
+        if batch not in self.batches and not (self.batches == {"all"} and batch >= 1):
+            return output, loss_fn
+
+        def poisoned(out):
+            loss, reported = loss_fn(out)
+            # "mul": NaN gradients too; "add": the gradients stay finite, only the loss
+            # says the batch is bad (the optimizer's gradient check alone misses it).
+            bad = loss * float("nan") if self.how == "mul" else loss + float("nan")
+            return bad, {k: v + float("nan") for k, v in reported.items()}
+        return output, poisoned
+
+
+def _train(argv, forward_step):
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    return pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, forward_step,
+                    argv=argv)
+
+
+@pytest.mark.parametrize("how", ["mul", "add"])
+def test_fp32_nan_step_is_skipped_counted_and_not_applied(how, capsys):
+    """Single rank, fp32: batch 1 (iteration 2) has a NaN loss.  Old code applied it."""
+    argv = _argv("--log-interval", "1", "--eval-iters", "0")
+    res = _train(argv, _Poison({1}, m=4, how=how))
+    assert [r.skipped for r in res.reports] == [False, True, False, False]
+    out = capsys.readouterr().out
+    assert "number of nan iterations:   1" in out
+    assert all(math.isfinite(v["lm loss"]) for t, v in res.losses.items() if t != 2)
+    # The skipped batch changed nothing: iteration 2's weights equal iteration 1's, so
+    # the run is the clean run shifted by one batch from there on -- at least finite.
+    assert all(math.isfinite(r.grad_norm) for r in res.reports if not r.skipped)
+    assert res.shared_embedding is not None and torch.isfinite(res.shared_embedding).all()
+
+
+def _nan_two_stages(rank: int, world: int, save_root: str):
+    from megatron.errors import UserError
+
+    out = {}
+    for schedule in ("flush", "2bw"):
+        argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+                     "--eval-iters", "0", "--save", f"{save_root}/{schedule}", iters=5)
+        res = _train(argv, _Poison({2}, m=4, how="mul"))
+        out[schedule] = {"skipped": [r.skipped for r in res.reports],
+                         "embedding_finite": (res.shared_embedding is None
+                                              or bool(torch.isfinite(res.shared_embedding).all()))}
+        # Every batch from the second on is NaN: the run stops after 3 skipped steps in a
+        # row, on both stages, and saves nothing.
+        argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+                     "--eval-iters", "0", "--max-consecutive-skipped-steps", "3",
+                     "--save", f"{save_root}/{schedule}_stuck", "--save-interval", "100",
+                     iters=30)
+        try:
+            _train(argv, _Poison({"all"}, m=4, how="mul"))
+            out[schedule]["stuck"] = None
+        except UserError as exc:
+            out[schedule]["stuck"] = (type(exc).__name__, getattr(exc, "exit_code", 2), str(exc))
+    return out
+
+
+def test_nan_under_flush_and_2bw_is_agreed_skipped_and_stops(tmp_path):
+    res = run_distributed(_nan_two_stages, 2, args=(str(tmp_path),), timeout=240)
+    for schedule in ("flush", "2bw"):
+        stage0, stage1 = res[0][schedule], res[1][schedule]
+        # NaN loss and gradients on the last stage only; both stages skip batch 2.
+        assert stage0["skipped"] == stage1["skipped"] == [False, False, True, False, False]
+        assert stage0["embedding_finite"] and stage1["embedding_finite"]
+        for stage in (stage0, stage1):
+            name, code, msg = stage["stuck"]
+            assert name == "NonFiniteError" and code == 1
+            assert "3 optimizer steps in a row were skipped" in msg and "\n" not in msg
+        assert not list((tmp_path / f"{schedule}_stuck").glob("iter_*"))
+        assert list((tmp_path / schedule).glob("iter_*"))  # the healthy run did save
+
+
+def test_skip_monitor_counts_floor_and_calibration():
+    from megatron.pipeline.engine import StepReport
+    from megatron.training import SkipMonitor
+
+    def rep(t, skipped, scale=1.0, norm=float("nan")):
+        return StepReport(iteration=t, skipped=skipped, grad_norm=norm, loss_scale=scale,
+                          lr=1.0, weight_version=t, grad_scale=scale)
+
+    m = SkipMonitor(limit=3)
+    for t, s in enumerate([True, True, False, True, True]):
+        m.update(rep(t, s))
+    assert m.reason is None  # never 3 in a row
+    m.update(rep(5, True))
+    assert m.reason and "iterations 4-6" in m.reason
+    # fp16 dynamic scaling: calibration skips before the first applied step are free...
+    f = SkipMonitor(limit=3, dynamic_fp16=True, min_loss_scale=1.0)
+    for t in range(20):
+        f.update(rep(t, True, scale=2.0 ** (32 - t)))
+    assert f.reason is None
+    f.update(rep(20, False, scale=4096.0, norm=1.0))
+    for t in range(21, 24):
+        f.update(rep(t, True, scale=4096.0))
+    assert f.reason and "3 optimizer steps" in f.reason
+    # ...but an overflow at the floor stops at once.
+    g = SkipMonitor(limit=0, dynamic_fp16=True, min_loss_scale=1.0)
+    g.update(rep(0, True, scale=1.0, norm=float("inf")))
+    assert g.reason and "--min-loss-scale" in g.reason
+
+
+def test_validation_nan_prints_nan_not_a_ppl(capsys):
+    from megatron.training import evaluate_and_print
+
+    class Engine:
+        def evaluate(self, it, n):
+            return {"lm loss": float("nan")}
+
+    class Logger:
+        def scalar(self, *a):
+            pass
+
+    evaluate_and_print(Engine(), None, 1, "validation", 3, Logger())
+    out = capsys.readouterr().out
+    assert "lm loss PPL: nan" in out and "E+08" not in out
+
+
+# ---- nothing to train ----------------------------------------------------------------------
+
+def test_resuming_at_or_past_train_iters_is_an_error(tmp_path):
+    import pretrain_gpt
+    from megatron.errors import UserError
+
+    ckpt = str(tmp_path / "ck")
+    _train(_argv("--save", ckpt, "--eval-iters", "0", iters=2), pretrain_gpt.forward_step)
+    with pytest.raises(UserError, match=r"nothing to train: .* at iteration 2 and --train-iters is 2"):
+        _train(_argv("--load", ckpt, "--eval-iters", "0", iters=2), pretrain_gpt.forward_step)
+
+
+def test_empty_training_split_is_an_error():
+    import pretrain_gpt
+    from megatron.errors import DataError
+    from megatron.training import pretrain
+
+    def no_train(cfg, tokenizer, num_samples):
+        _, valid, test = pretrain_gpt.datasets_provider(cfg, tokenizer, num_samples)
+        return None, valid, test
+
+    with pytest.raises(DataError, match="training split is empty"):
+        pretrain(no_train, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                 argv=_argv("--eval-iters", "0"))
+
+
+# ---- bad flags stop before anything starts --------------------------------------------------
+
+def _validate(argv):
+    from megatron.arguments import parse_and_validate
+
+    return parse_and_validate(argv, world_size=1)
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--lr", "nan"), ("--min-lr", "nan"),
+                                        ("--clip-grad", "inf"), ("--weight-decay", "nan"),
+                                        ("--adam-eps", "inf"), ("--initial-loss-scale", "inf")])
+def test_non_finite_float_flag_is_one_error_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _validate(_argv(flag, value))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {flag} must be a finite number, got {float(value)}"
+
+
+@pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir"])
+def test_unwritable_output_dir_is_found_at_start_up(flag, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        _validate(_argv(flag, "/proc/nope/ck"))
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {flag} /proc/nope/ck is not a writable directory")
+    made = tmp_path / "a" / "b"
+    _validate(_argv(flag, str(made)))  # a missing directory is created, and left empty
+    assert made.is_dir() and not list(made.iterdir())
+
+
+# ---- entry points ---------------------------------------------------------------------------
+
+def _entry(main, argv, monkeypatch, debug=False):
+    from megatron.entry import run_entry_point
+
+    # "0" (not delenv): monkeypatch then also undoes the "1" that --debug exports.
+    monkeypatch.setenv("MEGATRON_DEBUG", "0")
+    if debug:
+        argv = argv + ["--debug"]
+    with pytest.raises(SystemExit) as exc:
+        run_entry_point(main, argv)
+    return exc.value.code
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_entry_point_user_error_and_ctrl_c(debug, capsys, monkeypatch):
+    from megatron.errors import CheckpointError
+
+    def bad(argv):
+        assert "--debug" not in argv  # stripped for parsers that do not know it
+        raise CheckpointError("--load ck: file model.safetensors is corrupt")
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert _entry(bad, [], monkeypatch, debug) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: --load ck: file model.safetensors is corrupt"
+    assert ("Traceback" in err) == debug
+    assert _entry(interrupted, [], monkeypatch, debug) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted" and ("Traceback" in err) == debug
+    assert _entry(lambda argv: None, [], monkeypatch) == 0
+
+
+def test_entry_point_lost_peer_is_one_line_other_errors_keep_their_traceback(capsys,
+                                                                             monkeypatch):
+    def lost(argv):
+        try:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:2171")
+        except RuntimeError as exc:
+            raise ValueError("[rank 0] pipeline stage 0 failed at action #3\ngrid") from exc
+
+    def bug(argv):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setenv("RANK", "0")
+    assert _entry(lost, [], monkeypatch) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: [rank 0] a peer rank exited") and "\n" not in err
+    with pytest.raises(ZeroDivisionError):
+        from megatron.entry import run_entry_point
+        run_entry_point(bug, [])
+
+
+def test_nan_run_exits_1_with_one_line_and_saves_nothing(tmp_path):
+    """--lr huge through the real entry point: NaN after one step, stop, exit 1."""
+    argv = _argv("--lr", "1e30", "--max-consecutive-skipped-steps", "3", "--eval-iters", "0",
+                 "--save", str(tmp_path / "ck"), iters=40)
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: 3 optimizer steps in a row were skipped")
+    assert not list((tmp_path / "ck").glob("iter_*"))
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MEGATRON_DEBUG", None)
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+# ---- failure grids -------------------------------------------------------------------------
+
+def test_failure_grid_is_a_window_around_the_failing_action():
+    from megatron.pipeline.schedules import build_schedule, format_grid
+
+    schedule = build_schedule("2bw", 4, 4, 200)
+    index = len(schedule[2]) // 2
+    full = format_grid(schedule, mark=(2, index))
+    cut = format_grid(schedule, mark=(2, index), window=12)
+    assert len(full) > 50_000 and len(cut) < 2_000
+    lines = cut.splitlines()
+    assert sum(line.startswith("stage ") for line in lines) == 4  # every stage
+    assert ">>" in lines[2] and "units left" in cut and "marked: stage 2" in cut
+
+
+def test_pipeline_failure_message_stays_small(capsys):
+    """The executor's failure message for an action late in a long 2BW segment (what a
+    timeout prints on every rank): a window of the grid, not the whole segment."""
+    from types import SimpleNamespace
+
+    from megatron.pipeline.engine import PipelineEngine
+    from megatron.pipeline.schedules import build_schedule
+
+    actions = build_schedule("2bw", 4, 8, 300)
+    index = len(actions[1]) * 3 // 4
+    fake = SimpleNamespace(stage=1, groups=SimpleNamespace(rank=1), schedule_name="2bw",
+                           num_stages=4, num_microbatches=8, iteration=225)
+    msg = PipelineEngine._report_failure(fake, actions, index, actions[1][index],
+                                         RuntimeError("Connection closed by peer"))
+    assert "Connection closed by peer" in msg and ">>" in msg and "units left" in msg
+    assert len(msg) < 3_000, len(msg)  # the whole grid is ~500 KB
+    assert capsys.readouterr().err.strip() == msg.strip()
+
+
+# ---- signals and a dead launcher ------------------------------------------------------------
+
+def _children(pid: int) -> list:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait_for(pattern: str, path: Path, proc, timeout: float) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if pattern in text:
+            return text
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"'{pattern}' not seen; output:\n{path.read_text()[-3000:]}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(tmp_path):
+    """torchrun, 2 pipeline stages: SIGTERM to ONE worker; both agree, save the same
+    iteration, and the job exits 0 (old code: killed, nothing saved)."""
+    ckpt, log = tmp_path / "ck", tmp_path / "out.txt"
+    argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
+                 "--eval-iters", "0", "--log-interval", "1", "--exit-signal-handler",
+                 "--save", str(ckpt), "--save-interval", "1000", iters=100000)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                 "2", "--master-port", str(_port()), str(REPO / "pretrain_gpt.py"),
+                                 *argv], stdout=out, stderr=subprocess.STDOUT, env=_env())
+    try:
+        _wait_for("iteration        2/", log, proc, 90)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "SIGTERM: stopped at iteration" in text and "Traceback" not in text
+    stopped = int(text.split("SIGTERM: stopped at iteration ")[1].split(" ")[0].rstrip(","))
+    assert stopped >= 2 and (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() \
+        == str(stopped)
+
+
+def _port() -> int:
+    from tests.dist_utils import free_port
+
+    return free_port()
+
+
+_ORPHAN = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+from megatron.initialize import exit_when_parent_dies
+import time
+print("armed", exit_when_parent_dies(poll_seconds=0.2), flush=True)
+time.sleep(120)
+'''])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("use_prctl", [True, False])
+def test_worker_exits_when_its_launcher_is_killed(use_prctl, monkeypatch):
+    """kill -9 of the parent (torchrun's agent): the worker is gone within seconds."""
+    env = _env(MEGATRON_EXIT_WITH_PARENT="1")
+    code = _ORPHAN
+    if not use_prctl:  # the portable fallback: a thread polling os.getppid()
+        code = code.replace("from megatron.initialize import exit_when_parent_dies",
+                            "import megatron.initialize as mi; mi._set_parent_death_signal = "
+                            "lambda: False; exit_when_parent_dies = mi.exit_when_parent_dies")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        worker = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "armed True"
+        assert _alive(worker)
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 10
+        while _alive(worker) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the orphaned worker kept running"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_parent_death_check_is_off_outside_torchrun(monkeypatch):
+    from megatron.initialize import exit_when_parent_dies
+
+    monkeypatch.delenv("MEGATRON_EXIT_WITH_PARENT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert exit_when_parent_dies() is False  # nohup python pretrain_gpt.py & must survive
+
+
+def test_fault_checks_drain_2bw_rarely_and_flush_every_batch():
+    from megatron.arguments import parse_and_validate
+    from megatron.training import _check_every
+
+    def cfg(*extra):
+        return parse_and_validate(_argv(*extra), world_size=1)[1]
+
+    assert _check_every(cfg("--pipeline-schedule", "flush"), 0.0) == 1
+    assert _check_every(cfg("--pipeline-schedule", "2bw"), 0.0) == 100
+    assert _check_every(cfg("--pipeline-schedule", "2bw", "--max-consecutive-skipped-steps",
+                            "0"), 0.0) == 0
+    sig = cfg("--pipeline-schedule", "2bw", "--exit-signal-handler")
+    assert _check_every(sig, 0.0) == 1          # nothing measured yet
+    assert _check_every(sig, 1.0) == 20         # about every 20 s
+    assert _check_every(sig, 0.01) == 100       # never rarer than the NaN check
