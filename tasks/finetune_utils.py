@@ -205,9 +205,9 @@ def _setup(task: FinetuneTask, argv: List[str]):
 
 def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> FinetuneResult:
     """Run a finetuning task end to end; returns this rank's result."""
-    from megatron.checkpointing import read_tracker
+    from megatron.checkpointing import find_checkpoint
     from megatron.initialize import barrier_with_message
-    from megatron.training import (TrainingResult, maybe_load, save,
+    from megatron.training import (TrainingResult, _save_checked, maybe_load,
                                    setup_model_and_optimizer, train)
     from megatron.training_log import TrainingLogger, print_rank_last
 
@@ -216,7 +216,9 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
     model, optimizer, scheduler, engine = setup_model_and_optimizer(
         cfg, groups, device, task.model_provider, forward_step)
     tr = cfg.training
-    if tr.load and read_tracker(tr.load) is not None:
+    # find_checkpoint, not the tracker alone: without a tracker the newest complete
+    # iteration is resumed rather than finetuning restarting over it
+    if tr.load and find_checkpoint(tr.load).iteration is not None:
         state = maybe_load(cfg, groups, engine, optimizer, scheduler)
     else:
         from megatron.checkpointing import TrainState
@@ -262,7 +264,7 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
         tr.train_iters = total
         if tr.save and state.iteration > 0 and not result.training.exited_early and not (
                 tr.save_interval and state.iteration % tr.save_interval == 0):
-            save(cfg, groups, engine, optimizer, scheduler, state)
+            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
     result.iteration = state.iteration
     logger.close()
     return result
