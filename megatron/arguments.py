@@ -307,6 +307,22 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
         _require(torch.cuda.is_available(),
                  "--distributed-backend nccl needs CUDA, but no CUDA device is available; "
                  "use --distributed-backend gloo (or leave it unset)")
+    _check_local_gpus(args)
+
+
+def _check_local_gpus(args: argparse.Namespace) -> None:
+    """More nccl ranks on this node than GPUs: stop here, before any process group."""
+    from megatron.initialize import check_gpus_for_local_ranks, resolve_backend
+
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local_world_size = int(raw)
+    except ValueError:
+        raise ArgumentError(f"environment variable LOCAL_WORLD_SIZE must be an integer, "
+                            f"got '{raw}'") from None
+    cuda = torch.cuda.is_available()
+    check_gpus_for_local_ranks(resolve_backend(args.distributed_backend, None),
+                               local_world_size, torch.cuda.device_count() if cuda else 0)
 
 
 def _check_batches(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -264,6 +265,18 @@ def gather_memory_report(engine: PipelineEngine, groups: ParallelGroups) -> Dict
     return {"per_rank": everyone}
 
 
+def _warn_precision(cfg: MegatronConfig, groups: ParallelGroups, device: torch.device) -> None:
+    """--fp16 (or a slow --bf16) on a CPU device: say what it costs, measured here."""
+    from megatron.initialize import half_matmul_slowdown, precision_warning
+
+    dtype = cfg.model.params_dtype
+    if groups.rank != 0 or device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return
+    message = precision_warning(dtype, device, half_matmul_slowdown(dtype))
+    if message:
+        print(message, file=sys.stderr, flush=True)
+
+
 def initialize_megatron(args, cfg: MegatronConfig):
     """Tokenizer (and the padded vocabulary size it implies), process groups and seeds.
 
@@ -282,6 +295,7 @@ def initialize_megatron(args, cfg: MegatronConfig):
         cfg.model.padded_vocab_size = vocab_size_with_padding(
             vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
     groups, device = initialize_distributed(cfg.parallel)
+    _warn_precision(cfg, groups, device)
     set_random_seed(cfg.training.seed, groups, device)
     return tokenizer, groups, device
 
