@@ -166,6 +166,10 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeline-file", type=str, default=None,
                    help="Write traced pipeline actions as JSON (one file per rank) for "
                         "tools/draw_timeline.py.")
+    g.add_argument("--measure-memory-interval", type=int, default=0,
+                   help="Count stashed activations with saved-tensor hooks on every batch "
+                        "divisible by this (1: every batch); default 0: only the first batch "
+                        "of each training segment, later batches reuse its exact counts.")
     g.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
 
 
@@ -301,6 +305,8 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
     _require(args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
+    _require(args.measure_memory_interval >= 0,
+             f"--measure-memory-interval must be >= 0, got {args.measure_memory_interval}")
     _require(args.distributed_timeout_minutes > 0,
              f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if args.distributed_backend == "nccl":
@@ -608,7 +614,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         tensorboard_dir=args.tensorboard_dir, save=args.save, load=args.load,
         save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-        finetune=args.finetune, skip_train=args.skip_train, timeline_file=args.timeline_file)
+        finetune=args.finetune, skip_train=args.skip_train, timeline_file=args.timeline_file,
+        measure_memory_interval=args.measure_memory_interval)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
                           optimizer=optimizer, data=data, training=training)
 

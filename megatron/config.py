@@ -189,6 +189,9 @@ class TrainingConfig:
     skip_train: bool = False
     timeline_file: Optional[str] = None
     """Write every rank's traced pipeline actions to this JSON file (rank suffix added)."""
+    measure_memory_interval: int = 0
+    """Saved-tensor hooks count the stash on batches divisible by this (0: only the first
+    batch of each training segment; the counts of later batches are replayed, exactly)."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)

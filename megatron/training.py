@@ -103,7 +103,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         device=device, activation_dtype=cfg.model.params_dtype,
         stage_recompute=cfg.model.stage_recompute, trace=trace,
         get_rng_state=get_rng_state, set_rng_state=set_rng_state,
-        fault_injection=fault_injection)
+        fault_injection=fault_injection,
+        memory_count_interval=cfg.training.measure_memory_interval)
     return model, optimizer, scheduler, engine
 
 

@@ -123,7 +123,8 @@ class PipelineEngine:
                  stage_recompute: bool = False, trace: bool = False,
                  get_rng_state: Optional[Callable[[], Any]] = None,
                  set_rng_state: Optional[Callable[[Any], None]] = None,
-                 fault_injection: Optional[Callable[[int, int], bool]] = None) -> None:
+                 fault_injection: Optional[Callable[[int, int], bool]] = None,
+                 memory_count_interval: int = 0) -> None:
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -142,6 +143,10 @@ class PipelineEngine:
         self.weights = WeightBuffers(model, 2 if schedule == "2bw" else 1)
         self.tracker = StashTracker(self.weights.storage_ptrs())
         self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
+        # Saved-tensor hooks run on the first batch of each training segment, and on
+        # every batch t with t % memory_count_interval == 0 when it is > 0 (1: always);
+        # other batches replay the bytes counted for the same microbatch position.
+        self.memory_count_interval = memory_count_interval
         self.trace_enabled = trace
         self.trace_events: List[dict] = []
         self.clock_origin = time.perf_counter()
@@ -220,6 +225,7 @@ class PipelineEngine:
                                  num_batches)
         seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=True)
         self.model.train()
+        self.tracker.forget_pattern()
         self._run(actions, seg)
         self.install_latest()
         return seg.reports
@@ -340,11 +346,21 @@ class PipelineEngine:
         else:
             if x is not None:
                 x.requires_grad_(True)
-            with self.tracker.counting(mb):
+            key = mb % self.num_microbatches
+            if self._count_memory(t) or not self.tracker.knows(key):
+                with self.tracker.counting(mb, key):
+                    out = self._run_forward(data, x, mb, seg, t)
+            else:
                 out = self._run_forward(data, x, mb, seg, t)
+                self.tracker.replay(mb, key)
             seg.stash[mb] = (x, None, None)
         seg.outputs[mb] = out
         self._note_versions(seg)
+
+    def _count_memory(self, t: int) -> bool:
+        """Count batch t's stash with hooks (besides the first batch of a segment)?"""
+        n = self.memory_count_interval
+        return n > 0 and t % n == 0
 
     def _backward(self, a: Action, seg: _Segment) -> None:
         mb = a.microbatch
