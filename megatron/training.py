@@ -80,6 +80,16 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
             _cyclic(test) if test is not None else None)
 
 
+def build_on_device(device: torch.device, provider: Callable, *args: Any) -> torch.nn.Module:
+    """``provider(*args)`` with its tensors created on ``device`` when it is a GPU: the
+    weights are drawn there (megatron.tensor_parallel.param_init) instead of on the CPU
+    and copied.  On the CPU the model is built exactly as before."""
+    if device.type == "cpu":
+        return provider(*args)
+    with torch.device(device):
+        return provider(*args)
+
+
 def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, device: torch.device,
                               model_provider, forward_step, *, trace: bool = False,
                               fault_injection=None):
@@ -87,7 +97,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
     from megatron.optimizer.lr_scheduler import OptimizerParamScheduler
     from megatron.tensor_parallel.random import get_rng_state, set_rng_state
 
-    model = model_provider(cfg, groups, groups.is_first_stage, groups.is_last_stage)
+    model = build_on_device(device, model_provider, cfg, groups, groups.is_first_stage,
+                            groups.is_last_stage)
     model.to(device=device)
     optimizer = get_megatron_optimizer(cfg.optimizer, cfg.precision, list(model.parameters()),
                                        model_groups=groups.model, tp_rank=groups.tp_rank)

@@ -444,15 +444,18 @@ class PipelineEngine:
             if before_batch is not None and t + self._scale_lag > before_batch:
                 return
             self._pending_steps.pop(0)
+            # Losses first: reading them waits for batch t's backward, as the optimizer's
+            # agreement does anyway; read after the update they would also wait for the
+            # optimizer's kernels, and the CPU could not queue the next batch meanwhile.
+            losses = None
+            if self.is_last:
+                sums = seg.loss_sums.pop(t, {})
+                losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
             lr = self._lr_provider()
             info = self.optimizer.finish_step(pending, self.weights.params(self.buffer_for(t)),
                                               self.weights.params(self.buffer_for(t + 1)), lr)
             self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
             self.iteration = t + 1
-            losses = None
-            if self.is_last:
-                sums = seg.loss_sums.pop(t, {})
-                losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
             report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
                                 loss_scale=info.loss_scale, lr=lr,
                                 weight_version=self.version_for(t, self.schedule_name),
@@ -479,12 +482,13 @@ class PipelineEngine:
         if not values:
             return {}
         keys = sorted(values)
-        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+        # one stacked tensor and ONE device-to-host copy per step (the only sync here)
+        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device)
+                           for k in keys])
         if self.groups.data is not None and self.groups.dp_size > 1:
-            vec = vec.to(self.device)
             dist.all_reduce(vec, group=self.groups.data)
             vec = vec / self.groups.dp_size
-        return {k: float(v) for k, v in zip(keys, vec.cpu())}
+        return dict(zip(keys, vec.tolist()))
 
     def _note_versions(self, seg: _Segment) -> None:
         """Count weight versions live now: the newest, plus any used by in-flight work."""

@@ -87,3 +87,31 @@ def test_fp16_on_cpu_warns_with_the_measured_cost():
 
 def test_slowdown_probe_measures_something():
     assert half_matmul_slowdown(torch.float16, size=16, reps=1) > 0
+
+
+def test_weights_are_drawn_on_the_default_device(monkeypatch):
+    from megatron.tensor_parallel.param_init import InitKey, full_tensor
+
+    seen = []
+    monkeypatch.setattr(InitKey, "generator",
+                        lambda self, device="cpu": seen.append(torch.device(device)))
+    with torch.device("meta"):  # stands for "cuda:N": no CPU tensor, no CPU generator
+        t = full_tensor((4, 3), InitKey(1, 0, "w"), lambda x, g: None, torch.bfloat16)
+    assert t.device.type == "meta" and t.dtype == torch.bfloat16
+    assert seen == [torch.device("meta")]
+
+
+def test_cpu_initial_values_are_unchanged():
+    from megatron.tensor_parallel.param_init import InitKey, full_tensor, init_method_normal
+
+    key = InitKey(1234, 3, "mlp.dense_h_to_4h.weight")
+    expected = torch.empty(8, 5).normal_(0.0, 0.02, generator=key.generator())
+    got = full_tensor((8, 5), key, init_method_normal(0.02), torch.float32)
+    assert got.device.type == "cpu" and torch.equal(got, expected)
+
+
+def test_to_device_is_a_no_op_on_cpu():
+    from megatron.initialize import to_device
+
+    t = torch.arange(6, dtype=torch.int32)
+    assert to_device(t, torch.device("cpu")) is t
