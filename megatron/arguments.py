@@ -59,6 +59,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal initialiser.")
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each transformer layer (opt-in; the first batch pays "
+                        "the compilation, minutes on a CPU).")
 
 
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -582,7 +585,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         layernorm_epsilon=args.layernorm_epsilon, params_dtype=args.params_dtype,
         num_tokentypes=getattr(args, "num_tokentypes", 0) or 0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers)
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

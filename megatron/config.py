@@ -52,6 +52,8 @@ class ModelConfig:
     """'uniform' or 'block': layer-level checkpointing inside a stage (Megatron's)."""
     recompute_num_layers: Optional[int] = None
     """Layers per checkpointed chunk (uniform) or number of checkpointed layers (block)."""
+    compile_layers: bool = False
+    """torch.compile every transformer layer (in place: parameter names do not change)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

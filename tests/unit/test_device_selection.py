@@ -115,3 +115,19 @@ def test_to_device_is_a_no_op_on_cpu():
 
     t = torch.arange(6, dtype=torch.int32)
     assert to_device(t, torch.device("cpu")) is t
+
+
+def test_compile_layers_compiles_each_layer_in_place(monkeypatch):
+    from megatron.config import ModelConfig
+    from megatron.model import GPTModel
+    from megatron.tensor_parallel import TPInfo
+
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                      padded_vocab_size=64)
+    plain = GPTModel(cfg, TPInfo.single(), seed=3)
+    cfg.compile_layers = True
+    model = GPTModel(cfg, TPInfo.single(), seed=3)
+    assert compiled == list(model.encoder.layers)
+    assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints unchanged
