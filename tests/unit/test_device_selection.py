@@ -131,3 +131,16 @@ def test_compile_layers_compiles_each_layer_in_place(monkeypatch):
     model = GPTModel(cfg, TPInfo.single(), seed=3)
     assert compiled == list(model.encoder.layers)
     assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints unchanged
+
+
+def test_trainer_prints_the_fp16_warning_once_on_rank_0(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from megatron import initialize, training
+
+    monkeypatch.setattr(initialize, "half_matmul_slowdown", lambda dtype: 12.5)
+    cfg = SimpleNamespace(model=SimpleNamespace(params_dtype=torch.float16))
+    training._warn_precision(cfg, SimpleNamespace(rank=0), torch.device("cpu"))
+    training._warn_precision(cfg, SimpleNamespace(rank=1), torch.device("cpu"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--fp16 on a CPU device" in err[0] and "12.5x" in err[0]
