@@ -91,8 +91,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # same dtype and in place: work on the logits directly, no copy at all
         direct = ctx.inplace and flat.dtype == lse.dtype
         for i in range(0, flat.size(0), rows):
-            p = flat[i:i + rows] if direct else flat[i:i + rows].to(lse.dtype, copy=True)
-            p.sub_(lse[i:i + rows, None]).exp_()
+            if direct:
+                p = flat[i:i + rows].sub_(lse[i:i + rows, None])
+            else:  # one pass: read the low-precision logits, write float32 differences
+                p = torch.sub(flat[i:i + rows], lse[i:i + rows, None])
+            p.exp_()
             p.scatter_add_(-1, local_target[i:i + rows, None], -inside[i:i + rows, None])
             p.mul_(g[i:i + rows, None].to(p.dtype))
             if not direct:
