@@ -98,7 +98,10 @@ def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, in
 
 
 def get_batch(data: Dict[str, Any], device: torch.device) -> Dict[str, torch.Tensor]:
-    batch = {k: data[k].long().to(device) for k in
+    from megatron.initialize import to_device
+
+    # pinned, non-blocking on CUDA; widened to int64 on the device
+    batch = {k: to_device(data[k], device).long() for k in
              ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")}
     # Unmasked positions carry label -1; any valid id will do there since the loss
     # mask removes them.

@@ -58,13 +58,18 @@ def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, in
 
 
 def get_batch(data: Dict[str, Any], device: torch.device) -> Dict[str, torch.Tensor]:
-    """Shift one sample of seq_length+1 tokens into inputs and labels."""
-    text = data["text"].long().to(device)
+    """Shift one sample of seq_length+1 tokens into inputs and labels.
+
+    The ids travel in their stored dtype (pinned, non-blocking on CUDA) and widen on the
+    device; nothing here waits for the device (masked_fill, not boolean indexing)."""
+    from megatron.initialize import to_device
+
+    text = to_device(data["text"], device).long()
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
     loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=device)
     if GPTTask.eod_mask_loss and GPTTask.eod is not None:
-        loss_mask[tokens == GPTTask.eod] = 0.0
+        loss_mask.masked_fill_(tokens == GPTTask.eod, 0.0)
     position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
             "position_ids": position_ids}

@@ -1,6 +1,7 @@
 """Planner predictions against real runs: work, samples/s and stashed bytes (CPU, gloo).
 
     PYTHONPATH=. python bench/planner_validation.py [--quick] [--out-dir DIR]
+    PYTHONPATH=. python bench/planner_validation.py --cuda     # one GPU, b = 1, 2, 4, 8
 
 1. Profile (``tools/profile_model.py``) the small GPT below in this process, one
    thread, at the microbatch size of the runs: forward/backward time of a block, the
@@ -28,6 +29,13 @@
    stash of that stage (embedding on the first, head on the last).
 
 Goals: bytes exact; work and samples/s within 15 %.
+
+``--cuda`` (one GPU): profile GPT-345M in bf16 on the GPU at b = 1, 2, 4, 8 (the
+profiler counts the stash in separate passes, so its times carry no hook overhead),
+predict the d = 1 flush step time m (F + B) + optimizer step from the profile's wall
+clock, train the same model with the trainer and compare; goal within 15 % for every
+b.  Without a GPU it prints "skipped: no GPU" (``--cuda --dry-run`` runs the code on the
+CPU with a tiny model).
 
 This machine's cores are shared with other users, and d ranks may outnumber them, so
 wall-clock speed is not the profile's: a rank that gets a fraction of a core runs its
@@ -373,12 +381,117 @@ def print_tables(rows: List[Dict[str, Any]]) -> None:
                              "(executor counters)"))
 
 
+# -- CUDA mode: one GPU, d = 1, predicted against measured step time ----------------------
+CUDA_MODEL = {"layers": 24, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 50257}
+CUDA_DRY_RUN_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "vocab": 256}
+CUDA_MICRO_BATCHES = (1, 2, 4, 8)
+CUDA_M = 4
+
+
+def cuda_argv(model: Dict[str, int], b: int, iters: int, precision: str) -> List[str]:
+    argv = ["--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
+            "--num-attention-heads", str(model["heads"]), "--seq-length", str(model["seq"]),
+            "--max-position-embeddings", str(model["seq"]), "--vocab-size", str(model["vocab"]),
+            "--tokenizer-type", "NullTokenizer", "--mock-data", "--micro-batch-size", str(b),
+            "--global-batch-size", str(b * CUDA_M), "--train-iters", str(iters),
+            "--pipeline-schedule", "flush", "--lr", "1e-4", "--clip-grad", "1.0",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--log-interval", "100000", "--eval-interval", "100000", "--eval-iters", "0",
+            "--num-workers", "0"]
+    return argv + ([f"--{precision}"] if precision != "fp32" else [])
+
+
+def predicted_step_s(profile, layers: int, b: int, m: int) -> float:
+    """d = 1, w = 1: m x (forward + backward of the whole model) + the optimizer step,
+    from the profile's wall clock (the GPU's time: the profile synchronises)."""
+    st = profile.stage(layers, True, True, b, 1)
+    return m * (st.forward_s + st.backward_s) + st.step_s
+
+
+def measured_step_s(argv: List[str], m: int, warmup: int = WARMUP_BATCHES) -> float:
+    """Median period between the first forwards of consecutive batches of pretrain."""
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    stamps: List[float] = []
+    calls = [0]
+
+    def step(data_iterator, model):
+        if calls[0] % m == 0:
+            stamps.append(time.perf_counter())
+        calls[0] += 1
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, step, argv=argv)
+    return median([b - a for a, b in zip(stamps, stamps[1:])][warmup:])
+
+
+def cuda_validation(iters: int = 10, precision: str = "bf16", dry_run: bool = False,
+                    micro_batches: Sequence[int] = CUDA_MICRO_BATCHES) -> Dict[str, Any]:
+    """Profile GPT-345M on the GPU (tools/profile_model.py, hooks outside the timed
+    runs), predict the d = 1 step time for each micro batch size, train it with the
+    trainer and compare.  ``dry_run``: the same code on the CPU with a tiny model."""
+    from megatron.pipeline.planner.profile import Profile
+    from tools.profile_model import profile_model
+
+    if not dry_run and not torch.cuda.is_available():
+        return {"status": "skipped", "reason": "skipped: no GPU"}
+    model = CUDA_DRY_RUN_MODEL if dry_run else CUDA_MODEL
+    device = torch.device("cpu" if dry_run else "cuda")
+    if dry_run:
+        precision, iters = "fp32", max(iters, WARMUP_BATCHES + 3)
+    cfg, _ = gpt_config(cuda_argv(model, micro_batches[0], iters, precision))
+    raw = profile_model(cfg.model, micro_batches, device=device)
+    profile = Profile(raw, "<cuda profile>", clock="wall")
+    rows = []
+    for b in micro_batches:
+        predicted = predicted_step_s(profile, model["layers"], b, CUDA_M)
+        measured = measured_step_s(cuda_argv(model, b, iters, precision), CUDA_M)
+        rows.append({"micro_batch_size": b, "m": CUDA_M, "predicted_s": predicted,
+                     "measured_s": measured, "ratio": predicted / measured,
+                     "within_goal": abs(predicted / measured - 1) <= GOAL})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (dry run)"
+    return {"status": "dry run" if dry_run else "measured", "device": name,
+            "precision": precision, "model": model, "goal": GOAL, "rows": rows,
+            "within_goal": sum(r["within_goal"] for r in rows), "profile": raw}
+
+
+def print_cuda(result: Dict[str, Any]) -> None:
+    if result["status"] == "skipped":
+        print(f"planner validation on a GPU: {result['reason']}")
+        return
+    print(format_table(["micro batch", "m", "predicted s/step", "measured s/step",
+                        "predicted/measured"],
+                       [[r["micro_batch_size"], r["m"], r["predicted_s"], r["measured_s"],
+                         r["ratio"]] for r in result["rows"]],
+                       title=f"planner vs trainer on {result['device']} ({result['status']}), "
+                             f"d=1 flush, {result['precision']}, {result['model']}"))
+    print(f"within {100 * GOAL:.0f}%: {result['within_goal']}/{len(result['rows'])}")
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="d in {1, 2}, m=4, short runs")
     p.add_argument("--iters", type=int, default=None, help="batches per run (5 quick, 10)")
     p.add_argument("--out-dir", default=None, help="where to write planner_validation.json")
+    p.add_argument("--cuda", action="store_true",
+                   help="GPU mode: GPT-345M bf16 at d=1, predicted vs measured step time for "
+                        "b = 1, 2, 4, 8 (prints 'skipped: no GPU' without one); writes "
+                        "planner_validation_cuda.json")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --cuda: the same code on the CPU with a tiny model (a check)")
     args = p.parse_args(argv)
+    if args.dry_run and not args.cuda:
+        p.error("--dry-run goes with --cuda")
+    if args.cuda:
+        result = cuda_validation(iters=args.iters or 10, dry_run=args.dry_run)
+        print_cuda(result)
+        path = write_results("planner_validation_cuda", result, args.out_dir)
+        print(f"wrote {path}")
+        return result
     t0 = time.perf_counter()
     cores = os.cpu_count() or 1
     load_before = list(os.getloadavg())

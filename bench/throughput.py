@@ -18,8 +18,11 @@ none d*m, gpipe and flush m+d-1, 2bw m: 2BW's advantage (m+d-1)/m is largest at 
 batches, as in the paper's Figures 5 and 7.
 
 (c) With a CUDA GPU: single-GPU training throughput of GPT-345M (24 layers, hidden 1024,
-seq 1024) in TFLOP/s and model-FLOPs utilisation under bf16 and fp16, with the device
-named; skipped with a note on CPU-only machines.
+seq 1024) in TFLOP/s and model-FLOPs utilisation under bf16 and fp16 (with and without
+--compile-layers) at micro batch 8, and at micro batch 1 the trainer beside a plain
+PyTorch loop around transformers' GPT-2 of the same shape under torch.compile, with the
+device named; skipped with a note on CPU-only machines (``--gpu-dry-run`` runs the same
+code on the CPU with a 2-layer model).
 
 Figure: docs/figures/throughput_vs_batch.png.  Results: bench/results/throughput.json.
 """
@@ -172,46 +175,154 @@ def _peak_flops(name: str) -> Optional[float]:
     return None
 
 
-def bench_cuda_345m(iters: int = 8, warmup: int = 2) -> Dict[str, Any]:
-    """GPT-345M on one GPU through the trainer, bf16 and fp16 (skipped without CUDA)."""
-    import torch
+GPT_345M = {"layers": 24, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 50257}
+DRY_RUN_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "seq": 64, "vocab": 512}
+# (name, precision, micro batch, global batch, extra trainer flags or None for the plain
+# PyTorch GPT-2 under torch.compile): MFU at b=8, and the trainer against the plain
+# model at b=1 (what pipelines run), side by side in one process
+GPU_ROWS = (("trainer", "bf16", 8, 32, []), ("trainer", "fp16", 8, 32, []),
+            ("trainer --compile-layers", "bf16", 8, 32, ["--compile-layers"]),
+            ("plain GPT-2, torch.compile", "bf16", 8, 32, None),
+            ("trainer", "bf16", 1, 4, []),
+            ("trainer --compile-layers", "bf16", 1, 4, ["--compile-layers"]),
+            ("plain GPT-2, torch.compile", "bf16", 1, 4, None))
 
-    if not torch.cuda.is_available():
-        return {"status": "skipped", "reason": "no CUDA device on this machine"}
+
+def gpu_trainer_argv(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
+                     extra: Sequence[str]) -> List[str]:
+    return ["--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
+            "--num-attention-heads", str(model["heads"]), "--seq-length", str(model["seq"]),
+            "--max-position-embeddings", str(model["seq"]), "--vocab-size", str(model["vocab"]),
+            "--tokenizer-type", "NullTokenizer", "--mock-data", "--micro-batch-size", str(mb),
+            "--global-batch-size", str(gbs), "--train-iters", str(iters), "--lr", "1.5e-4",
+            "--clip-grad", "1.0", f"--{precision}", "--log-interval", "100000",
+            "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0", *extra]
+
+
+def _trainer_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
+                    warmup: int, extra: Sequence[str]) -> float:
+    """Median seconds per iteration of ``pretrain`` (first forward of batch k to k+1)."""
     import pretrain_gpt
-    from bench.common import gpt_config
-    from megatron.model.flops import gpt_flops_per_iteration
     from megatron.training import pretrain
 
-    device = torch.cuda.get_device_name(0)
-    peak = _peak_flops(device)
+    argv = gpu_trainer_argv(model, precision, mb, gbs, iters, extra)
+    stamps: List[float] = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                 _timed(pretrain_gpt.forward_step, gbs // mb, stamps), argv=argv)
+    return median([b - a for a, b in zip(stamps, stamps[1:])][warmup:])
+
+
+def _plain_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
+                  warmup: int, device: str, compile_model: bool) -> float:
+    """The same step written as a plain PyTorch loop around transformers' GPT-2: fp32
+    weights under autocast, fused AdamW, gradient accumulation over gbs / mb
+    microbatches, clipping at 1.0, one loss read per iteration (as the trainer's)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=model["layers"], n_embd=model["hidden"], n_head=model["heads"],
+                     n_positions=model["seq"], vocab_size=model["vocab"], bos_token_id=0,
+                     eos_token_id=0)
+    net = GPT2LMHeadModel(cfg).to(device)
+    net.train()
+    step_model = torch.compile(net) if compile_model else net
+    opt = torch.optim.AdamW(net.parameters(), lr=1.5e-4, weight_decay=0.01,
+                            **({"fused": True} if device == "cuda" else {}))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    m = gbs // mb
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, model["vocab"], (mb, model["seq"]), generator=gen).to(device)
+               for _ in range(m)]
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for ids in batches:
+            with torch.autocast(device_type=device, dtype=dtype):
+                loss = step_model(input_ids=ids, labels=ids).loss
+            (loss / m).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(total)
+        times.append(time.perf_counter() - t0)
+    del net, step_model, opt
+    return median(times[warmup:])
+
+
+def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False) -> Dict[str, Any]:
+    """GPT-345M on one GPU: the trainer (bf16, fp16, with and without --compile-layers)
+    at micro batch 8 and 1, and a plain PyTorch GPT-2 of the same shape under
+    torch.compile beside it (skipped without CUDA).
+
+    ``dry_run``: the same code on the CPU with a 2-layer model, three iterations and no
+    compilation, to check on a machine without a GPU that the section runs."""
+    import torch
+
+    from bench.common import gpt_config
+    from megatron.model.flops import gpt_flops_per_iteration
+
+    if dry_run:
+        model, device, name, iters, warmup = DRY_RUN_MODEL, "cpu", "CPU (dry run)", 3, 1
+        plan = [r for r in GPU_ROWS if "--compile-layers" not in (r[4] or [])]
+    elif not torch.cuda.is_available():
+        return {"status": "skipped", "reason": "no CUDA device on this machine"}
+    else:
+        model, device, name, plan = GPT_345M, "cuda", torch.cuda.get_device_name(0), GPU_ROWS
+    peak = _peak_flops(name)
     rows = []
-    for precision in ("bf16", "fp16"):
-        argv = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
-                "--seq-length", "1024", "--max-position-embeddings", "1024",
-                "--vocab-size", "50257", "--tokenizer-type", "NullTokenizer", "--mock-data",
-                "--micro-batch-size", "8", "--global-batch-size", "32",
-                "--train-iters", str(iters), "--lr", "1.5e-4", "--clip-grad", "1.0",
-                f"--{precision}", "--log-interval", "100000", "--eval-interval", "100000",
-                "--eval-iters", "0", "--num-workers", "0"]
-        cfg, _ = gpt_config(argv)
-        flops = gpt_flops_per_iteration(cfg.model, cfg.training.global_batch_size,
-                                        cfg.model.seq_length)
-        stamps: List[float] = []
-        with contextlib.redirect_stdout(io.StringIO()):
-            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                     _timed(pretrain_gpt.forward_step, 4, stamps), argv=argv)
-        torch.cuda.synchronize()
-        period = median([b - a for a, b in zip(stamps, stamps[1:])][warmup:])
+    for label, precision, mb, gbs, extra in plan:
+        cfg, _ = gpt_config(gpu_trainer_argv(model, precision, mb, gbs, iters, []))
+        flops = gpt_flops_per_iteration(cfg.model, gbs, cfg.model.seq_length)
+        if extra is None:
+            period = _plain_period(model, precision, mb, gbs, iters, warmup, device,
+                                   compile_model=not dry_run)
+        else:
+            period = _trainer_period(model, precision, mb, gbs, iters, warmup, extra)
         achieved = flops / period
-        rows.append({"precision": precision, "micro_batch_size": 8, "global_batch_size": 32,
-                     "seconds_per_iteration": period, "tflops": achieved / 1e12,
-                     "mfu": achieved / peak if peak else None, "argv": argv})
-        torch.cuda.empty_cache()
-    return {"status": "measured", "device": device, "peak_flops": peak,
+        rows.append({"name": label, "precision": precision, "micro_batch_size": mb,
+                     "global_batch_size": gbs, "seconds_per_iteration": period,
+                     "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
+                     "argv": gpu_trainer_argv(model, precision, mb, gbs, iters, extra or [])
+                     if extra is not None else None})
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def period(label: str, mb: int) -> Optional[float]:
+        hit = [r["seconds_per_iteration"] for r in rows
+               if r["name"] == label and r["micro_batch_size"] == mb and r["precision"] == "bf16"]
+        return hit[0] if hit else None
+
+    plain1 = period("plain GPT-2, torch.compile", 1)
+    ratios = {}
+    for label in ("trainer", "trainer --compile-layers"):
+        ours = period(label, 1)
+        if ours is not None and plain1:
+            ratios[label] = ours / plain1
+    return {"status": "dry run" if dry_run else "measured", "device": name, "peak_flops": peak,
             "peak_note": "dense tensor-core peak assumed from the device name",
-            "model": "GPT-345M (24 layers, hidden 1024, 16 heads, seq 1024, vocab 50257)",
-            "rows": rows}
+            "model": (f"GPT ({model['layers']} layers, hidden {model['hidden']}, "
+                      f"{model['heads']} heads, seq {model['seq']}, vocab {model['vocab']})"),
+            "rows": rows, "b1_trainer_over_plain_compiled": ratios,
+            "goals": "bf16 b=8 MFU >= 0.40; b=1 trainer step <= 0.9x plain compiled step"}
+
+
+def print_cuda(cuda: Dict[str, Any]) -> None:
+    if cuda["status"] not in ("measured", "dry run"):
+        print(f"(c) GPT-345M single-GPU throughput: {cuda['status']} ({cuda['reason']})")
+        return
+    print(format_table(["run", "precision", "micro batch", "global batch", "s/iteration",
+                        "TFLOP/s", "MFU"],
+                       [[r["name"], r["precision"], r["micro_batch_size"],
+                         r["global_batch_size"], r["seconds_per_iteration"], r["tflops"],
+                         r["mfu"]] for r in cuda["rows"]],
+                       title=f"(c) {cuda['model']} on {cuda['device']}, side by side"))
+    for label, ratio in cuda["b1_trainer_over_plain_compiled"].items():
+        print(f"    micro batch 1: {label} step / plain compiled step = {ratio:.3f} "
+              f"(goal <= 0.9)")
 
 
 def plot(synthetic: List[Dict[str, Any]], gpt: List[Dict[str, Any]], forward_s: float,
@@ -285,6 +396,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="synthetic forward time F in ms (default 20, quick 5, smoke 2); B = 2F")
     p.add_argument("--skip-gpt", action="store_true", help="synthetic stages only")
     p.add_argument("--skip-cuda", action="store_true", help="no GPT-345M GPU measurement")
+    p.add_argument("--gpu-dry-run", action="store_true",
+                   help="run section (c)'s code on the CPU with a 2-layer model (checks it "
+                        "without a GPU; its numbers mean nothing)")
     p.add_argument("--out-dir", default=None, help="where to write throughput.json")
     p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
     p.add_argument("--replot", action="store_true",
@@ -319,13 +433,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print_rows(gpt, f"(b) small GPT (4 layers, hidden {ex[ex.index('--hidden-size') + 1]}, "
                         f"seq {ex[ex.index('--seq-length') + 1]}), d=2, b=2")
     cuda = ({"status": "skipped", "reason": "--skip-cuda"} if args.skip_cuda
-            else bench_cuda_345m())
-    if cuda["status"] == "measured":
-        print(format_table(["precision", "s/iteration", "TFLOP/s", "MFU"],
-                           [[r["precision"], r["seconds_per_iteration"], r["tflops"], r["mfu"]]
-                            for r in cuda["rows"]], title=f"(c) GPT-345M on {cuda['device']}"))
-    else:
-        print(f"(c) GPT-345M single-GPU throughput: {cuda['status']} ({cuda['reason']})")
+            else bench_cuda_345m(dry_run=args.gpu_dry_run))
+    print_cuda(cuda)
     figure = Path(args.figure) if args.figure else FIGURE
     plot(synthetic, gpt, forward_s, figure)
     payload = {

@@ -228,6 +228,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--warmup", type=int, default=2, help="steps dropped per run")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--profile", action="store_true", help="also print a cProfile of A")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="train A with --compile-layers (B stays eager): does compiling the "
+                        "transformer layers pay on this CPU?  Compilation happens in the "
+                        "warm-up steps (raise --warmup if it spills over)")
     p.add_argument("--out-dir", default=None, help="where to write trainer_overhead.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -235,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     steps = args.steps or (3 if args.quick else 8)
     model = QUICK_MODEL if args.quick else FULL_MODEL
     iters = args.warmup + steps + 1  # +1: the last batch only closes the last period
-    targv = trainer_argv(model, iters)
+    targv = trainer_argv(model, iters) + (["--compile-layers"] if args.compile_layers else [])
     cfg, tokenizer = gpt_config(targv)
     m = cfg.training.global_batch_size // cfg.training.micro_batch_size
 
@@ -257,18 +261,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     rows = [[r["round"], r["trainer_ms"], r["plain_ms"], r["ratio"]] for r in per_round]
     rows.append(["all", ms_a, ms_b, ratio])
     print(format_table(["round", "trainer ms/step", "plain ms/step", "ratio"], rows,
-                       title=f"trainer (flush, d=1) vs plain PyTorch loop, steps interleaved: "
+                       title=f"trainer (flush, d=1{', --compile-layers' if args.compile_layers else ''}"
+                             f") vs plain PyTorch loop, steps interleaved: "
                              f"{model}, micro batch {cfg.training.micro_batch_size}, global "
                              f"batch {cfg.training.global_batch_size} (m={m}), fp32, "
                              f"{args.threads} thread(s), medians"))
     print(f"losses agree step by step (max relative difference {worst:.1e}); ratio of medians "
-          f"{ratio:.3f}, median of paired step ratios {median(paired):.3f} (goal <= 1.05)")
-    payload = {"quick": args.quick, "model": model,
+          f"{ratio:.3f}, median of paired step ratios {median(paired):.3f} (goal <= 1.03)")
+    payload = {"quick": args.quick, "compile_layers": args.compile_layers, "model": model,
                "micro_batch_size": cfg.training.micro_batch_size,
                "global_batch_size": cfg.training.global_batch_size, "num_microbatches": m,
                "rounds": rounds, "timed_steps_per_run": steps, "warmup_steps": args.warmup,
                "threads": args.threads, "trainer_ms_per_step": ms_a, "plain_ms_per_step": ms_b,
-               "ratio": ratio, "median_paired_ratio": median(paired), "goal_ratio": 1.05,
+               "ratio": ratio, "median_paired_ratio": median(paired), "goal_ratio": 1.03,
                "max_rel_loss_diff": worst, "per_round": per_round, "step_times_s": times}
     if args.profile:
         report, summary = profile_trainer(targv, m)

@@ -63,6 +63,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--openai-gelu", action="store_true",
                    help="Use GELU's tanh approximation, as OpenAI's GPT-2 weights (transformers' "
                         "'gelu_new'); default: exact GELU.")
+    g.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each transformer layer (opt-in; the first batch pays "
+                        "the compilation, minutes on a CPU).")
 
 
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +176,10 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeline-file", type=str, default=None,
                    help="Write traced pipeline actions as JSON (one file per rank) for "
                         "tools/draw_timeline.py.")
+    g.add_argument("--measure-memory-interval", type=int, default=0,
+                   help="Count stashed activations with saved-tensor hooks on every batch "
+                        "divisible by this (1: every batch); default 0: only the first batch "
+                        "of each training segment, later batches reuse its exact counts.")
     g.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
     g.add_argument("--debug", action="store_true",
                    help="Show the traceback of user errors (bad flag, data, checkpoint) too; "
@@ -325,12 +332,30 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
     _require(args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
+    _require(args.measure_memory_interval >= 0,
+             f"--measure-memory-interval must be >= 0, got {args.measure_memory_interval}")
     _require(args.distributed_timeout_minutes > 0,
              f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
     if args.distributed_backend == "nccl":
         _require(torch.cuda.is_available(),
                  "--distributed-backend nccl needs CUDA, but no CUDA device is available; "
                  "use --distributed-backend gloo (or leave it unset)")
+    _check_local_gpus(args)
+
+
+def _check_local_gpus(args: argparse.Namespace) -> None:
+    """More nccl ranks on this node than GPUs: stop here, before any process group."""
+    from megatron.initialize import check_gpus_for_local_ranks, resolve_backend
+
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local_world_size = int(raw)
+    except ValueError:
+        raise ArgumentError(f"environment variable LOCAL_WORLD_SIZE must be an integer, "
+                            f"got '{raw}'") from None
+    cuda = torch.cuda.is_available()
+    check_gpus_for_local_ranks(resolve_backend(args.distributed_backend, None),
+                               local_world_size, torch.cuda.device_count() if cuda else 0)
 
 
 def _check_batches(args: argparse.Namespace) -> None:
@@ -617,7 +642,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         params_dtype=args.params_dtype,
         num_tokentypes=getattr(args, "num_tokentypes", 0) or 0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers)
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -652,7 +677,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         finetune=args.finetune, allow_unsafe_checkpoint=args.allow_unsafe_checkpoint,
         skip_train=args.skip_train, timeline_file=args.timeline_file,
         max_consecutive_skipped_steps=args.max_consecutive_skipped_steps,
-        exit_signal_handler=args.exit_signal_handler)
+        exit_signal_handler=args.exit_signal_handler,
+        measure_memory_interval=args.measure_memory_interval)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
                           optimizer=optimizer, data=data, training=training)
 

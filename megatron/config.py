@@ -54,6 +54,8 @@ class ModelConfig:
     """'uniform' or 'block': layer-level checkpointing inside a stage (Megatron's)."""
     recompute_num_layers: Optional[int] = None
     """Layers per checkpointed chunk (uniform) or number of checkpointed layers (block)."""
+    compile_layers: bool = False
+    """torch.compile every transformer layer (in place: parameter names do not change)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -202,6 +204,9 @@ class TrainingConfig:
     """Stop the run after this many skipped (non-finite) steps in a row; 0: never."""
     exit_signal_handler: bool = False
     """SIGTERM: drain at the next batch boundary, save (with --save) and exit 0."""
+    measure_memory_interval: int = 0
+    """Saved-tensor hooks count the stash on batches divisible by this (0: only the first
+    batch of each training segment; the counts of later batches are replayed, exactly)."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -195,6 +196,16 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
             _cyclic(test) if test is not None else None)
 
 
+def build_on_device(device: torch.device, provider: Callable, *args: Any) -> torch.nn.Module:
+    """``provider(*args)`` with its tensors created on ``device`` when it is a GPU: the
+    weights are drawn there (megatron.tensor_parallel.param_init) instead of on the CPU
+    and copied.  On the CPU the model is built exactly as before."""
+    if device.type == "cpu":
+        return provider(*args)
+    with torch.device(device):
+        return provider(*args)
+
+
 def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, device: torch.device,
                               model_provider, forward_step, *, trace: bool = False,
                               fault_injection=None):
@@ -202,7 +213,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
     from megatron.optimizer.lr_scheduler import OptimizerParamScheduler
     from megatron.tensor_parallel.random import get_rng_state, set_rng_state
 
-    model = model_provider(cfg, groups, groups.is_first_stage, groups.is_last_stage)
+    model = build_on_device(device, model_provider, cfg, groups, groups.is_first_stage,
+                            groups.is_last_stage)
     model.to(device=device)
     optimizer = get_megatron_optimizer(cfg.optimizer, cfg.precision, list(model.parameters()),
                                        model_groups=groups.model, tp_rank=groups.tp_rank)
@@ -218,7 +230,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         device=device, activation_dtype=cfg.model.params_dtype,
         stage_recompute=cfg.model.stage_recompute, trace=trace,
         get_rng_state=get_rng_state, set_rng_state=set_rng_state,
-        fault_injection=fault_injection)
+        fault_injection=fault_injection,
+        memory_count_interval=cfg.training.measure_memory_interval)
     return model, optimizer, scheduler, engine
 
 
@@ -454,6 +467,18 @@ def gather_memory_report(engine: PipelineEngine, groups: ParallelGroups) -> Dict
     return {"per_rank": everyone}
 
 
+def _warn_precision(cfg: MegatronConfig, groups: ParallelGroups, device: torch.device) -> None:
+    """--fp16 (or a slow --bf16) on a CPU device: say what it costs, measured here."""
+    from megatron.initialize import half_matmul_slowdown, precision_warning
+
+    dtype = cfg.model.params_dtype
+    if groups.rank != 0 or device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return
+    message = precision_warning(dtype, device, half_matmul_slowdown(dtype))
+    if message:
+        print(message, file=sys.stderr, flush=True)
+
+
 def initialize_megatron(args, cfg: MegatronConfig):
     """Tokenizer (and the padded vocabulary size it implies), process groups and seeds.
 
@@ -473,6 +498,7 @@ def initialize_megatron(args, cfg: MegatronConfig):
             vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
     exit_when_parent_dies()
     groups, device = initialize_distributed(cfg.parallel)
+    _warn_precision(cfg, groups, device)
     set_random_seed(cfg.training.seed, groups, device)
     return tokenizer, groups, device
 

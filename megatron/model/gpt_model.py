@@ -117,5 +117,7 @@ class GPTModel(PipelineStage):
         logits = self._output_logits(hidden)  # [s, b, V/t]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp)
+        # the logits are a temporary: the loss may write their gradient in place
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp,
+                                            inplace_backward=True)
         return loss.transpose(0, 1).contiguous()

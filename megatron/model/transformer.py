@@ -183,6 +183,12 @@ class ParallelTransformer(nn.Module):
         self.recompute_num_layers = config.recompute_num_layers
         self.layers = nn.ModuleList(
             ParallelTransformerLayer(config, tp, n, seed=seed) for n in layer_numbers)
+        if config.compile_layers:
+            # Module.compile() compiles forward in place: state_dict keys, parameters
+            # and the weight-buffer swaps of 2BW see the same module.  Layers are the
+            # unit: every layer has the same code, so one compiled graph serves all.
+            for layer in self.layers:
+                layer.compile()
         if post_layer_norm is None:
             post_layer_norm = layer_numbers.stop == config.num_layers
         self.final_layernorm = layer_norm(config) if post_layer_norm else None

@@ -319,7 +319,11 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
     if use_masters:
         main = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
     else:
-        main = [nn.Parameter(p.detach()) for p in params]
+        # p.data, not p.detach(): a detached tensor shares p's autograd version counter,
+        # so updates that _step_in_buffer writes into ANOTHER buffer (main.data is
+        # re-pointed under 2BW) would bump this buffer's version and fail the saved-
+        # tensor check of a microbatch in flight on it.
+        main = [nn.Parameter(p.data) for p in params]
 
     # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed.
     decay = [m for m in main if m.ndim >= 2]

@@ -123,7 +123,8 @@ class PipelineEngine:
                  stage_recompute: bool = False, trace: bool = False,
                  get_rng_state: Optional[Callable[[], Any]] = None,
                  set_rng_state: Optional[Callable[[Any], None]] = None,
-                 fault_injection: Optional[Callable[[int, int], bool]] = None) -> None:
+                 fault_injection: Optional[Callable[[int, int], bool]] = None,
+                 memory_count_interval: int = 0) -> None:
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -142,6 +143,10 @@ class PipelineEngine:
         self.weights = WeightBuffers(model, 2 if schedule == "2bw" else 1)
         self.tracker = StashTracker(self.weights.storage_ptrs())
         self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
+        # Saved-tensor hooks run on the first batch of each training segment, and on
+        # every batch t with t % memory_count_interval == 0 when it is > 0 (1: always);
+        # other batches replay the bytes counted for the same microbatch position.
+        self.memory_count_interval = memory_count_interval
         self.trace_enabled = trace
         self.trace_events: List[dict] = []
         self.clock_origin = time.perf_counter()
@@ -220,6 +225,7 @@ class PipelineEngine:
                                  num_batches)
         seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=True)
         self.model.train()
+        self.tracker.forget_pattern()
         self._run(actions, seg)
         self.install_latest()
         return seg.reports
@@ -343,11 +349,21 @@ class PipelineEngine:
         else:
             if x is not None:
                 x.requires_grad_(True)
-            with self.tracker.counting(mb):
+            key = mb % self.num_microbatches
+            if self._count_memory(t) or not self.tracker.knows(key):
+                with self.tracker.counting(mb, key):
+                    out = self._run_forward(data, x, mb, seg, t)
+            else:
                 out = self._run_forward(data, x, mb, seg, t)
+                self.tracker.replay(mb, key)
             seg.stash[mb] = (x, None, None)
         seg.outputs[mb] = out
         self._note_versions(seg)
+
+    def _count_memory(self, t: int) -> bool:
+        """Count batch t's stash with hooks (besides the first batch of a segment)?"""
+        n = self.memory_count_interval
+        return n > 0 and t % n == 0
 
     def _backward(self, a: Action, seg: _Segment) -> None:
         mb = a.microbatch
@@ -441,15 +457,18 @@ class PipelineEngine:
             if before_batch is not None and t + self._scale_lag > before_batch:
                 return
             self._pending_steps.pop(0)
+            # Losses first: reading them waits for batch t's backward, as the optimizer's
+            # agreement does anyway; read after the update they would also wait for the
+            # optimizer's kernels, and the CPU could not queue the next batch meanwhile.
+            losses = None
+            if self.is_last:
+                sums = seg.loss_sums.pop(t, {})
+                losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
             lr = self._lr_provider()
             info = self.optimizer.finish_step(pending, self.weights.params(self.buffer_for(t)),
                                               self.weights.params(self.buffer_for(t + 1)), lr)
             self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
             self.iteration = t + 1
-            losses = None
-            if self.is_last:
-                sums = seg.loss_sums.pop(t, {})
-                losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
             report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
                                 loss_scale=info.loss_scale, lr=lr,
                                 weight_version=self.version_for(t, self.schedule_name),
@@ -476,12 +495,13 @@ class PipelineEngine:
         if not values:
             return {}
         keys = sorted(values)
-        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+        # one stacked tensor and ONE device-to-host copy per step (the only sync here)
+        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device)
+                           for k in keys])
         if self.groups.data is not None and self.groups.dp_size > 1:
-            vec = vec.to(self.device)
             dist.all_reduce(vec, group=self.groups.data)
             vec = vec / self.groups.dp_size
-        return {k: float(v) for k, v in zip(keys, vec.cpu())}
+        return dict(zip(keys, vec.tolist()))
 
     def _note_versions(self, seg: _Segment) -> None:
         """Count weight versions live now: the newest, plus any used by in-flight work."""

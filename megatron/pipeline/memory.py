@@ -5,12 +5,18 @@ Activation bytes are measured, not estimated: while a microbatch's forward runs,
 pass; we add up the distinct storages among them, leaving out the weights (which are
 counted as weight versions).  With stage recomputation the forward runs without
 autograd and only the stage input (and the microbatch's data) is stashed.
+
+The hooks cost Python work per saved tensor, so the executor runs them only on the
+first batch of a training segment (or every N batches on request): what a microbatch
+stashes depends on its position in the batch (same shapes, same layers), never on the
+batch, so later microbatches replay the counted bytes of their position and the peaks
+stay exact (``StashTracker.count_as`` / ``replay``).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Set
+from typing import Dict, Hashable, Iterator, Optional, Set
 
 import torch
 
@@ -51,10 +57,14 @@ class StashTracker:
         self.weight_ptrs = weight_ptrs
         self.in_flight: Dict[int, int] = {}
         self.stats = StageMemoryStats()
+        self.pattern: Dict[Hashable, int] = {}
+        """Bytes counted for each position key (microbatch index within its batch)."""
 
     @contextmanager
-    def counting(self, microbatch: int) -> Iterator[None]:
-        """Count the bytes autograd saves during this block for ``microbatch``."""
+    def counting(self, microbatch: int, key: Optional[Hashable] = None) -> Iterator[None]:
+        """Count the bytes autograd saves during this block for ``microbatch``; with
+        ``key``, remember them so that ``replay(m, key)`` can charge them to a later
+        microbatch without hooks."""
         seen: Set[int] = set()
         total = [0]
 
@@ -71,7 +81,20 @@ class StashTracker:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+        if key is not None:
+            self.pattern[key] = total[0]
         self.add(microbatch, total[0])
+
+    def knows(self, key: Hashable) -> bool:
+        return key in self.pattern
+
+    def replay(self, microbatch: int, key: Hashable) -> None:
+        """Charge ``microbatch`` the bytes counted earlier for ``key``."""
+        self.add(microbatch, self.pattern[key])
+
+    def forget_pattern(self) -> None:
+        """Shapes may have changed (new segment): count again before replaying."""
+        self.pattern.clear()
 
     def add(self, microbatch: int, nbytes: int) -> None:
         self.in_flight[microbatch] = self.in_flight.get(microbatch, 0) + nbytes

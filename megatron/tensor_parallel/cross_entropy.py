@@ -1,15 +1,31 @@
 """Cross-entropy over logits whose vocabulary dimension is split across TP ranks.
 
-No rank ever holds the full [.., V] logits: three all-reduces (max, target logit,
-sum of exponentials) over [..]-shaped tensors give the exact loss, and the backward
-pass is local (softmax minus one-hot restricted to this rank's vocabulary slice).
+No rank ever holds the full [.., V] logits: per-token all-reduces (max and sum of the
+per-rank log-sum-exps, the target logit) over [..]-shaped tensors give the exact loss,
+and the backward pass is local (softmax minus one-hot restricted to this rank's
+vocabulary slice).
+
+Nor does any rank hold the logits in float32 for a whole microbatch: the logits stay
+in their own dtype (bf16/fp16 under mixed precision) and the float32 (or wider) math
+runs over chunks of tokens, ``chunk_rows`` at a time.  The forward pass saves the
+logits plus one float per token (the log-sum-exp); the backward pass recomputes each
+chunk's softmax from them.  At GPT-345M's shape (seq 1024, micro batch 8, vocab
+50304, bf16) that is 0.77 GiB saved per microbatch instead of a 1.54 GiB float32
+softmax (plus a 1.54 GiB float32 copy of the logits and a 1.54 GiB float32 gradient at
+the peak).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.tensor_parallel.utils import TPInfo, vocab_range
+
+CHUNK_BYTES = 64 * 2 ** 20
+"""Size of one chunk's float32 working copy: big enough that a chunk is a few large
+kernels on a GPU, small next to the logits of a microbatch."""
 
 
 def _all_reduce(tensor: torch.Tensor, tp: TPInfo, op=dist.ReduceOp.SUM) -> None:
@@ -17,55 +33,90 @@ def _all_reduce(tensor: torch.Tensor, tp: TPInfo, op=dist.ReduceOp.SUM) -> None:
         dist.all_reduce(tensor, op=op, group=tp.group)
 
 
+def default_chunk_rows(vocab_part: int, compute_dtype: torch.dtype) -> int:
+    elem = torch.finfo(compute_dtype).bits // 8
+    return max(1, CHUNK_BYTES // (vocab_part * elem))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, tp):
+    def forward(ctx, logits, target, tp, chunk_rows, inplace_backward):
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-        x = logits.to(compute_dtype)
-        # Subtracting the global max keeps exp() finite; it cancels out of the loss.
-        global_max = x.max(dim=-1).values
-        _all_reduce(global_max, tp, dist.ReduceOp.MAX)
-        x = x - global_max.unsqueeze(-1)
+        part = logits.size(-1)
+        flat = logits.reshape(-1, part)
+        tgt = target.reshape(-1)
+        n = tgt.numel()
+        rows = chunk_rows or default_chunk_rows(part, compute_dtype)
 
-        part = x.size(-1)
         start, end = vocab_range(part * tp.size, tp.rank, tp.size)
-        outside = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
+        outside = (tgt < start) | (tgt >= end)
+        local_target = (tgt - start).masked_fill(outside, 0)
+
+        local_lse = torch.empty(n, dtype=compute_dtype, device=logits.device)
+        target_logit = torch.empty(n, dtype=compute_dtype, device=logits.device)
+        for i in range(0, n, rows):
+            x = flat[i:i + rows].to(compute_dtype)
+            # logsumexp subtracts the row max itself: exp() never overflows
+            torch.logsumexp(x, dim=-1, out=local_lse[i:i + rows])
+            target_logit[i:i + rows] = x.gather(-1, local_target[i:i + rows, None]).squeeze(-1)
+        target_logit.masked_fill_(outside, 0.0)
         _all_reduce(target_logit, tp)
+        if tp.is_parallel:
+            # log sum_r exp(lse_r) = m + log sum_r exp(lse_r - m), m = max_r lse_r
+            global_max = local_lse.clone()
+            _all_reduce(global_max, tp, dist.ReduceOp.MAX)
+            sum_exp = (local_lse - global_max).exp_()
+            _all_reduce(sum_exp, tp)
+            lse = global_max + sum_exp.log_()
+        else:
+            lse = local_lse
+        loss = lse - target_logit
 
-        exp = x.exp()
-        sum_exp = exp.sum(dim=-1)
-        _all_reduce(sum_exp, tp)
-        loss = sum_exp.log() - target_logit
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        ctx.input_dtype = logits.dtype
-        return loss
+        ctx.save_for_backward(flat, local_target, outside, lse)
+        ctx.rows = rows
+        ctx.shape = logits.shape
+        ctx.inplace = inplace_backward
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        # In place, as Megatron: logits-sized buffers dominate the last stage's memory.
-        # The price is that this graph cannot be back-propagated twice.
-        grad = softmax
-        inside = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside)
-        grad.mul_(grad_loss.unsqueeze(-1).to(grad.dtype))
-        return grad.to(ctx.input_dtype), None, None
+        flat, local_target, outside, lse = ctx.saved_tensors
+        # In place (the models' logits are a temporary nobody else reads), as Megatron:
+        # logits-sized buffers dominate the last stage's memory.  The price is that this
+        # graph cannot be back-propagated twice.
+        grad = flat if ctx.inplace else torch.empty_like(flat)
+        g = grad_loss.reshape(-1)
+        inside = (~outside).to(lse.dtype)
+        rows = ctx.rows
+        # same dtype and in place: work on the logits directly, no copy at all
+        direct = ctx.inplace and flat.dtype == lse.dtype
+        for i in range(0, flat.size(0), rows):
+            if direct:
+                p = flat[i:i + rows].sub_(lse[i:i + rows, None])
+            else:  # one pass: read the low-precision logits, write float32 differences
+                p = torch.sub(flat[i:i + rows], lse[i:i + rows, None])
+            p.exp_()
+            p.scatter_add_(-1, local_target[i:i + rows, None], -inside[i:i + rows, None])
+            p.mul_(g[i:i + rows, None].to(p.dtype))
+            if not direct:
+                grad[i:i + rows].copy_(p)
+        return grad.view(ctx.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 tp: TPInfo = TPInfo()) -> torch.Tensor:
+                                 tp: TPInfo = TPInfo(), *, chunk_rows: Optional[int] = None,
+                                 inplace_backward: bool = False) -> torch.Tensor:
     """Per-token loss -log softmax(logits)[target], same shape as ``target``.
 
     ``logits``: [..., V / tp.size], this rank's vocabulary slice (rank r holds ids
     [r * V/t, (r+1) * V/t)).  ``target``: [...] global token ids.  The loss is computed
-    in float32, or float64 when the logits are float64.
+    in float32, or float64 when the logits are float64, ``chunk_rows`` tokens at a time
+    (default: 64 MiB of float32 per chunk).  ``inplace_backward``: write the gradient
+    into the logits' storage (only for logits no one else reads after the forward).
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and "
                          f"target {tuple(target.shape)} must agree on all but the last dim")
-    return _VocabParallelCrossEntropy.apply(logits, target, tp)
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"vocab_parallel_cross_entropy: chunk_rows must be >= 1, got {chunk_rows}")
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, chunk_rows, inplace_backward)

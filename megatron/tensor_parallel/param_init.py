@@ -7,6 +7,12 @@ all of them.  The rule: the FULL (unpartitioned) tensor is a pure function of
 ``torch.Generator`` seeded by a hash of that triple, in float32 (float64 when the model
 runs in float64), cast to the parameter dtype, and only then sliced to this rank's
 partition.  No global RNG is touched, so building a model never shifts dropout streams.
+
+On a GPU the draw runs on the device instead (the trainer builds the model inside
+``with torch.device("cuda:N")``): the generator is a CUDA generator with the same
+seed, so the values are still a pure function of the key and the same on every rank
+(with the same GPU model), but they differ from the CPU's, and no 3 s of CPU
+``normal_`` precede a GPT-345M run.  CPU runs draw exactly as before.
 """
 from __future__ import annotations
 
@@ -36,11 +42,11 @@ class InitKey:
         full = f"{self.name}.{name}" if self.name else name
         return InitKey(self.seed, self.layer_number, full)
 
-    def generator(self) -> torch.Generator:
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         # Python's hash() is salted per process; sha256 gives every rank the same seed.
         text = f"{self.seed}|{self.layer_number}|{self.name}".encode()
         value = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & ((1 << 63) - 1)
-        gen = torch.Generator(device="cpu")
+        gen = torch.Generator(device=device)
         gen.manual_seed(value)
         return gen
 
@@ -59,11 +65,19 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
 
 def full_tensor(shape: Sequence[int], key: InitKey, init_method: InitMethod,
                 dtype: torch.dtype) -> torch.Tensor:
-    """The unpartitioned initial value of parameter ``key`` (CPU, ``dtype``)."""
+    """The unpartitioned initial value of parameter ``key`` (``dtype``), drawn on the
+    current default device (``with torch.device(...)``; CPU unless the caller set one)."""
     draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    tensor = torch.empty(tuple(shape), dtype=draw_dtype)
-    init_method(tensor, key.generator())
+    device = init_device()
+    tensor = torch.empty(tuple(shape), dtype=draw_dtype, device=device)
+    init_method(tensor, key.generator(device))
     return tensor.to(dtype)
+
+
+def init_device() -> torch.device:
+    """Where parameters are drawn: torch's default device (a ``with torch.device(..)``
+    block sets it), so a model built inside such a block never touches the CPU."""
+    return torch.get_default_device()
 
 
 def partitioned_tensor(shape: Sequence[int], key: InitKey, init_method: InitMethod,

@@ -91,10 +91,11 @@ def test_embedding_and_head_stash_bytes_by_hand(profiled):
         # position ids, an expanded view of one arange(s)
         tokens = (S + 1) * 8 if b == 1 else b * S * 8
         assert row["embedding"]["stash_bytes"] == tokens + S * 8
-        # final LN input + its output (kept by the logits matmul), LN mean/rstd, softmax
-        # of the cross-entropy, local targets (int64), out-of-range mask (bool), the
-        # fp32 loss mask and the fp32 denominator of the masked mean
-        head = (2 * S * b * H + 2 * S * b + S * b * V) * e + S * b * (8 + 1 + 4) + 4
+        # final LN input + its output (kept by the logits matmul), LN mean/rstd, the
+        # logits and per-token log-sum-exp of the chunked cross-entropy, local targets
+        # (int64), out-of-range mask (bool), the fp32 loss mask and the fp32 denominator
+        # of the masked mean
+        head = (2 * S * b * H + 2 * S * b + S * b * V + S * b) * e + S * b * (8 + 1 + 4) + 4
         assert row["head"]["stash_bytes"] == head
 
 

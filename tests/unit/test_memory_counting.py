@@ -1,0 +1,64 @@
+"""The executor's stash counters leave the training step: saved-tensor hooks run on
+the first batch of a segment (or every --measure-memory-interval batches) and later
+microbatches replay the counted bytes, so the peaks stay exact (one process, d=1)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.pipeline import memory
+from megatron.pipeline.memory import StashTracker
+from tests.distributed.gpt_harness import TINY
+
+ITERS, M = 3, 4  # global batch 8 / micro batch 2
+ORIGINAL_COUNTING = StashTracker.counting
+
+
+def test_replay_charges_the_counted_bytes():
+    tracker = StashTracker(weight_ptrs=set())
+    x = torch.ones(8, requires_grad=True)
+    with tracker.counting(0, key=0):
+        (x * x).sum()
+    counted = tracker.in_flight[0]
+    assert counted == 8 * 4 and tracker.knows(0) and not tracker.knows(1)
+    tracker.replay(1, key=0)
+    assert tracker.stats.peak_stashed_bytes == 2 * counted
+    assert tracker.stats.peak_in_flight == 2
+    tracker.forget_pattern()
+    assert not tracker.knows(0)
+
+
+def _train(monkeypatch, *extra: str):
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    calls = []
+    def counting(self, microbatch, key=None):
+        calls.append(microbatch)
+        return ORIGINAL_COUNTING(self, microbatch, key)
+
+    monkeypatch.setattr(memory.StashTracker, "counting", counting)
+    argv = [a for a in TINY] + ["--train-iters", str(ITERS), "--eval-iters", "0", *extra]
+    torch.manual_seed(0)
+    result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                      pretrain_gpt.forward_step, argv=argv)
+    return calls, result.memory["per_rank"][0], [result.losses[k]["lm loss"]
+                                                 for k in sorted(result.losses)]
+
+
+
+
+def test_hooks_run_on_the_first_batch_only_and_counts_stay_exact(monkeypatch):
+    first_only, mem_first, losses_first = _train(monkeypatch)
+    every, mem_every, losses_every = _train(monkeypatch, "--measure-memory-interval", "1")
+    assert first_only == list(range(M))            # batch 0 only
+    assert every == list(range(ITERS * M))         # the old behaviour, on request
+    assert mem_first == mem_every
+    assert mem_first["peak_stashed_activation_bytes"] > 0
+    assert losses_first == losses_every
+
+
+def test_interval_counts_every_nth_batch(monkeypatch):
+    calls, _, _ = _train(monkeypatch, "--measure-memory-interval", "2")
+    # batches 0 (first of the segment) and 2 (divisible by 2)
+    assert calls == list(range(M)) + list(range(2 * M, 3 * M))
