@@ -179,7 +179,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--measure-memory-interval", type=int, default=0,
                    help="Count stashed activations with saved-tensor hooks on every batch "
                         "divisible by this (1: every batch); default 0: only the first batch "
-                        "of each training segment, later batches reuse its exact counts.")
+                        "the run trains, later batches reuse its exact counts.")
     g.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
     g.add_argument("--debug", action="store_true",
                    help="Show the traceback of user errors (bad flag, data, checkpoint) too; "

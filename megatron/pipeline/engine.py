@@ -143,7 +143,7 @@ class PipelineEngine:
         self.weights = WeightBuffers(model, 2 if schedule == "2bw" else 1)
         self.tracker = StashTracker(self.weights.storage_ptrs())
         self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
-        # Saved-tensor hooks run on the first batch of each training segment, and on
+        # Saved-tensor hooks run on the first batch this engine trains, and on
         # every batch t with t % memory_count_interval == 0 when it is > 0 (1: always);
         # other batches replay the bytes counted for the same microbatch position.
         self.memory_count_interval = memory_count_interval
@@ -225,7 +225,9 @@ class PipelineEngine:
                                  num_batches)
         seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=True)
         self.model.train()
-        self.tracker.forget_pattern()
+        # The stash pattern is kept across segments: a microbatch's shapes are fixed by
+        # --micro-batch-size and --seq-length, and the training loop may run one-batch
+        # segments (flush drains after every batch), which would otherwise count every batch.
         self._run(actions, seg)
         self.install_latest()
         return seg.reports
@@ -361,7 +363,7 @@ class PipelineEngine:
         self._note_versions(seg)
 
     def _count_memory(self, t: int) -> bool:
-        """Count batch t's stash with hooks (besides the first batch of a segment)?"""
+        """Count batch t's stash with hooks (besides the first batch of the run)?"""
         n = self.memory_count_interval
         return n > 0 and t % n == 0
 

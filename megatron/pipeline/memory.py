@@ -93,7 +93,7 @@ class StashTracker:
         self.add(microbatch, self.pattern[key])
 
     def forget_pattern(self) -> None:
-        """Shapes may have changed (new segment): count again before replaying."""
+        """Shapes changed (e.g. another micro-batch shape): count again before replaying."""
         self.pattern.clear()
 
     def add(self, microbatch: int, nbytes: int) -> None:
