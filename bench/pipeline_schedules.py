@@ -296,14 +296,13 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
     from bench.common import gpt_config, mock_microbatches
     from bench.trainer_overhead import batch_periods
     from megatron.model import GPTModel
-    from megatron.model.utils import stage_layer_numbers
     from megatron.tensor_parallel import TPInfo
 
     cfg, tokenizer = gpt_config(argv)
     tr, oc = cfg.training, cfg.optimizer
     m, iters, last = tr.global_batch_size // tr.micro_batch_size, tr.train_iters, rank == 1
     gpt = GPTModel(cfg.model, TPInfo.single(), pre_process=rank == 0, post_process=last,
-                   layer_numbers=stage_layer_numbers(cfg.model.num_layers, 2, rank), seed=tr.seed)
+                   layer_numbers=cfg.parallel.stage_layers(cfg.model.num_layers, rank), seed=tr.seed)
     stage = PipelineStage(HiddenToLogits(gpt) if last else TokensToHidden(gpt), rank, 2,
                           torch.device("cpu"))
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=vocab_cross_entropy)

@@ -101,8 +101,13 @@ class TrainState:
 def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
                     model_state: Dict[str, Any], shadow_state: Optional[Dict[str, Any]],
                     optimizer, scheduler, rng_state: Any, save_optim: bool = True,
-                    extra: Optional[Dict[str, Any]] = None) -> str:
-    """Collective over all ranks: every rank must call it at the same iteration."""
+                    extra: Optional[Dict[str, Any]] = None,
+                    stage_layers: Optional[range] = None) -> str:
+    """Collective over all ranks: every rank must call it at the same iteration.
+
+    ``stage_layers`` (this stage's global layer numbers) is recorded in the layout so a
+    resume with another stage split (--decoder-first/last-pipeline-num-layers) stops
+    with a clear error instead of loading layers into the wrong places."""
     final = iteration_dir(root, state.iteration)
     staging = final + ".tmp"
     if groups.rank == 0:
@@ -120,7 +125,9 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
             "consumed_train_samples": state.consumed_train_samples,
             "consumed_valid_samples": state.consumed_valid_samples,
             "layout": {"tensor": groups.tp_size, "pipeline": groups.pp_size,
-                       "data": groups.dp_size},
+                       "data": groups.dp_size,
+                       "layers": ([stage_layers.start, stage_layers.stop]
+                                  if stage_layers is not None else None)},
             "model": model_state,
             "model_shadow": shadow_state,
             "optimizer": optimizer.state_dict() if save_optim and optimizer is not None else None,
@@ -145,7 +152,8 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
 
 
 def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
-                    map_location: Any = "cpu") -> Optional[Dict[str, Any]]:
+                    map_location: Any = "cpu", stage_layers: Optional[range] = None
+                    ) -> Optional[Dict[str, Any]]:
     """Read this rank's checkpoint files; None when ``root`` holds no checkpoint.
 
     Raises a clear error when the checkpoint was written with a different tensor or
@@ -173,6 +181,15 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         raise ValueError(f"--load {root}: checkpoint layout tensor={layout.get('tensor')} "
                          f"pipeline={layout.get('pipeline')} does not match this run's "
                          f"tensor={groups.tp_size} pipeline={groups.pp_size}")
+    saved = layout.get("layers")
+    if stage_layers is not None and saved is not None and \
+            list(saved) != [stage_layers.start, stage_layers.stop]:
+        from megatron.errors import CheckpointError
+        raise CheckpointError(
+            f"--load {root}: pipeline stage {groups.pp_rank} of the checkpoint holds layers "
+            f"{saved[0]}..{saved[1] - 1}, this run's split gives it {stage_layers.start}.."
+            f"{stage_layers.stop - 1}; use the --decoder-first/last-pipeline-num-layers of "
+            f"the run that saved it (or convert with tools/checkpoint_util.py)")
     rng_path = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}")
     payload["rng_state"] = load_payload(rng_path) if payload_exists(rng_path) else None
     return payload

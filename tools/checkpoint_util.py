@@ -84,6 +84,8 @@ class CheckpointShards:
     num_layers: int
     shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = field(default_factory=dict)
     config: Optional[dict] = None
+    stage_offsets: List[int] = field(default_factory=list)
+    """Global number of each stage's first layer (the saved run's stage split)."""
 
 
 def read_checkpoint(root: str, iteration: Optional[int] = None) -> CheckpointShards:
@@ -113,18 +115,37 @@ def read_checkpoint(root: str, iteration: Optional[int] = None) -> CheckpointSha
     out = CheckpointShards(root=root, iteration=iteration, tensor=tensor, pipeline=pipeline,
                            num_layers=0)
     layers_seen = 0
+    saved_layers: Dict[int, List[int]] = {}
     for key, path in found.items():
         payload = torch.load(path, map_location="cpu", weights_only=False)
         out.shards[key] = payload["model"]
         out.config = out.config or payload.get("config")
         if key[0] == 0:
             layers_seen += _num_local_layers(payload["model"])
+            if (payload.get("layout") or {}).get("layers"):
+                saved_layers[key[1]] = list(payload["layout"]["layers"])
     model_cfg = (out.config or {}).get("model", {})
     out.num_layers = int(model_cfg.get("num_layers") or layers_seen)
-    if out.num_layers % pipeline:
-        raise ValueError(f"checkpoint {base}: {out.num_layers} layers cannot be split over "
-                         f"{pipeline} stages")
+    out.stage_offsets = _stage_offsets(out, saved_layers, base)
     return out
+
+
+def _stage_offsets(ckpt: CheckpointShards, saved_layers: Dict[int, List[int]],
+                   base: str) -> List[int]:
+    """First global layer of each stage: from the layers each stage recorded, else from
+    the saved config's --decoder-first/last-pipeline-num-layers, else an even split."""
+    if len(saved_layers) == ckpt.pipeline:
+        return [saved_layers[s][0] for s in range(ckpt.pipeline)]
+    par = (ckpt.config or {}).get("parallel", {})
+    from megatron.model.utils import stage_layer_counts
+    try:
+        counts = stage_layer_counts(ckpt.num_layers, ckpt.pipeline,
+                                    par.get("decoder_first_pipeline_num_layers"),
+                                    par.get("decoder_last_pipeline_num_layers"))
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {base}: {ckpt.num_layers} layers over {ckpt.pipeline} "
+                         f"stages: {exc}") from None
+    return [sum(counts[:s]) for s in range(ckpt.pipeline)]
 
 
 def _num_local_layers(state: Dict[str, torch.Tensor]) -> int:
@@ -140,7 +161,6 @@ def merge_checkpoint(ckpt: CheckpointShards,
     ``partition_dims`` maps full names to split dims; names it lacks fall back to
     ``partition_dim_by_name``.
     """
-    per_stage = ckpt.num_layers // ckpt.pipeline
     full: Dict[str, torch.Tensor] = {}
     owner: Dict[str, int] = {}
     for stage in range(ckpt.pipeline):
@@ -148,7 +168,7 @@ def merge_checkpoint(ckpt: CheckpointShards,
         for name in local_names:
             if name == OUTPUT_EMBEDDING_COPY and ckpt.pipeline > 1:
                 continue  # identical to the first stage's word embedding
-            gname = to_global(name, stage * per_stage)
+            gname = to_global(name, ckpt.stage_offsets[stage])
             if gname in owner:
                 raise ValueError(f"checkpoint {ckpt.root}: parameter {gname} appears on stages "
                                  f"{owner[gname]} and {stage}")
@@ -297,8 +317,11 @@ def convert(load: str, save: str, tp: int, pp: int, iteration: Optional[int] = N
     out_dir = iteration_dir(save, ckpt.iteration)
     config = dict(ckpt.config or {})
     if "parallel" in config:
+        # the converted checkpoint has an even stage split
         config["parallel"] = dict(config["parallel"], tensor_model_parallel_size=tp,
-                                  pipeline_model_parallel_size=pp)
+                                  pipeline_model_parallel_size=pp,
+                                  decoder_first_pipeline_num_layers=None,
+                                  decoder_last_pipeline_num_layers=None)
     for stage in range(pp):
         targets, offset = _name_targets(full, ckpt.num_layers, tp, pp, stage)
         for t in range(tp):

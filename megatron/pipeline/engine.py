@@ -253,6 +253,9 @@ class PipelineEngine:
         mine = actions[self.stage]
         for index, action in enumerate(mine):
             start = time.perf_counter()
+            # this thread's CPU time: wall minus CPU of a compute action is time the
+            # stage was descheduled (CPU contention), not work
+            cpu_start = time.thread_time() if self.trace_enabled else 0.0
             try:
                 handler = self._handlers[action.op]
             except KeyError:
@@ -264,7 +267,8 @@ class PipelineEngine:
             except Exception as exc:
                 raise PipelineError(self._report_failure(actions, index, action, exc)) from exc
             if self.trace_enabled:
-                self._trace(action, seg, start, time.perf_counter())
+                self._trace(action, seg, start, time.perf_counter(),
+                            time.thread_time() - cpu_start)
         self._finish_steps(seg)
         self.p2p.wait_all()
 
@@ -281,12 +285,13 @@ class PipelineEngine:
         print(msg, file=sys.stderr, flush=True)
         return msg
 
-    def _trace(self, action: Action, seg: _Segment, start: float, end: float) -> None:
+    def _trace(self, action: Action, seg: _Segment, start: float, end: float,
+               cpu: float) -> None:
         batch = None if action.batch is None else seg.start_iteration + action.batch
         self.trace_events.append({
             "rank": self.groups.rank, "stage": self.stage, "action": str(action),
             "op": action.op.value, "microbatch": action.microbatch, "batch": batch,
-            "start": start, "end": end, "train": seg.train,
+            "start": start, "end": end, "cpu": cpu, "train": seg.train,
             "version": (self.version_for(batch, self.schedule_name)
                         if batch is not None and action.op in (Op.FORWARD, Op.BACKWARD) else None)})
 

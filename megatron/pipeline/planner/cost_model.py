@@ -75,6 +75,10 @@ class Config:
     gradient accumulation); the global batch is w b m."""
     recompute: bool = False
     schedule: str = "2bw"
+    first_layers: Optional[int] = None
+    """Layers of the first stage (--decoder-first-pipeline-num-layers); None: equal split."""
+    last_layers: Optional[int] = None
+    """Layers of the last stage (--decoder-last-pipeline-num-layers); None: equal split."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -93,8 +97,17 @@ class Config:
 
     def describe(self) -> str:
         rc = " +recompute" if self.recompute else ""
+        split = ""
+        if self.first_layers is not None or self.last_layers is not None:
+            split = f" layers first={self.first_layers} last={self.last_layers}"
         return (f"{self.schedule:5s} w={self.w} d={self.d} t={self.t} b={self.b} "
-                f"m={self.m}{rc}")
+                f"m={self.m}{rc}{split}")
+
+    def layer_counts(self, num_layers: int) -> List[int]:
+        """Layers of each stage (ValueError when the split does not fit the model)."""
+        from megatron.model.utils import stage_layer_counts
+
+        return stage_layer_counts(num_layers, self.d, self.first_layers, self.last_layers)
 
 
 @dataclass(frozen=True)
@@ -193,17 +206,23 @@ class CostModel:
 
     def check(self, config: Config) -> None:
         """Raise ValueError when the model cannot be split as the config says."""
-        if self.model.num_layers % config.d:
-            raise ValueError(f"--pipeline-model-parallel-size {config.d} must divide "
-                             f"--num-layers {self.model.num_layers}")
+        if config.first_layers is None and config.last_layers is None:
+            if self.model.num_layers % config.d:
+                raise ValueError(f"--pipeline-model-parallel-size {config.d} must divide "
+                                 f"--num-layers {self.model.num_layers}")
+        else:
+            config.layer_counts(self.model.num_layers)
         if self.model.num_attention_heads % config.t:
             raise ValueError(f"--tensor-model-parallel-size {config.t} must divide "
                              f"--num-attention-heads {self.model.num_attention_heads}")
 
-    def stage_params(self, stage: int, d: int) -> float:
-        """Logical parameters of a stage; the last stage keeps a tied embedding copy."""
+    def stage_params(self, stage: int, d: int, layers: Optional[int] = None) -> float:
+        """Logical parameters of a stage; the last stage keeps a tied embedding copy.
+        ``layers``: the stage's layer count (default: an equal share)."""
         mdl = self.model
-        p = (mdl.num_layers // d) * mdl.params_per_layer
+        if layers is None:
+            layers = mdl.num_layers // d
+        p = layers * mdl.params_per_layer
         if stage == 0:
             p += mdl.embedding_params
         if stage == d - 1:
@@ -244,7 +263,7 @@ class CostModel:
         mdl, hw, opt = self.model, self.hardware, self.options
         d, t, b = c.d, c.t, c.b
         first, last = i == 0, i == d - 1
-        layers = mdl.num_layers // d
+        layers = c.layer_counts(mdl.num_layers)[i]
         rate = hw.flops_rate(b * mdl.seq_length)
         flops = layers * mdl.layer_forward_flops(b) + (mdl.head_forward_flops(b) if last else 0.0)
         comp_f = flops / t / rate
@@ -282,7 +301,7 @@ class CostModel:
             p2p += 2.0 * act / links.boundary[i - 1]
         if not last:
             p2p += 2.0 * act / links.boundary[i]
-        params = self.stage_params(i, d) / t
+        params = self.stage_params(i, d, layers) / t
         allreduce = ring_allreduce_time(params * opt.grad_bytes_per_param, c.w, links.data)
         if d > 1 and (first or last):
             emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
