@@ -73,37 +73,99 @@ class _Segment:
 
 
 class GradientReduction:
-    """Average gradients over the data-parallel group in flat buckets, asynchronously.
+    """Average one weight buffer's gradients over the data-parallel group, in flat
+    buckets, overlapped with the backward pass (as DDP and Megatron do).
 
-    ``launch`` starts every bucket's all-reduce and returns at once; ``finish`` waits and
-    copies the averages back.  The engine launches at REDUCE_GRADS(t) and finishes at
-    STEP(t); under 2BW the schedule places STEP(t) after some work of batch t+1 (which
-    runs on the other weight buffer), so the reduction overlaps that computation.
+    Every trainable parameter gets a post-accumulate-grad hook that counts how many
+    microbatch backward passes have added to its ``.grad``.  The m-th addition is the
+    batch's last one: the gradient is final, and when every parameter of a bucket is
+    final the bucket's asynchronous all-reduce starts at once, while autograd goes on
+    with earlier layers.  Buckets follow the REVERSE parameter order (the order the
+    backward pass finishes them), so the last layers' bucket leaves first.
+
+    ``launch_remaining`` (REDUCE_GRADS) starts what the hooks did not (parameters that
+    got no gradient: zero-filled, as an unused parameter contributes 0); ``finish``
+    (STEP) waits and copies the averages back into ``.grad``.  Under 2BW each weight
+    buffer has its own Parameter objects and so its own reducer.
     """
 
-    def __init__(self, params: List[nn.Parameter], group, world: int,
-                 bucket_bytes: int = 32 * 2 ** 20) -> None:
-        self._pending = []
-        if group is None or world == 1:
+    def __init__(self, params: List[nn.Parameter], group, world: int, microbatches: int,
+                 bucket_bytes: int = 32 * 2 ** 20, overlap: bool = True) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group, self.world, self.microbatches = group, world, microbatches
+        self.active = group is not None and world > 1
+        self._pending: List[tuple] = []
+        self._buckets: List[List[int]] = []
+        self._bucket_of: Dict[int, int] = {}
+        self._counts = [0] * len(self.params)
+        self._ready: List[int] = []
+        self._launched: List[bool] = []
+        self._hooks = []
+        self.launched_in_backward = 0
+        """Buckets whose all-reduce the hooks started (the rest start at REDUCE_GRADS)."""
+        if not self.active:
             return
-        bucket: List[torch.Tensor] = []
+        bucket: List[int] = []
         size = 0
-        for p in params:
-            g = p.grad
-            if bucket and (g.dtype != bucket[0].dtype or size + tensor_bytes(g) > bucket_bytes):
-                self._launch(bucket, group, world)
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            nbytes = p.numel() * p.element_size()
+            if bucket and (p.dtype != self.params[bucket[0]].dtype
+                           or size + nbytes > bucket_bytes):
+                self._buckets.append(bucket)
                 bucket, size = [], 0
-            bucket.append(g)
-            size += tensor_bytes(g)
+            bucket.append(i)
+            size += nbytes
         if bucket:
-            self._launch(bucket, group, world)
+            self._buckets.append(bucket)
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        self._reset()
+        if overlap:
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, i=i: self._on_grad(i)))
 
-    def _launch(self, grads: List[torch.Tensor], group, world: int) -> None:
+    def _reset(self) -> None:
+        self._counts = [0] * len(self.params)
+        self._ready = [0] * len(self._buckets)
+        self._launched = [False] * len(self._buckets)
+
+    def _on_grad(self, i: int) -> None:
+        self._counts[i] += 1
+        if self._counts[i] != self.microbatches:
+            return
+        b = self._bucket_of[i]
+        self._ready[b] += 1
+        if self._ready[b] == len(self._buckets[b]) and not self._launched[b]:
+            self._launch(b)
+            self.launched_in_backward += 1
+
+    def _launch(self, b: int) -> None:
+        grads = []
+        for i in self._buckets[b]:
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(world)
-        self._pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
+        flat.div_(self.world)
+        self._launched[b] = True
+        self._pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
+                              grads))
+
+    def launch_remaining(self) -> None:
+        """REDUCE_GRADS: start every bucket the hooks did not start."""
+        if not self.active:
+            return
+        for b in range(len(self._buckets)):
+            if not self._launched[b]:
+                self._launch(b)
+        self._reset()
 
     def finish(self) -> None:
+        """STEP: wait for the all-reduces and write the averages into ``.grad``."""
         for work, flat, grads in self._pending:
             work.wait()
             offset = 0
@@ -113,6 +175,11 @@ class GradientReduction:
                 offset += n
         self._pending.clear()
 
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
 
 class PipelineEngine:
     """Runs the training and evaluation schedules of one pipeline stage."""
@@ -121,6 +188,7 @@ class PipelineEngine:
                  num_microbatches: int, micro_batch_size: int, forward_step: ForwardStep,
                  device: torch.device, activation_dtype: torch.dtype,
                  stage_recompute: bool = False, trace: bool = False,
+                 overlap_grad_reduce: bool = True,
                  get_rng_state: Optional[Callable[[], Any]] = None,
                  set_rng_state: Optional[Callable[[Any], None]] = None,
                  fault_injection: Optional[Callable[[int, int], bool]] = None) -> None:
@@ -156,6 +224,11 @@ class PipelineEngine:
             Op.SEND_GRAD: self._send_grad, Op.RECV_GRAD: self._recv_grad,
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
+        # one gradient reducer per weight buffer (its hooks sit on that buffer's params)
+        self._reducers = [GradientReduction(self.weights.params(j), groups.data,
+                                            groups.dp_size, num_microbatches,
+                                            overlap=overlap_grad_reduce)
+                          for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
         self._pending_steps: List[tuple] = []
         # Loss scale each batch's backward passes use.  A batch may start its backward
@@ -397,13 +470,16 @@ class PipelineEngine:
 
     # -- gradient reduction and the optimizer step ----------------------------------------------
     def _reduce_grads(self, a: Action, seg: _Segment) -> None:
-        params = self.weights.params(self.buffer_for(self._global_batch(a, seg)))
-        for p in params:
+        """Batch t's backward passes on this stage are done: buckets whose gradients
+        were final early are already in flight (hooks); start the rest now."""
+        t = self._global_batch(a, seg)
+        j = self.buffer_for(t)
+        for p in self.weights.params(j):
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        t = self._global_batch(a, seg)
-        self._reductions[t] = GradientReduction([p for p in params if p.requires_grad],
-                                                self.groups.data, self.groups.dp_size)
+        reducer = self._reducers[j]
+        reducer.launch_remaining()
+        self._reductions[t] = reducer
 
     def _step(self, a: Action, seg: _Segment) -> None:
         """Start the update of batch t: data-parallel and tied-embedding gradient sums,

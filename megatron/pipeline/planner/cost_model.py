@@ -124,6 +124,12 @@ class CostOptions:
     """Bytes per parameter in the data-parallel all-reduce."""
     overlap_grad_reduce_2bw: bool = True
     """2bw hides the all-reduce behind the next batch's compute (Appendix A)."""
+    overlap_grad_reduce: bool = True
+    """The executor starts each gradient bucket's data-parallel all-reduce as soon as the
+    batch's last backward pass has finished its gradients (post-accumulate-grad hooks),
+    so under flush/gpipe/none most of it hides behind that backward pass."""
+    grad_bucket_bytes: float = 32 * 2 ** 20
+    """Bucket size of the executor's gradient all-reduce (``GradientReduction``)."""
 
 
 def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
@@ -160,6 +166,11 @@ class StageCost:
     """|A_input(b)|: the stage input stashed per in-flight microbatch."""
     step_s: float = 0.0
     """Optimizer step of the stage, once per batch (profile-based costs only)."""
+    dp_allreduce_s: float = 0.0
+    """The data-parallel part of ``allreduce_s`` (the rest is the tied-embedding sum)."""
+    dp_exposed_s: float = 0.0
+    """What of ``dp_allreduce_s`` is left after the stage's last backward pass: the last
+    bucket can only start when the backward ends, the rest overlaps it."""
 
     def with_in_flight(self, n: int, recompute: bool) -> "StageCost":
         """The same stage holding n microbatches (memory changes, times do not)."""
@@ -302,7 +313,14 @@ class CostModel:
         if not last:
             p2p += 2.0 * act / links.boundary[i]
         params = self.stage_params(i, d, layers) / t
-        allreduce = ring_allreduce_time(params * opt.grad_bytes_per_param, c.w, links.data)
+        grad_bytes = params * opt.grad_bytes_per_param
+        allreduce = ring_allreduce_time(grad_bytes, c.w, links.data)
+        dp_allreduce = allreduce
+        if opt.overlap_grad_reduce and c.w > 1:
+            buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
+            dp_exposed = max(dp_allreduce / buckets, dp_allreduce - backward)
+        else:
+            dp_exposed = dp_allreduce
         if d > 1 and (first or last):
             emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
             allreduce += ring_allreduce_time(emb, 2, links.embedding)
@@ -315,7 +333,8 @@ class CostModel:
             weights_bytes=versions * params * opt.weight_bytes_per_param,
             optimizer_bytes=params * opt.optimizer_bytes_per_param,
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
-            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step)
+            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
+            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed)
 
     def estimate(self, config: Config, keep_stages: bool = True) -> Estimate:
         """Throughput, memory per GPU and bubble fraction of one configuration
@@ -351,7 +370,10 @@ class CostModel:
         sum_{j<i} backward_j before stage 0 does, which hides that much of its reduce."""
         exposed, head_start = 0.0, 0.0
         for s in stages:
-            exposed = max(exposed, s.allreduce_s - head_start)
+            # the data-parallel part also overlaps the stage's own last backward (bucket
+            # hooks, ``StageCost.dp_exposed_s``); the tied-embedding sum runs after it
+            own = s.dp_exposed_s + (s.allreduce_s - s.dp_allreduce_s)
+            exposed = max(exposed, own - head_start)
             head_start += s.backward_s
         return exposed
 
