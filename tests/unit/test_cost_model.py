@@ -271,3 +271,29 @@ def test_flush_data_parallel_reduce_overlaps_the_last_backward():
         st.dp_allreduce_s - st.dp_exposed_s, rel=1e-9)
     assert on.batch_time_s < off.batch_time_s
 
+
+def test_layer_level_recompute_memory_and_time():
+    """uniform N keeps one hidden state per chunk of N layers and rebuilds a chunk at a
+    time; block N checkpoints the first N layers; both re-run those layers' forward."""
+    from dataclasses import replace
+
+    cm = CostModel(TOY, PLAIN)
+    base = Config(w=1, d=1, b=2, m=4, schedule="flush")
+    plain = cm.estimate(base).stages[0]
+    layers = TOY.num_layers
+    layer_act = TOY.layer_activation_bytes(2)
+    inp = TOY.input_activation_bytes(2)
+    for method, n, k, chunks, rebuilt in (("uniform", 1, layers, layers, 1),
+                                          ("uniform", 2, layers, -(-layers // 2), 2),
+                                          ("block", 1, 1, 1, 1)):
+        st = cm.estimate(replace(base, recompute_method=method, recompute_num_layers=n)).stages[0]
+        per_mb = plain.activation_per_microbatch_bytes - k * layer_act + chunks * inp
+        assert st.activation_per_microbatch_bytes == pytest.approx(per_mb)
+        assert st.activation_bytes == pytest.approx(st.in_flight * per_mb + rebuilt * layer_act)
+        assert st.backward_s > plain.backward_s
+        assert st.forward_s == pytest.approx(plain.forward_s)
+    uniform1 = cm.estimate(replace(base, recompute_method="uniform", recompute_num_layers=1))
+    assert uniform1.memory_per_gpu_bytes < cm.estimate(base).memory_per_gpu_bytes
+    with pytest.raises(ValueError, match="stage-level"):
+        replace(base, recompute=True, recompute_method="uniform", recompute_num_layers=1)
+

@@ -79,10 +79,22 @@ class Config:
     """Layers of the first stage (--decoder-first-pipeline-num-layers); None: equal split."""
     last_layers: Optional[int] = None
     """Layers of the last stage (--decoder-last-pipeline-num-layers); None: equal split."""
+    recompute_method: Optional[str] = None
+    """Layer-level recomputation inside each stage (--recompute-granularity full
+    --recompute-method uniform|block --recompute-num-layers N); exclusive with the
+    stage-level ``recompute``."""
+    recompute_num_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule {self.schedule!r}: expected one of {SCHEDULES}")
+        if self.recompute_method is not None:
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError(f"--recompute-method {self.recompute_method!r}: expected "
+                                 f"uniform or block")
+            if self.recompute or self.recompute_num_layers < 1:
+                raise ValueError("layer-level recomputation needs recompute=False (that is "
+                                 "the stage-level scheme) and recompute_num_layers >= 1")
         for attr in ("w", "d", "t", "b", "m"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"config: {attr} must be >= 1, got {getattr(self, attr)}")
@@ -97,6 +109,8 @@ class Config:
 
     def describe(self) -> str:
         rc = " +recompute" if self.recompute else ""
+        if self.recompute_method is not None:
+            rc = f" +recompute {self.recompute_method} {self.recompute_num_layers}"
         split = ""
         if self.first_layers is not None or self.last_layers is not None:
             split = f" layers first={self.first_layers} last={self.last_layers}"
@@ -108,6 +122,20 @@ class Config:
         from megatron.model.utils import stage_layer_counts
 
         return stage_layer_counts(num_layers, self.d, self.first_layers, self.last_layers)
+
+    def layer_recompute(self, layers: int) -> Tuple[int, int, int]:
+        """(checkpointed layers, kept chunk inputs, layers rebuilt at once) of a stage of
+        ``layers`` layers under layer-level recomputation (zeros without it).
+
+        uniform N: every layer, in chunks of N, each chunk keeping only its input;
+        block N: the first N layers, each its own chunk (the rest keep everything)."""
+        if self.recompute_method is None:
+            return 0, 0, 0
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            return layers, -(-layers // n), min(n, layers)
+        k = min(n, layers)
+        return k, k, 1 if k else 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +194,8 @@ class StageCost:
     """|A_input(b)|: the stage input stashed per in-flight microbatch."""
     step_s: float = 0.0
     """Optimizer step of the stage, once per batch (profile-based costs only)."""
+    transient_bytes: float = 0.0
+    """Layer-level recomputation: activations of the chunk being rebuilt (one at a time)."""
     dp_allreduce_s: float = 0.0
     """The data-parallel part of ``allreduce_s`` (the rest is the tied-embedding sum)."""
     dp_exposed_s: float = 0.0
@@ -175,7 +205,8 @@ class StageCost:
     def with_in_flight(self, n: int, recompute: bool) -> "StageCost":
         """The same stage holding n microbatches (memory changes, times do not)."""
         acts = self.activation_per_microbatch_bytes
-        return replace(self, in_flight=n, activation_bytes=acts if recompute else n * acts,
+        return replace(self, in_flight=n,
+                       activation_bytes=acts if recompute else n * acts + self.transient_bytes,
                        stash_bytes=n * self.input_bytes)
 
     @property
@@ -282,6 +313,9 @@ class CostModel:
             # LayerNorm/dropout/residual work is replicated on every tensor rank.
             comp_f += layers * mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth
         comp_b = 2.0 * comp_f
+        comp_f_layer = mdl.layer_forward_flops(b) / t / rate + (
+            mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth if hw.memory_bandwidth > 0
+            else 0.0)
         act = mdl.input_activation_bytes(b)
         act_stage = layers * mdl.layer_activation_bytes(b, t)
         if last:
@@ -298,6 +332,11 @@ class CostModel:
             # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
             stash_one = float(ps.recompute_stash_bytes)
             act_stage = float(ps.stash_bytes) - stash_one
+            block = self.profile.piece("block", b)
+            layer_f, layer_act = block.forward_s / t, float(block.stash_bytes) / t
+        else:
+            layer_f = comp_f_layer
+            layer_act = mdl.layer_activation_bytes(b, t)
         # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
         # vocab-parallel embedding (forward) and the output layer's input grad (backward).
         ar = ring_allreduce_time(act, t, links.tensor)
@@ -307,6 +346,15 @@ class CostModel:
         backward = comp_b + tp_b
         if c.recompute:
             backward += recompute_extra + tp_f
+        # layer-level recomputation: the checkpointed layers' forward runs again in the
+        # backward pass; a microbatch keeps one hidden state per chunk instead of their
+        # activations, and one chunk's activations exist while it is rebuilt
+        k, chunks, rebuilt = c.layer_recompute(layers)
+        transient = 0.0
+        if k:
+            backward += k * (layer_f + 2 * ar)
+            act_stage = act_stage - k * layer_act + chunks * act
+            transient = rebuilt * layer_act
         p2p = 0.0
         if not first:
             p2p += 2.0 * act / links.boundary[i - 1]
@@ -326,7 +374,7 @@ class CostModel:
             allreduce += ring_allreduce_time(emb, 2, links.embedding)
         n = in_flight(c.schedule, i, d, c.m)
         versions = 2 if c.schedule == "2bw" else 1
-        activations = act_stage if c.recompute else n * act_stage
+        activations = act_stage if c.recompute else n * act_stage + transient
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
             p2p_s=p2p, allreduce_s=allreduce,
@@ -334,7 +382,7 @@ class CostModel:
             optimizer_bytes=params * opt.optimizer_bytes_per_param,
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
             activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
-            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed)
+            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient)
 
     def estimate(self, config: Config, keep_stages: bool = True) -> Estimate:
         """Throughput, memory per GPU and bubble fraction of one configuration

@@ -85,7 +85,16 @@ def _gpipe_backoff(cm: CostModel, cfg: Config) -> Optional[Estimate]:
     return best
 
 
-def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, recompute: bool,
+def recompute_fields(recompute: Union[bool, str]) -> dict:
+    """Config fields of a recompute choice: False (none), True (stage-level, the paper's
+    scheme) or "uniform" (layer-level, uniform chunks of one layer)."""
+    if recompute == "uniform":
+        return {"recompute": False, "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {"recompute": bool(recompute)}
+
+
+def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str,
+                      recompute: Union[bool, str],
                       max_batch: int, max_microbatch: int = 64,
                       exact_batch: bool = False, balance: bool = False) -> PlanRow:
     """SEARCH(w, d, B) for one shape, schedule and recompute choice: the best (b, m).
@@ -107,7 +116,7 @@ def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, reco
         if schedule == "2bw" and m < d:
             reason = reason or f"2bw needs m >= d: m = {m} < d = {d} at b = {b}"
             break
-        cfg = Config(w=w, d=d, t=t, b=b, m=m, recompute=recompute, schedule=schedule)
+        cfg = Config(w=w, d=d, t=t, b=b, m=m, schedule=schedule, **recompute_fields(recompute))
         est = cm.estimate(cfg, keep_stages=False)
         if smallest is None:
             smallest = est
@@ -129,7 +138,7 @@ def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, reco
         return PlanRow(best.config, best.samples_per_s, best.memory_per_gpu_bytes,
                        best.bubble_fraction, True, None)
     cfg = smallest.config if smallest else Config(w=w, d=d, t=t, b=1, m=max(1, max_batch // w),
-                                                  recompute=recompute, schedule=schedule)
+                                                  schedule=schedule, **recompute_fields(recompute))
     return PlanRow(cfg, 0.0, smallest.memory_per_gpu_bytes if smallest else 0.0,
                    smallest.bubble_fraction if smallest else 0.0, False,
                    reason or "no microbatch size fits")
@@ -185,7 +194,7 @@ def _check_inputs(model: ModelSpec, num_gpus: int, max_batch_size: int,
 def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_size: int, *,
            schedules: Iterable[str] = SCHEDULES, tensor_parallel: bool = False,
            max_tensor: Optional[int] = None, max_microbatch_size: int = 64,
-           recompute: Sequence[bool] = (False, True), exact_batch: bool = False,
+           recompute: Sequence[Union[bool, str]] = (False, True), exact_batch: bool = False,
            options: CostOptions = CostOptions(),
            profile: Optional["Profile"] = None,
            balance_stages_: bool = True) -> List[PlanRow]:
@@ -208,7 +217,8 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
         for schedule in schedules:
             for rc in recompute:
                 if why:
-                    cfg = Config(w=w, d=d, t=t, b=1, m=1, recompute=rc, schedule=schedule)
+                    cfg = Config(w=w, d=d, t=t, b=1, m=1, schedule=schedule,
+                                 **recompute_fields(rc))
                     rows.append(PlanRow(cfg, 0.0, 0.0, 0.0, False, why))
                     continue
                 rows.append(search_microbatch(cm, t, w, d, schedule, rc, max_batch_size,
@@ -269,10 +279,19 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         args += ["--decoder-last-pipeline-num-layers", cfg.last_layers]
     if cfg.recompute:
         args.append("--recompute-activations")
+    elif cfg.recompute_method is not None:
+        args += ["--recompute-granularity", "full", "--recompute-method", cfg.recompute_method,
+                 "--recompute-num-layers", cfg.recompute_num_layers]
     args.append("--fp16")
     args += list(extra_args)
     # $VARS stay unquoted so the shell expands them on each node.
     return " ".join(launch + [script] + [shlex.quote(str(a)) for a in args])
+
+
+def _recompute_label(c: Config) -> str:
+    if c.recompute_method is not None:
+        return f"{c.recompute_method[:3]}{c.recompute_num_layers}"
+    return "yes" if c.recompute else "no"
 
 
 def format_table(rows: Sequence[PlanRow], limit: Optional[int] = None) -> str:
@@ -286,6 +305,6 @@ def format_table(rows: Sequence[PlanRow], limit: Optional[int] = None) -> str:
         tput = f"{r.predicted_samples_per_s:10.2f}" if r.fits else f"{'-':>10}"
         mem = f"{r.memory_per_gpu_bytes / GiB:7.2f}" if r.memory_per_gpu_bytes else f"{'-':>7}"
         lines.append(f"{i:>3}  {c.schedule:8} {c.w:>4} {c.d:>4} {c.t:>3} {c.b:>3} {c.m:>5} "
-                     f"{'yes' if c.recompute else 'no':6} {c.global_batch:>6} {tput} {mem} "
+                     f"{_recompute_label(c):6} {c.global_batch:>6} {tput} {mem} "
                      f"{100 * r.bubble_fraction:6.1f}%  {status}")
     return "\n".join(lines)
