@@ -230,6 +230,7 @@ class PipelineEngine:
                                             overlap=overlap_grad_reduce)
                           for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
+        self._embedding_work: Dict[int, Any] = {}
         self._pending_steps: List[tuple] = []
         # Loss scale each batch's backward passes use.  A batch may start its backward
         # before the previous batch's STEP updated the scaler (2BW), so the scale of
@@ -480,6 +481,14 @@ class PipelineEngine:
         reducer = self._reducers[j]
         reducer.launch_remaining()
         self._reductions[t] = reducer
+        if self.groups.dp_size == 1:
+            # Start the tied-embedding sum now, not at STEP: the last stage finishes batch
+            # t's backward passes long before the first stage does, so by the first
+            # stage's STEP(t) its half is already posted and neither end waits for the
+            # other (under 2BW, STEP(t) of first and last stage need not coincide).  With
+            # w > 1 the data-parallel average must come first, so it stays at STEP.
+            self._embedding_work[t] = self._allreduce_embedding_grads(
+                self.weights.params(j), async_op=True)
 
     def _step(self, a: Action, seg: _Segment) -> None:
         """Start the update of batch t: data-parallel and tied-embedding gradient sums,
@@ -492,7 +501,12 @@ class PipelineEngine:
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
-        self._allreduce_embedding_grads(params)
+        if t in self._embedding_work:
+            work = self._embedding_work.pop(t)
+            if work is not None:
+                work.wait()
+        else:
+            self._allreduce_embedding_grads(params)
         if self.fault_injection and self.fault_injection(t, self.stage):
             with torch.no_grad():
                 next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
@@ -527,10 +541,11 @@ class PipelineEngine:
             if self._on_step is not None:
                 self._on_step(report)
 
-    def _allreduce_embedding_grads(self, params: List[nn.Parameter]) -> None:
-        """Sum the tied word-embedding gradient of the first and last stage."""
+    def _allreduce_embedding_grads(self, params: List[nn.Parameter], async_op: bool = False):
+        """Sum the tied word-embedding gradient of the first and last stage (returns the
+        pending work with ``async_op``, else None)."""
         if not self.groups.in_embedding_group or self.groups.embedding is None:
-            return
+            return None
         shared = [p for p in params if getattr(p, "shared_embedding", False)]
         if len(shared) != 1:
             raise RuntimeError(f"stage {self.stage} should hold exactly one tied word-embedding "
@@ -538,7 +553,7 @@ class PipelineEngine:
         p = shared[0]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=self.groups.embedding)
+        return dist.all_reduce(p.grad, group=self.groups.embedding, async_op=async_op)
 
     def _dp_mean(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
         if not values:
