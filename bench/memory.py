@@ -379,7 +379,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         t0 = time.perf_counter()
         rows = measure_layer_recompute(args.smoke)
         print_layer_recompute(rows)
-        payload = {"model_argv": recompute_argv(args.smoke), "rows": rows,
+        payload = {"command": "PYTHONPATH=. python bench/memory.py --layer-recompute"
+                              + (" --smoke" if args.smoke else ""),
+                   "model_argv": recompute_argv(args.smoke), "rows": rows,
                    "bench_seconds": time.perf_counter() - t0}
         path = write_results("memory_recompute", payload, args.out_dir)
         print(f"wrote {path}")

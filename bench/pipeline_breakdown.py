@@ -175,7 +175,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     iters = args.batches or (6 if args.quick else 8)
     warmup = 2
     m = 4 if args.quick else 8
-    payload: Dict[str, Any] = {"cores": os.cpu_count(), "threads_per_rank": args.threads,
+    command = "PYTHONPATH=. python bench/pipeline_breakdown.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    payload: Dict[str, Any] = {"command": command.strip(), "cores": os.cpu_count(), "threads_per_rank": args.threads,
                                "load_avg": os.getloadavg(), "quick": args.quick, "runs": []}
     t0 = time.perf_counter()
     for d in args.stages:
