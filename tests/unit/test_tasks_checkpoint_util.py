@@ -187,3 +187,31 @@ def test_different_vocab_padding_is_fitted(tmp_path):
     w = target.embedding.word_embeddings.weight
     torch.testing.assert_close(w[:128], src.embedding.word_embeddings.weight, rtol=0, atol=0)
     assert torch.all(w[128:] == 0) and torch.all(target.lm_head.bias[128:] == 0)
+
+
+def test_merge_reads_an_uneven_stage_split(tmp_path):
+    """Stages of 1 and 3 layers (--decoder-first-pipeline-num-layers 1) merge back into
+    the full model: the split comes from the saved config."""
+    cfg = _cfg()
+    full = GPTModel(cfg, TP, seed=3)
+    stages = [GPTModel(cfg, TP, pre_process=True, post_process=False,
+                       layer_numbers=range(0, 1), seed=3),
+              GPTModel(cfg, TP, pre_process=False, post_process=True,
+                       layer_numbers=range(1, LAYERS), seed=3)]
+    base = os.path.join(tmp_path, "iter_0000005")
+    for p, st in enumerate(stages):
+        path = os.path.join(base, f"mp_rank_00_{p:03d}")
+        os.makedirs(path)
+        torch.save({"model": st.state_dict(), "layout": {"tensor": 1, "pipeline": 2},
+                    "config": {"model": {"num_layers": LAYERS},
+                               "parallel": {"decoder_first_pipeline_num_layers": 1}},
+                    "iteration": 5}, os.path.join(path, "model_optim_rng.pt"))
+    with open(os.path.join(tmp_path, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("5")
+    ckpt = read_checkpoint(str(tmp_path))
+    assert ckpt.stage_offsets == [0, 1]
+    merged = merge_checkpoint(ckpt)
+    ref = full.state_dict()
+    assert set(merged) == set(ref)
+    for name, value in ref.items():
+        assert torch.equal(merged[name], value), name
