@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -90,8 +90,12 @@ class GradientReduction:
     """
 
     def __init__(self, params: List[nn.Parameter], group, world: int, microbatches: int,
-                 bucket_bytes: int = 32 * 2 ** 20, overlap: bool = True) -> None:
-        self.params = [p for p in params if p.requires_grad]
+                 bucket_bytes: int = 32 * 2 ** 20, overlap: bool = True,
+                 exclude: Tuple[nn.Parameter, ...] = ()) -> None:
+        """``exclude``: parameters averaged elsewhere (the tied word embedding, whose sum
+        between first and last stage the engine starts first)."""
+        self.params = [p for p in params
+                       if p.requires_grad and not any(p is e for e in exclude)]
         self.group, self.world, self.microbatches = group, world, microbatches
         self.active = group is not None and world > 1
         self._pending: List[tuple] = []
@@ -224,11 +228,16 @@ class PipelineEngine:
             Op.SEND_GRAD: self._send_grad, Op.RECV_GRAD: self._recv_grad,
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
+        # The tied word embedding of first and last stage: its sum between the two
+        # stages starts at REDUCE_GRADS; its data-parallel average follows at STEP.
+        self._tied_early = groups.in_embedding_group and groups.embedding is not None
         # one gradient reducer per weight buffer (its hooks sit on that buffer's params)
-        self._reducers = [GradientReduction(self.weights.params(j), groups.data,
-                                            groups.dp_size, num_microbatches,
-                                            overlap=overlap_grad_reduce)
-                          for j in range(self.weights.num_buffers)]
+        self._reducers = [GradientReduction(
+            self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
+            overlap=overlap_grad_reduce,
+            exclude=tuple(p for p in self.weights.params(j)
+                          if self._tied_early and getattr(p, "shared_embedding", False)))
+            for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
         self._embedding_work: Dict[int, Any] = {}
         self._pending_steps: List[tuple] = []
@@ -481,12 +490,13 @@ class PipelineEngine:
         reducer = self._reducers[j]
         reducer.launch_remaining()
         self._reductions[t] = reducer
-        if self.groups.dp_size == 1:
+        if self._tied_early:
             # Start the tied-embedding sum now, not at STEP: the last stage finishes batch
             # t's backward passes long before the first stage does, so by the first
             # stage's STEP(t) its half is already posted and neither end waits for the
-            # other (under 2BW, STEP(t) of first and last stage need not coincide).  With
-            # w > 1 the data-parallel average must come first, so it stays at STEP.
+            # other (under 2BW, STEP(t) of first and last stage need not coincide).  The
+            # sum and the data-parallel average are linear, so their order is free; the
+            # average of this one tensor follows at STEP, among replicas of this stage.
             self._embedding_work[t] = self._allreduce_embedding_grads(
                 self.weights.params(j), async_op=True)
 
@@ -505,6 +515,10 @@ class PipelineEngine:
             work = self._embedding_work.pop(t)
             if work is not None:
                 work.wait()
+            if self.groups.data is not None and self.groups.dp_size > 1:
+                shared = next(p for p in params if getattr(p, "shared_embedding", False))
+                shared.grad.div_(self.groups.dp_size)
+                dist.all_reduce(shared.grad, group=self.groups.data)
         else:
             self._allreduce_embedding_grads(params)
         if self.fault_injection and self.fault_injection(t, self.stage):
