@@ -20,7 +20,9 @@ Part (b), a real GPT with d=2: this project's flush and 2bw against
 same microbatches, same update (tied-embedding gradient sum, global-norm clipping,
 AdamW).  The first-step losses of the four are printed and must agree.  Throughput is
 the batch period on stage 0 (first forward of batch k to that of batch k+1), median
-over the batches after warm-up.
+over the batches after warm-up.  Beside it, the CPU time per batch of each rank's process
+(gloo's threads included): on a machine shared with other work the wall-clock ratio
+follows how many cores each run happened to get, the CPU time per batch does not.
 """
 from __future__ import annotations
 
