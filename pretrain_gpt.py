@@ -29,10 +29,9 @@ class GPTTask:
 def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: bool,
                    post_process: bool) -> torch.nn.Module:
     from megatron.model import GPTModel
-    from megatron.model.utils import stage_layer_numbers
     from megatron.tensor_parallel.utils import TPInfo
 
-    layers = stage_layer_numbers(cfg.model.num_layers, groups.pp_size, groups.pp_rank)
+    layers = cfg.parallel.stage_layers(cfg.model.num_layers, groups.pp_rank)
     return GPTModel(cfg.model, TPInfo.from_groups(groups), pre_process=pre_process,
                     post_process=post_process, layer_numbers=layers, seed=cfg.training.seed)
 

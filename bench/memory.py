@@ -274,6 +274,95 @@ def print_rows(rows: List[Dict[str, Any]]) -> None:
                        title="measured bytes per stage beside the paper's formula"))
 
 
+# ---------------------------------------------------------------------------------------
+# layer-level vs stage-level recomputation at d=1 (--layer-recompute)
+# ---------------------------------------------------------------------------------------
+RECOMPUTE_VARIANTS = (
+    ("none", []),
+    ("stage (--recompute-activations)", ["--recompute-activations"]),
+    ("uniform 1", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                   "--recompute-num-layers", "1"]),
+    ("uniform 2", ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                   "--recompute-num-layers", "2"]),
+    ("block 2", ["--recompute-granularity", "full", "--recompute-method", "block",
+                 "--recompute-num-layers", "2"]),
+)
+
+
+def recompute_argv(smoke: bool) -> List[str]:
+    # big enough that one microbatch's activations (attention scores: b x heads x s x s)
+    # dwarf the weights, the optimizer state and the allocator's noise
+    hidden, seq, b, vocab = (32, 32, 2, 256) if smoke else (256, 512, 8, 2048)
+    return ["--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--vocab-size", str(vocab), "--tokenizer-type", "NullTokenizer", "--mock-data",
+            "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
+            "--pipeline-schedule", "flush", "--distributed-backend", "gloo",
+            "--train-iters", "2", "--lr", "1e-4", "--seed", "1234", "--log-interval", "100000",
+            "--eval-interval", "100000", "--eval-iters", "0", "--num-workers", "0"]
+
+
+def _rss_worker(rank: int, world: int, argv: List[str]) -> Dict[str, Any]:
+    """One training run in a fresh process: the executor's stash counters and the
+    process's peak resident set (ru_maxrss: everything, including the activations
+    rebuilt during the backward pass, which no counter sees)."""
+    import resource
+
+    import torch
+
+    import megatron.training as training
+    import pretrain_gpt
+
+    torch.set_num_threads(1)
+    captured: Dict[str, Any] = {}
+    original = training.setup_model_and_optimizer
+
+    def capture(*args, **kwargs):
+        out = original(*args, **kwargs)
+        captured["engine"] = out[3]
+        captured["rss_after_setup"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return out
+
+    training.setup_model_and_optimizer = capture
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                              pretrain_gpt.forward_step, argv=argv)
+    finally:
+        training.setup_model_and_optimizer = original
+    stats = captured["engine"].tracker.stats
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"stash_bytes": stats.peak_stashed_bytes,
+            "microbatch_stash_bytes": max(stats.per_microbatch_bytes.values()),
+            "peak_rss_bytes": peak * 1024, "rss_after_setup_bytes":
+            captured["rss_after_setup"] * 1024}
+
+
+def measure_layer_recompute(smoke: bool) -> List[Dict[str, Any]]:
+    from tests.dist_utils import run_distributed
+
+    rows = []
+    for name, extra in RECOMPUTE_VARIANTS:
+        r = run_distributed(_rss_worker, 1, args=(recompute_argv(smoke) + extra,), timeout=600)[0]
+        r["variant"] = name
+        r["flags"] = extra
+        r["training_peak_bytes"] = r["peak_rss_bytes"] - r["rss_after_setup_bytes"]
+        rows.append(r)
+    return rows
+
+
+def print_layer_recompute(rows: List[Dict[str, Any]]) -> None:
+    base = rows[0]
+    print(format_table(
+        ["recomputation", "stash/mb MiB", "peak stash MiB", "peak RSS MiB",
+         "RSS growth in training MiB", "vs none"],
+        [[r["variant"], r["microbatch_stash_bytes"] / MIB, r["stash_bytes"] / MIB,
+          r["peak_rss_bytes"] / MIB, r["training_peak_bytes"] / MIB,
+          r["training_peak_bytes"] / max(base["training_peak_bytes"], 1)] for r in rows],
+        title="d=1 (flush, m=2): stash = executor's saved-tensor counters (exact); RSS = "
+              "process peak (includes the activations rebuilt in the backward pass)"))
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="d=2 configurations only")
@@ -282,7 +371,21 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="training iterations per run (2BW needs >= 2 for its second version)")
     p.add_argument("--out-dir", default=None, help="where to write memory.json")
     p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    p.add_argument("--layer-recompute", action="store_true",
+                   help="only compare layer-level and stage-level recomputation at d=1 "
+                        "(writes memory_recompute.json)")
     args = p.parse_args(argv)
+    if args.layer_recompute:
+        t0 = time.perf_counter()
+        rows = measure_layer_recompute(args.smoke)
+        print_layer_recompute(rows)
+        payload = {"command": "PYTHONPATH=. python bench/memory.py --layer-recompute"
+                              + (" --smoke" if args.smoke else ""),
+                   "model_argv": recompute_argv(args.smoke), "rows": rows,
+                   "bench_seconds": time.perf_counter() - t0}
+        path = write_results("memory_recompute", payload, args.out_dir)
+        print(f"wrote {path}")
+        return payload
     if args.smoke and not args.quick:
         p.error("--smoke is a variant of --quick; pass both")
     if args.iters < 2:

@@ -20,7 +20,9 @@ Part (b), a real GPT with d=2: this project's flush and 2bw against
 same microbatches, same update (tied-embedding gradient sum, global-norm clipping,
 AdamW).  The first-step losses of the four are printed and must agree.  Throughput is
 the batch period on stage 0 (first forward of batch k to that of batch k+1), median
-over the batches after warm-up.
+over the batches after warm-up.  Beside it, the CPU time per batch of each rank's process
+(gloo's threads included): on a machine shared with other work the wall-clock ratio
+follows how many cores each run happened to get, the CPU time per batch does not.
 """
 from __future__ import annotations
 
@@ -296,14 +298,13 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
     from bench.common import gpt_config, mock_microbatches
     from bench.trainer_overhead import batch_periods
     from megatron.model import GPTModel
-    from megatron.model.utils import stage_layer_numbers
     from megatron.tensor_parallel import TPInfo
 
     cfg, tokenizer = gpt_config(argv)
     tr, oc = cfg.training, cfg.optimizer
     m, iters, last = tr.global_batch_size // tr.micro_batch_size, tr.train_iters, rank == 1
     gpt = GPTModel(cfg.model, TPInfo.single(), pre_process=rank == 0, post_process=last,
-                   layer_numbers=stage_layer_numbers(cfg.model.num_layers, 2, rank), seed=tr.seed)
+                   layer_numbers=cfg.parallel.stage_layers(cfg.model.num_layers, rank), seed=tr.seed)
     stage = PipelineStage(HiddenToLogits(gpt) if last else TokensToHidden(gpt), rank, 2,
                           torch.device("cpu"))
     schedule = schedule_cls(stage, n_microbatches=m, loss_fn=vocab_cross_entropy)
@@ -315,8 +316,11 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
         lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
     micro = mock_microbatches(cfg, tokenizer, iters * tr.global_batch_size)
     starts, losses = [], []
+    cpu = _CPU_STAMPS
+    cpu.clear()
     for step in range(iters):
         starts.append(time.perf_counter())
+        cpu.append(time.process_time())
         text = torch.cat([mb["text"] for mb in micro[step * m:(step + 1) * m]])
         if last:
             mb_losses: List[torch.Tensor] = []
@@ -339,16 +343,41 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
 
 
 GPT_VARIANTS = ("flush", "2bw", "torch Schedule1F1B", "torch ScheduleGPipe")
+# process CPU time (all threads, gloo's included) at each batch start of the current run:
+# CPU work per batch does not depend on how much of the machine other processes take
+_CPU_STAMPS: List[float] = []
+
+
+def run_ours(argv: List[str], num_microbatches: int):
+    """(batch periods, losses) of this project's trainer; CPU stamps in _CPU_STAMPS."""
+    import pretrain_gpt
+    from megatron.training import pretrain
+    from bench.trainer_overhead import batch_periods
+
+    starts: List[float] = []
+    calls = [0]
+    _CPU_STAMPS.clear()
+
+    def timed_forward_step(data_iterator, model):
+        if calls[0] % num_microbatches == 0:
+            starts.append(time.perf_counter())
+            _CPU_STAMPS.append(time.process_time())
+        calls[0] += 1
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                      timed_forward_step, argv=argv)
+    losses = [result.losses[k]["lm loss"] for k in sorted(result.losses)]
+    return batch_periods(starts), losses
 
 
 def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
                 steps: int) -> Dict[str, Dict[str, Any]]:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    from bench.trainer_overhead import run_trainer
-
     iters = warmup + steps + 1
-    out: Dict[str, Dict[str, Any]] = {v: {"periods": [], "round_medians": [], "losses": None}
+    out: Dict[str, Dict[str, Any]] = {v: {"periods": [], "round_medians": [], "losses": None,
+                                          "cpu_periods": []}
                                       for v in GPT_VARIANTS}
     for r in range(rounds):
         # reversed order every other round, so a drift in machine load hits all alike
@@ -356,11 +385,13 @@ def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
             if variant in ("flush", "2bw"):
                 argv = gpt_argv(variant, quick, iters)
                 with contextlib.redirect_stdout(io.StringIO()):
-                    periods, losses = run_trainer(argv, _microbatches(argv))
+                    periods, losses = run_ours(argv, _microbatches(argv))
             else:
                 cls = Schedule1F1B if variant.endswith("1F1B") else ScheduleGPipe
                 periods, losses = run_torch_pipelining(cls, gpt_argv("flush", quick, iters), rank)
             out[variant]["periods"] += periods[warmup:]
+            cpu = [b - a for a, b in zip(_CPU_STAMPS, _CPU_STAMPS[1:])]
+            out[variant]["cpu_periods"] += cpu[warmup:]
             out[variant]["round_medians"].append(median(periods[warmup:]))
             if out[variant]["losses"] is None:
                 out[variant]["losses"] = losses
@@ -390,7 +421,9 @@ def bench_gpt(quick: bool, rounds: int, warmup: int, steps: int, timeout: float
     for v in GPT_VARIANTS:
         period = median(per_rank[0][v]["periods"])
         spread = per_rank[0][v]["round_medians"]
+        cpu = [median(per_rank[r][v]["cpu_periods"]) for r in range(2)]
         rows.append({"variant": v, "first_step_loss": first[v], "seconds_per_batch": period,
+                     "cpu_seconds_per_batch_per_rank": cpu,
                      "samples_per_s": gbs / period, "round_medians_s": spread,
                      "round_min_samples_per_s": gbs / max(spread),
                      "round_max_samples_per_s": gbs / min(spread)})
@@ -405,10 +438,12 @@ def bench_gpt(quick: bool, rounds: int, warmup: int, steps: int, timeout: float
 
 def print_gpt(res: Dict[str, Any]) -> None:
     table = [[r["variant"], f"{r['first_step_loss']:.6f}", r["seconds_per_batch"] * 1e3,
+              "/".join(f"{c * 1e3:.1f}" for c in r["cpu_seconds_per_batch_per_rank"]),
               r["samples_per_s"], f"{r['round_min_samples_per_s']:.1f}-"
               f"{r['round_max_samples_per_s']:.1f}", r["over_torch_1f1b"], r["over_torch_gpipe"]]
              for r in res["rows"]]
-    print(format_table(["schedule", "first-step loss", "ms/batch", "samples/s",
+    print(format_table(["schedule", "first-step loss", "ms/batch", "CPU ms/batch (rank 0/1)",
+                        "samples/s",
                         "rounds' range", "/torch 1F1B", "/torch GPipe"], table,
                        title=f"(b) GPT, d=2, m={res['num_microbatches']}, global batch "
                              f"{res['global_batch_size']}: this project vs "

@@ -87,6 +87,14 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Pipeline depth d: number of stages.  The data-parallel width w "
                         "(parallel pipelines) is world size / (t x d).")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Transformer layers on the first pipeline stage (default: an equal "
+                        "share).  The first stage also runs the embedding; giving it fewer "
+                        "layers balances the stages.  tools/plan.py prints a choice.")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Transformer layers on the last pipeline stage (default: an equal "
+                        "share); it also runs the LM head and the loss.  The other stages "
+                        "split the remaining layers evenly.")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
                    help="torch.distributed backend (default: nccl with CUDA, else gloo).")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -323,9 +331,13 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
              f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
-    _require(args.num_layers % pp == 0,
-             f"--num-layers ({args.num_layers}) must be divisible by "
-             f"--pipeline-model-parallel-size ({pp})")
+    from megatron.model.utils import stage_layer_counts
+    try:
+        counts = stage_layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                                    args.decoder_last_pipeline_num_layers)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    args.stage_layer_counts = counts
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
@@ -552,10 +564,10 @@ def _check_recompute(args: argparse.Namespace) -> None:
         _require(n is not None, f"--recompute-method {method} needs --recompute-num-layers")
     if n is not None:
         _require(method is not None, "--recompute-num-layers needs --recompute-method (uniform or block)")
-        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        per_stage = max(args.stage_layer_counts)
         _require(1 <= n <= per_stage,
-                 f"--recompute-num-layers ({n}) must be between 1 and the layers per pipeline "
-                 f"stage ({per_stage} = --num-layers / --pipeline-model-parallel-size)")
+                 f"--recompute-num-layers ({n}) must be between 1 and the layers of the "
+                 f"largest pipeline stage ({per_stage})")
 
 
 def _check_finite_floats(args: argparse.Namespace) -> None:
@@ -646,7 +658,10 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        pipeline_schedule=args.pipeline_schedule, distributed_backend=args.distributed_backend,
+        pipeline_schedule=args.pipeline_schedule,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     precision = PrecisionConfig(
         fp16=args.fp16, bf16=args.bf16, fp64=args.fp64, loss_scale=args.loss_scale,

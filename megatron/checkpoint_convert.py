@@ -222,6 +222,7 @@ class _NoSplit:
     def __init__(self, ckpt: CheckpointShards) -> None:
         self.root, self.num_layers, self.pipeline, self.tensor = (ckpt.root, ckpt.num_layers,
                                                                   ckpt.pipeline, 1)
+        self.stage_offsets = ckpt.stage_offsets
 
 
 def true_vocab_size(config: Optional[dict], override: Optional[int] = None) -> Optional[int]:
@@ -410,8 +411,11 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
               f"{hint}", file=sys.stderr)
     if config:
         config = dict(config)
+        # the written checkpoint has an even stage split
         config["parallel"] = dict(config.get("parallel") or {}, tensor_model_parallel_size=tp,
-                                  pipeline_model_parallel_size=pp, world_size=tp * pp * dp)
+                                  pipeline_model_parallel_size=pp, world_size=tp * pp * dp,
+                                  decoder_first_pipeline_num_layers=None,
+                                  decoder_last_pipeline_num_layers=None)
         if rows is not None:
             config["model"] = dict(config.get("model") or {}, padded_vocab_size=rows)
     model = _repad(state.model, rows, real) if rows else state.model
@@ -426,7 +430,8 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
                 payload = dict(state.common)
                 payload.update({
                     "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
-                    "layout": {"tensor": tp, "pipeline": pp, "data": dp},
+                    "layout": {"tensor": tp, "pipeline": pp, "data": dp,
+                               "layers": [offset, offset + num_layers // pp]},
                     "model": _split(model, targets, offset, t, tp),
                     "model_shadow": (_split(shadow, targets, offset, t, tp)
                                      if shadow is not None else None),

@@ -101,6 +101,9 @@ class CheckpointShards:
     payloads: Dict[Tuple[int, int], Dict[str, Any]] = field(default_factory=dict)
     """The whole file of every (tensor rank, stage): model, optimizer, scheduler, ..."""
     dirs: Dict[Tuple[int, int], str] = field(default_factory=dict)
+    stage_offsets: List[int] = field(default_factory=list)
+    """Global number of each stage's first layer (the saved run's stage split, which
+    --decoder-first/last-pipeline-num-layers may have made uneven)."""
 
 
 def rank_dirs(base: str) -> Dict[Tuple[int, int], str]:
@@ -142,6 +145,7 @@ def read_checkpoint(root: str, iteration: Optional[int] = None, *,
     out = CheckpointShards(root=root, iteration=iteration, tensor=tensor, pipeline=pipeline,
                            num_layers=0, dirs=dirs)
     layers_seen = 0
+    saved_layers: Dict[int, List[int]] = {}
     for key in sorted(dirs):
         payload = load_stage_payload(os.path.join(dirs[key], MODEL_FILE), allow_unsafe)
         out.payloads[key] = payload
@@ -149,12 +153,31 @@ def read_checkpoint(root: str, iteration: Optional[int] = None, *,
         out.config = out.config or payload.get("config")
         if key[0] == 0:
             layers_seen += _num_local_layers(payload["model"])
+            if (payload.get("layout") or {}).get("layers"):
+                saved_layers[key[1]] = list(payload["layout"]["layers"])
     model_cfg = (out.config or {}).get("model", {})
     out.num_layers = int(model_cfg.get("num_layers") or layers_seen)
-    if out.num_layers % pipeline:
-        raise CheckpointError(f"checkpoint {base}: {out.num_layers} layers cannot be split "
-                              f"over {pipeline} stages")
+    out.stage_offsets = _stage_offsets(out, saved_layers, base)
     return out
+
+
+def _stage_offsets(ckpt: CheckpointShards, saved_layers: Dict[int, List[int]],
+                   base: str) -> List[int]:
+    """First global layer of each stage: from the layers each stage recorded, else from
+    the saved config's --decoder-first/last-pipeline-num-layers, else an even split."""
+    if len(saved_layers) == ckpt.pipeline:
+        return [saved_layers[s][0] for s in range(ckpt.pipeline)]
+    from megatron.model.utils import stage_layer_counts
+
+    par = (ckpt.config or {}).get("parallel", {})
+    try:
+        counts = stage_layer_counts(ckpt.num_layers, ckpt.pipeline,
+                                    par.get("decoder_first_pipeline_num_layers"),
+                                    par.get("decoder_last_pipeline_num_layers"))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {base}: {ckpt.num_layers} layers over "
+                              f"{ckpt.pipeline} stages: {exc}") from None
+    return [sum(counts[:s]) for s in range(ckpt.pipeline)]
 
 
 def _num_local_layers(state: Dict[str, torch.Tensor]) -> int:
@@ -184,14 +207,15 @@ def merge_shards(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
     of a one-stage model.  Tensors of a partitioned parameter that are not shaped like
     the parameter's slice (Adam's 0-d ``step``) are taken from tensor rank 0.
     """
-    per_stage = ckpt.num_layers // ckpt.pipeline
+    offsets = ckpt.stage_offsets or [s * (ckpt.num_layers // ckpt.pipeline)
+                                     for s in range(ckpt.pipeline)]
     full: Dict[str, torch.Tensor] = {}
     owner: Dict[str, int] = {}
     for stage in range(ckpt.pipeline):
         for name in list(shards[(0, stage)].keys()):
             if name == OUTPUT_EMBEDDING_COPY and ckpt.pipeline > 1:
                 continue  # identical to the first stage's word embedding
-            gname = to_global(name, stage * per_stage)
+            gname = to_global(name, offsets[stage])
             if gname in owner:
                 raise CheckpointError(f"checkpoint {ckpt.root}: parameter {gname} appears on "
                                       f"stages {owner[gname]} and {stage}")

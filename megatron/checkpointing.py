@@ -526,8 +526,13 @@ def _remove_stale(root: str) -> None:
 def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
                     model_state: Dict[str, Any], shadow_state: Optional[Dict[str, Any]],
                     optimizer, scheduler, rng_state: Any, save_optim: bool = True,
-                    extra: Optional[Dict[str, Any]] = None) -> str:
-    """Collective over all ranks: every rank must call it at the same iteration."""
+                    extra: Optional[Dict[str, Any]] = None,
+                    stage_layers: Optional[range] = None) -> str:
+    """Collective over all ranks: every rank must call it at the same iteration.
+
+    ``stage_layers`` (this stage's global layer numbers) is recorded in the layout so a
+    resume with another stage split (--decoder-first/last-pipeline-num-layers) stops
+    with a clear error instead of loading layers into the wrong places."""
     final = iteration_dir(root, state.iteration)
     staging = final + ".tmp"
     layout = {"tensor": groups.tp_size, "pipeline": groups.pp_size, "data": groups.dp_size}
@@ -545,7 +550,8 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
             "iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "consumed_valid_samples": state.consumed_valid_samples,
-            "layout": dict(layout),
+            "layout": dict(layout, layers=([stage_layers.start, stage_layers.stop]
+                                           if stage_layers is not None else None)),
             "model": model_state,
             "model_shadow": shadow_state,
             "optimizer": optimizer.state_dict() if save_optim and optimizer is not None else None,
@@ -582,13 +588,14 @@ def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups) -> C
 
 
 def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
-                    map_location: Any = "cpu", allow_unsafe: bool = False
-                    ) -> Optional[Dict[str, Any]]:
+                    map_location: Any = "cpu", allow_unsafe: bool = False,
+                    stage_layers: Optional[range] = None) -> Optional[Dict[str, Any]]:
     """Read and verify this rank's checkpoint files; None when ``root`` holds no checkpoint.
 
     Raises ``CheckpointError`` (one line) for a checkpoint of another tensor/pipeline
     layout, missing, truncated or corrupt files, and old pickle files without
-    ``allow_unsafe``.
+    ``allow_unsafe``, and for a stage whose saved layers (``stage_layers``: this run's
+    global layer numbers of the stage) differ from this run's split.
     """
     if iteration is None:
         iteration = find_checkpoint(root).iteration
@@ -626,6 +633,14 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
     if layout.get("tensor") != groups.tp_size or layout.get("pipeline") != groups.pp_size:
         raise _layout_error(root, base, f"tensor {layout.get('tensor')} x pipeline "
                             f"{layout.get('pipeline')}", groups)
+    saved = layout.get("layers")
+    if stage_layers is not None and saved is not None and \
+            list(saved) != [stage_layers.start, stage_layers.stop]:
+        raise CheckpointError(
+            f"--load {root}: pipeline stage {groups.pp_rank} of the checkpoint holds layers "
+            f"{saved[0]}..{saved[1] - 1}, this run's split gives it {stage_layers.start}.."
+            f"{stage_layers.stop - 1}; use the --decoder-first/last-pipeline-num-layers of "
+            f"the run that saved it (or convert with tools/checkpoint_util.py)")
     rng_stem = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}")
     payload["rng_state"] = (load_payload(rng_stem, allow_unsafe=allow_unsafe)
                             if payload_exists(rng_stem) else None)
@@ -663,7 +678,8 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any) -> No
                               + "; ".join(diffs))
 
 
-def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe: bool = False
+def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe: bool = False,
+                 stage_layers: Optional[range] = None
                  ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """What ``--load root`` gives this rank: (payload or None for a fresh start, a line to
     print or None).  Collective: a rank that finds its file corrupt, missing or of
@@ -675,7 +691,7 @@ def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe:
         message = where.message
         if where.iteration is not None:
             payload = load_checkpoint(root, groups, iteration=where.iteration,
-                                      allow_unsafe=allow_unsafe)
+                                      allow_unsafe=allow_unsafe, stage_layers=stage_layers)
             check_model_shape(root, payload.get("config"), model)
     except CheckpointError as exc:
         error = str(exc)

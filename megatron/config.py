@@ -90,10 +90,23 @@ class ParallelConfig:
     """d: pipeline depth (stages)."""
     pipeline_schedule: str = "flush"
     """One of none, gpipe, flush, 2bw."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Transformer layers of the first stage (None: an equal share)."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Transformer layers of the last stage (None: an equal share).  The other stages
+    split the remaining layers evenly."""
     distributed_backend: Optional[str] = None
     """'gloo' or 'nccl'; None picks nccl when CUDA is available, else gloo."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective or p2p op may wait before the run fails with an error."""
+
+    def stage_layers(self, num_layers: int, pp_rank: int) -> range:
+        """Global layer numbers of pipeline stage ``pp_rank`` (this run's stage split)."""
+        from megatron.model.utils import stage_layer_numbers
+
+        return stage_layer_numbers(num_layers, self.pipeline_model_parallel_size, pp_rank,
+                                   self.decoder_first_pipeline_num_layers,
+                                   self.decoder_last_pipeline_num_layers)
 
     @property
     def data_parallel_size(self) -> int:

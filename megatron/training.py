@@ -270,8 +270,9 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     state = TrainState()
     if not tr.load:
         return state
-    payload, message = load_for_run(tr.load, groups, cfg.model,
-                                    allow_unsafe=tr.allow_unsafe_checkpoint)
+    payload, message = load_for_run(
+        tr.load, groups, cfg.model, allow_unsafe=tr.allow_unsafe_checkpoint,
+        stage_layers=cfg.parallel.stage_layers(cfg.model.num_layers, groups.pp_rank))
     if message:
         print_rank_last(message)
     if payload is None:
@@ -311,6 +312,8 @@ def save(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, op
                            shadow_state=shadow, optimizer=optimizer, scheduler=scheduler,
                            rng_state=get_rng_state(),
                            save_optim=not cfg.training.no_save_optim,
+                           stage_layers=cfg.parallel.stage_layers(cfg.model.num_layers,
+                                                                  groups.pp_rank),
                            extra={"config": cfg.to_dict(), "engine": engine.state_dict(),
                                   "schedule": cfg.parallel.pipeline_schedule})
     print_rank_last(f"saved checkpoint of iteration {state.iteration} to {path}")
@@ -593,7 +596,7 @@ def _write_timeline(path: str, engine: PipelineEngine, groups: ParallelGroups,
     out = f"{root}_rank{groups.rank}{ext or '.json'}"
     events = [TraceEvent(rank=e["rank"], stage=e["stage"], action=e["action"], op=e["op"],
                          microbatch=e["microbatch"], batch=e["batch"], start=e["start"],
-                         end=e["end"], version=e["version"])
+                         end=e["end"], version=e["version"], cpu=e.get("cpu"))
               for e in engine.trace_events if e["train"]]
     meta = {"schedule": cfg.parallel.pipeline_schedule, "stages": groups.pp_size,
             "microbatches": cfg.training.num_microbatches(groups.dp_size),

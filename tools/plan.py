@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel", action="store_true",
                    help="also search the tensor-parallel size t (t w d = N)")
     s.add_argument("--max-microbatch-size", type=int, default=64)
-    s.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
-                   help="activation recomputation: try both (auto), always, never")
+    s.add_argument("--recompute", choices=("auto", "on", "off", "layer", "all"),
+                   default="auto",
+                   help="activation recomputation: try none and stage-level (auto), always "
+                        "stage-level (on), never (off), layer-level uniform chunks of one "
+                        "layer (layer: --recompute-method uniform --recompute-num-layers 1), "
+                        "or all three (all)")
     s.add_argument("--c-extra", type=float, default=4.0 / 3.0,
                    help="compute multiplier of activation recomputation (Appendix A)")
     s.add_argument("--profile", metavar="PATH",
@@ -143,7 +147,8 @@ def run(argv: Optional[List[str]] = None) -> int:
         hw = hardware_from_args(args)
         check_gpus(args.num_gpus, hw)
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-        recompute = {"auto": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+        recompute = {"auto": (False, True), "on": (True,), "off": (False,),
+                     "layer": ("uniform",), "all": (False, True, "uniform")}[args.recompute]
         kwargs = dict(schedules=schedules, tensor_parallel=args.tensor_parallel,
                       max_microbatch_size=args.max_microbatch_size, recompute=recompute,
                       options=CostOptions(c_extra=args.c_extra), profile=profile)

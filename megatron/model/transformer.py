@@ -154,6 +154,25 @@ class ParallelTransformerLayer(nn.Module):
         return x + F.dropout(mlp, p=self.hidden_dropout, training=self.training)
 
 
+class _KeptForRecompute(torch.autograd.Function):
+    """Identity (a view) that saves its input for backward.
+
+    A non-reentrant checkpoint keeps the input of its chunk alive in a closure, where the
+    executor's saved-tensor counter (``megatron.pipeline.memory.StashTracker``) cannot
+    see it, while the tensors saved inside the chunk are discarded.  Saving the same
+    storage here costs no memory and makes the counter count what layer recomputation
+    really stashes: one hidden state per checkpointed chunk."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad
+
+
 def _check_recompute(config: ModelConfig) -> None:
     method = config.recompute_method
     if method is None:
@@ -205,14 +224,17 @@ class ParallelTransformer(nn.Module):
         if self.recompute_method is None or not torch.is_grad_enabled():
             hidden = self._run(0, n)(hidden, mask)
         elif self.recompute_method == "uniform":
+            # chunks of k layers; only each chunk's input is kept, the chunk's
+            # activations are rebuilt during the backward pass (one chunk at a time)
             k = self.recompute_num_layers
             for start in range(0, n, k):
-                hidden = checkpoint(self._run(start, min(start + k, n)), hidden, mask)
+                hidden = checkpoint(self._run(start, min(start + k, n)),
+                                    _KeptForRecompute.apply(hidden), mask)
         else:  # block: the first k layers of this stage, each checkpointed on its own
             for i in range(n):
                 run = self._run(i, i + 1)
-                hidden = checkpoint(run, hidden, mask) if i < self.recompute_num_layers \
-                    else run(hidden, mask)
+                hidden = (checkpoint(run, _KeptForRecompute.apply(hidden), mask)
+                          if i < self.recompute_num_layers else run(hidden, mask))
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -5,23 +5,72 @@ Attention masks follow Megatron's convention: a bool tensor broadcastable to
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import List, Optional, Union
 
 import torch
 
 
-def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+def stage_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = None,
+                       last: Optional[int] = None) -> List[int]:
+    """Layers of each pipeline stage, first to last.
+
+    Without ``first``/``last`` every stage gets ``num_layers / pp_size``.  ``first``
+    (``--decoder-first-pipeline-num-layers``) and ``last``
+    (``--decoder-last-pipeline-num-layers``) fix the first and last stage's counts, so the
+    stage with the embedding and the one with the LM head and loss can hold fewer
+    layers; the remaining layers are split evenly over the other stages.  Every stage
+    holds at least one layer.  Raises ValueError naming the flag that does not fit.
+    """
+    if pp_size < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp_size}")
+    if first is None and last is None:
+        if num_layers % pp_size != 0:
+            raise ValueError(f"--num-layers ({num_layers}) must be divisible by "
+                             f"--pipeline-model-parallel-size ({pp_size}) (or set "
+                             f"--decoder-first/last-pipeline-num-layers)")
+        return [num_layers // pp_size] * pp_size
+    if pp_size == 1:
+        raise ValueError("--decoder-first/last-pipeline-num-layers need "
+                         "--pipeline-model-parallel-size > 1")
+    for flag, n in (("--decoder-first-pipeline-num-layers", first),
+                    ("--decoder-last-pipeline-num-layers", last)):
+        if n is not None and not 1 <= n < num_layers:
+            raise ValueError(f"{flag} must be between 1 and --num-layers - 1 "
+                             f"({num_layers - 1}), got {n}")
+    fixed = [n for n in (first, last) if n is not None]
+    free_stages = pp_size - len(fixed)
+    rest = num_layers - sum(fixed)
+    if free_stages == 0:
+        if rest != 0:
+            raise ValueError(f"--decoder-first-pipeline-num-layers ({first}) + "
+                             f"--decoder-last-pipeline-num-layers ({last}) must equal "
+                             f"--num-layers ({num_layers}) with 2 stages")
+        return [first, last]
+    if rest < free_stages or rest % free_stages != 0:
+        raise ValueError(f"--num-layers {num_layers} minus the first/last stage's "
+                         f"{'+'.join(map(str, fixed))} leaves {rest} layers, which must split "
+                         f"evenly (at least 1 each) over the other {free_stages} stage(s)")
+    middle = rest // free_stages
+    counts = [middle] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_layer_numbers(num_layers: int, pp_size: int, pp_rank: int,
+                        first: Optional[int] = None, last: Optional[int] = None) -> range:
     """Global (0-based) layer numbers held by pipeline stage ``pp_rank`` of ``pp_size``.
 
-    Stages get equal contiguous blocks: stage 0 the first num_layers/pp_size layers.
+    Stages hold contiguous blocks; sizes follow ``stage_layer_counts`` (equal unless
+    ``first``/``last`` give the first or last stage's count).
     """
     if pp_size < 1 or not 0 <= pp_rank < pp_size:
         raise ValueError(f"pipeline stage {pp_rank} of {pp_size} does not exist")
-    if num_layers % pp_size != 0:
-        raise ValueError(f"--num-layers {num_layers} must be divisible by "
-                         f"--pipeline-model-parallel-size {pp_size}")
-    per_stage = num_layers // pp_size
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    counts = stage_layer_counts(num_layers, pp_size, first, last)
+    start = sum(counts[:pp_rank])
+    return range(start, start + counts[pp_rank])
 
 
 def get_attention_mask(kind: str, seq_len: int,

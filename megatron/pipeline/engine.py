@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,37 +73,103 @@ class _Segment:
 
 
 class GradientReduction:
-    """Average gradients over the data-parallel group in flat buckets, asynchronously.
+    """Average one weight buffer's gradients over the data-parallel group, in flat
+    buckets, overlapped with the backward pass (as DDP and Megatron do).
 
-    ``launch`` starts every bucket's all-reduce and returns at once; ``finish`` waits and
-    copies the averages back.  The engine launches at REDUCE_GRADS(t) and finishes at
-    STEP(t); under 2BW the schedule places STEP(t) after some work of batch t+1 (which
-    runs on the other weight buffer), so the reduction overlaps that computation.
+    Every trainable parameter gets a post-accumulate-grad hook that counts how many
+    microbatch backward passes have added to its ``.grad``.  The m-th addition is the
+    batch's last one: the gradient is final, and when every parameter of a bucket is
+    final the bucket's asynchronous all-reduce starts at once, while autograd goes on
+    with earlier layers.  Buckets follow the REVERSE parameter order (the order the
+    backward pass finishes them), so the last layers' bucket leaves first.
+
+    ``launch_remaining`` (REDUCE_GRADS) starts what the hooks did not (parameters that
+    got no gradient: zero-filled, as an unused parameter contributes 0); ``finish``
+    (STEP) waits and copies the averages back into ``.grad``.  Under 2BW each weight
+    buffer has its own Parameter objects and so its own reducer.
     """
 
-    def __init__(self, params: List[nn.Parameter], group, world: int,
-                 bucket_bytes: int = 32 * 2 ** 20) -> None:
-        self._pending = []
-        if group is None or world == 1:
+    def __init__(self, params: List[nn.Parameter], group, world: int, microbatches: int,
+                 bucket_bytes: int = 32 * 2 ** 20, overlap: bool = True,
+                 exclude: Tuple[nn.Parameter, ...] = ()) -> None:
+        """``exclude``: parameters averaged elsewhere (the tied word embedding, whose sum
+        between first and last stage the engine starts first)."""
+        self.params = [p for p in params
+                       if p.requires_grad and not any(p is e for e in exclude)]
+        self.group, self.world, self.microbatches = group, world, microbatches
+        self.active = group is not None and world > 1
+        self._pending: List[tuple] = []
+        self._buckets: List[List[int]] = []
+        self._bucket_of: Dict[int, int] = {}
+        self._counts = [0] * len(self.params)
+        self._ready: List[int] = []
+        self._launched: List[bool] = []
+        self._hooks = []
+        self.launched_in_backward = 0
+        """Buckets whose all-reduce the hooks started (the rest start at REDUCE_GRADS)."""
+        if not self.active:
             return
-        bucket: List[torch.Tensor] = []
+        bucket: List[int] = []
         size = 0
-        for p in params:
-            g = p.grad
-            if bucket and (g.dtype != bucket[0].dtype or size + tensor_bytes(g) > bucket_bytes):
-                self._launch(bucket, group, world)
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            nbytes = p.numel() * p.element_size()
+            if bucket and (p.dtype != self.params[bucket[0]].dtype
+                           or size + nbytes > bucket_bytes):
+                self._buckets.append(bucket)
                 bucket, size = [], 0
-            bucket.append(g)
-            size += tensor_bytes(g)
+            bucket.append(i)
+            size += nbytes
         if bucket:
-            self._launch(bucket, group, world)
+            self._buckets.append(bucket)
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        self._reset()
+        if overlap:
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, i=i: self._on_grad(i)))
 
-    def _launch(self, grads: List[torch.Tensor], group, world: int) -> None:
+    def _reset(self) -> None:
+        self._counts = [0] * len(self.params)
+        self._ready = [0] * len(self._buckets)
+        self._launched = [False] * len(self._buckets)
+
+    def _on_grad(self, i: int) -> None:
+        self._counts[i] += 1
+        if self._counts[i] != self.microbatches:
+            return
+        b = self._bucket_of[i]
+        self._ready[b] += 1
+        if self._ready[b] == len(self._buckets[b]) and not self._launched[b]:
+            self._launch(b)
+            self.launched_in_backward += 1
+
+    def _launch(self, b: int) -> None:
+        grads = []
+        for i in self._buckets[b]:
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(world)
-        self._pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, grads))
+        flat.div_(self.world)
+        self._launched[b] = True
+        self._pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
+                              grads))
+
+    def launch_remaining(self) -> None:
+        """REDUCE_GRADS: start every bucket the hooks did not start."""
+        if not self.active:
+            return
+        for b in range(len(self._buckets)):
+            if not self._launched[b]:
+                self._launch(b)
+        self._reset()
 
     def finish(self) -> None:
+        """STEP: wait for the all-reduces and write the averages into ``.grad``."""
         for work, flat, grads in self._pending:
             work.wait()
             offset = 0
@@ -113,6 +179,11 @@ class GradientReduction:
                 offset += n
         self._pending.clear()
 
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
 
 class PipelineEngine:
     """Runs the training and evaluation schedules of one pipeline stage."""
@@ -121,6 +192,7 @@ class PipelineEngine:
                  num_microbatches: int, micro_batch_size: int, forward_step: ForwardStep,
                  device: torch.device, activation_dtype: torch.dtype,
                  stage_recompute: bool = False, trace: bool = False,
+                 overlap_grad_reduce: bool = True,
                  get_rng_state: Optional[Callable[[], Any]] = None,
                  set_rng_state: Optional[Callable[[Any], None]] = None,
                  fault_injection: Optional[Callable[[int, int], bool]] = None,
@@ -161,7 +233,18 @@ class PipelineEngine:
             Op.SEND_GRAD: self._send_grad, Op.RECV_GRAD: self._recv_grad,
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
+        # The tied word embedding of first and last stage: its sum between the two
+        # stages starts at REDUCE_GRADS; its data-parallel average follows at STEP.
+        self._tied_early = groups.in_embedding_group and groups.embedding is not None
+        # one gradient reducer per weight buffer (its hooks sit on that buffer's params)
+        self._reducers = [GradientReduction(
+            self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
+            overlap=overlap_grad_reduce,
+            exclude=tuple(p for p in self.weights.params(j)
+                          if self._tied_early and getattr(p, "shared_embedding", False)))
+            for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
+        self._embedding_work: Dict[int, Any] = {}
         self._pending_steps: List[tuple] = []
         # Loss scale each batch's backward passes use.  A batch may start its backward
         # before the previous batch's STEP updated the scaler (2BW), so the scale of
@@ -261,6 +344,9 @@ class PipelineEngine:
         mine = actions[self.stage]
         for index, action in enumerate(mine):
             start = time.perf_counter()
+            # this thread's CPU time: wall minus CPU of a compute action is time the
+            # stage was descheduled (CPU contention), not work
+            cpu_start = time.thread_time() if self.trace_enabled else 0.0
             try:
                 handler = self._handlers[action.op]
             except KeyError:
@@ -272,7 +358,8 @@ class PipelineEngine:
             except Exception as exc:
                 raise PipelineError(self._report_failure(actions, index, action, exc)) from exc
             if self.trace_enabled:
-                self._trace(action, seg, start, time.perf_counter())
+                self._trace(action, seg, start, time.perf_counter(),
+                            time.thread_time() - cpu_start)
         self._finish_steps(seg)
         self.p2p.wait_all()
 
@@ -292,12 +379,13 @@ class PipelineEngine:
         print(msg, file=sys.stderr, flush=True)
         return msg
 
-    def _trace(self, action: Action, seg: _Segment, start: float, end: float) -> None:
+    def _trace(self, action: Action, seg: _Segment, start: float, end: float,
+               cpu: float) -> None:
         batch = None if action.batch is None else seg.start_iteration + action.batch
         self.trace_events.append({
             "rank": self.groups.rank, "stage": self.stage, "action": str(action),
             "op": action.op.value, "microbatch": action.microbatch, "batch": batch,
-            "start": start, "end": end, "train": seg.train,
+            "start": start, "end": end, "cpu": cpu, "train": seg.train,
             "version": (self.version_for(batch, self.schedule_name)
                         if batch is not None and action.op in (Op.FORWARD, Op.BACKWARD) else None)})
 
@@ -413,13 +501,25 @@ class PipelineEngine:
 
     # -- gradient reduction and the optimizer step ----------------------------------------------
     def _reduce_grads(self, a: Action, seg: _Segment) -> None:
-        params = self.weights.params(self.buffer_for(self._global_batch(a, seg)))
-        for p in params:
+        """Batch t's backward passes on this stage are done: buckets whose gradients
+        were final early are already in flight (hooks); start the rest now."""
+        t = self._global_batch(a, seg)
+        j = self.buffer_for(t)
+        for p in self.weights.params(j):
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        t = self._global_batch(a, seg)
-        self._reductions[t] = GradientReduction([p for p in params if p.requires_grad],
-                                                self.groups.data, self.groups.dp_size)
+        reducer = self._reducers[j]
+        reducer.launch_remaining()
+        self._reductions[t] = reducer
+        if self._tied_early:
+            # Start the tied-embedding sum now, not at STEP: the last stage finishes batch
+            # t's backward passes long before the first stage does, so by the first
+            # stage's STEP(t) its half is already posted and neither end waits for the
+            # other (under 2BW, STEP(t) of first and last stage need not coincide).  The
+            # sum and the data-parallel average are linear, so their order is free; the
+            # average of this one tensor follows at STEP, among replicas of this stage.
+            self._embedding_work[t] = self._allreduce_embedding_grads(
+                self.weights.params(j), async_op=True)
 
     def _step(self, a: Action, seg: _Segment) -> None:
         """Start the update of batch t: data-parallel and tied-embedding gradient sums,
@@ -432,7 +532,16 @@ class PipelineEngine:
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
-        self._allreduce_embedding_grads(params)
+        if t in self._embedding_work:
+            work = self._embedding_work.pop(t)
+            if work is not None:
+                work.wait()
+            if self.groups.data is not None and self.groups.dp_size > 1:
+                shared = next(p for p in params if getattr(p, "shared_embedding", False))
+                shared.grad.div_(self.groups.dp_size)
+                dist.all_reduce(shared.grad, group=self.groups.data)
+        else:
+            self._allreduce_embedding_grads(params)
         if self.fault_injection and self.fault_injection(t, self.stage):
             with torch.no_grad():
                 next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
@@ -480,10 +589,11 @@ class PipelineEngine:
             if self._on_step is not None:
                 self._on_step(report)
 
-    def _allreduce_embedding_grads(self, params: List[nn.Parameter]) -> None:
-        """Sum the tied word-embedding gradient of the first and last stage."""
+    def _allreduce_embedding_grads(self, params: List[nn.Parameter], async_op: bool = False):
+        """Sum the tied word-embedding gradient of the first and last stage (returns the
+        pending work with ``async_op``, else None)."""
         if not self.groups.in_embedding_group or self.groups.embedding is None:
-            return
+            return None
         shared = [p for p in params if getattr(p, "shared_embedding", False)]
         if len(shared) != 1:
             raise RuntimeError(f"stage {self.stage} should hold exactly one tied word-embedding "
@@ -491,7 +601,7 @@ class PipelineEngine:
         p = shared[0]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=self.groups.embedding)
+        return dist.all_reduce(p.grad, group=self.groups.embedding, async_op=async_op)
 
     def _dp_mean(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
         if not values:

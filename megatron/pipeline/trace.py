@@ -43,6 +43,8 @@ class TraceEvent:
     start: float
     end: float
     version: Optional[int] = None
+    cpu: Optional[float] = None
+    """CPU seconds the executing thread spent in the action (executor traces only)."""
 
     @property
     def duration(self) -> float:

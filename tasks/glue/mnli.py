@@ -105,10 +105,9 @@ def build_dataset(name: str, examples: Sequence[MnliExample], tokenizer,
 
 def model_provider(cfg, groups, pre_process: bool, post_process: bool):
     from megatron.model.classification import Classification
-    from megatron.model.utils import stage_layer_numbers
     from megatron.tensor_parallel.utils import TPInfo
 
-    layers = stage_layer_numbers(cfg.model.num_layers, groups.pp_size, groups.pp_rank)
+    layers = cfg.parallel.stage_layers(cfg.model.num_layers, groups.pp_rank)
     return Classification(cfg.model, TPInfo.from_groups(groups), num_classes=NUM_CLASSES,
                           pre_process=pre_process, post_process=post_process,
                           layer_numbers=layers, seed=cfg.training.seed)

@@ -8,10 +8,9 @@ from tasks.race.data import NUM_CHOICES, build_dataset, read_race
 
 def model_provider(cfg, groups, pre_process: bool, post_process: bool):
     from megatron.model.multiple_choice import MultipleChoice
-    from megatron.model.utils import stage_layer_numbers
     from megatron.tensor_parallel.utils import TPInfo
 
-    layers = stage_layer_numbers(cfg.model.num_layers, groups.pp_size, groups.pp_rank)
+    layers = cfg.parallel.stage_layers(cfg.model.num_layers, groups.pp_rank)
     return MultipleChoice(cfg.model, TPInfo.from_groups(groups), num_choices=NUM_CHOICES,
                           pre_process=pre_process, post_process=post_process,
                           layer_numbers=layers, seed=cfg.training.seed)

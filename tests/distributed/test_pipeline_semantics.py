@@ -108,6 +108,9 @@ def two_ranks():
                 ("sgd_flush_d2", _pp(2, "flush", "--optimizer", "sgd"), None),
                 ("fp16_flush_d2", _fp16(_pp(2, "flush")), "inject_overflow_stage0_iter2"),
                 ("fp16_2bw_d2", _fp16(_pp(2, "2bw")), "inject_overflow_stage0_iter2")]
+    # uneven stages: 1 layer + embedding on stage 0, 3 layers + head on stage 1
+    configs += [(f"{s}_d2_first1", _pp(2, s, "--decoder-first-pipeline-num-layers", "1"), None)
+                for s in ("flush", "2bw")]
     return run_distributed(train_configs, 2, args=(configs,), timeout=600)
 
 
@@ -204,3 +207,11 @@ def test_loss_scale_change_reaches_whole_batches_only(two_ranks, name, lag):
     assert used[0][:2 + lag] == [1024.0] * (2 + lag)
     assert all(s == 512.0 for s in used[0][2 + lag:])
     assert two_ranks[0][name]["loss_scales"][2] == 512.0
+
+
+def test_uneven_stage_split_keeps_the_update_rule(single, two_ranks):
+    """--decoder-first-pipeline-num-layers moves layers between stages, not semantics
+    (``single`` is checked against the independent references above)."""
+    assert _close(_losses(two_ranks[-1]["flush_d2_first1"]), _losses(single["flush"]))
+    assert _close(_losses(two_ranks[-1]["2bw_d2_first1"]), _losses(single["2bw"]))
+

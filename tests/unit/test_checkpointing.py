@@ -219,3 +219,15 @@ def test_model_shape_mismatch_names_the_flags():
     assert "--num-layers" not in msg
     check_model_shape("ck", {"model": dict(saved["model"], hidden_size=32, ffn_hidden_size=128,
                                            seq_length=16, max_position_embeddings=16)}, run)
+def test_stage_split_is_recorded_and_checked(tmp_path):
+    """A checkpoint records its stage's layers; another split stops with the flags named."""
+    from megatron.errors import CheckpointError
+
+    groups = ParallelGroups.single()
+    save_checkpoint(str(tmp_path), TrainState(iteration=1), groups,
+                    model_state={"w": torch.zeros(2)}, shadow_state=None, optimizer=_Opt(1.0),
+                    scheduler=None, rng_state=None, stage_layers=range(0, 3))
+    payload = load_checkpoint(str(tmp_path), groups, stage_layers=range(0, 3))
+    assert payload["layout"]["layers"] == [0, 3]
+    with pytest.raises(CheckpointError, match="decoder-first/last-pipeline-num-layers"):
+        load_checkpoint(str(tmp_path), groups, stage_layers=range(0, 2))

@@ -245,3 +245,55 @@ def test_bad_configs_have_clear_errors():
     with pytest.raises(ValueError, match="--hidden-size 65 must be divisible"):
         ModelSpec(num_layers=2, hidden_size=65, num_attention_heads=4, seq_length=8,
                   vocab_size=10)
+
+
+def test_flush_data_parallel_reduce_overlaps_the_last_backward():
+    """The executor's bucket hooks start the data-parallel all-reduce during the last
+    backward pass; only the last bucket (or what outlasts the backward) is exposed."""
+    import math
+
+    from megatron.pipeline.planner.cost_model import CostOptions
+
+    cfg = Config(w=4, d=1, b=2, m=4, schedule="flush")
+    bucket = 64 * 1024  # the toy model's gradients fill several buckets
+    on = CostModel(TOY, PLAIN, CostOptions(grad_bucket_bytes=bucket)).estimate(cfg)
+    off = CostModel(TOY, PLAIN, CostOptions(overlap_grad_reduce=False)).estimate(cfg)
+    one = CostModel(TOY, PLAIN).estimate(cfg)  # 32 MiB default: one bucket, nothing hides
+    assert one.batch_time_s == pytest.approx(off.batch_time_s)
+    st = on.stages[0]
+    assert st.dp_allreduce_s > 0
+    buckets = math.ceil(st.params * 2 / bucket)
+    assert buckets > 1
+    assert st.dp_exposed_s == pytest.approx(max(st.dp_allreduce_s / buckets,
+                                                st.dp_allreduce_s - st.backward_s))
+    assert off.stages[0].dp_exposed_s == pytest.approx(st.dp_allreduce_s)
+    assert off.batch_time_s - on.batch_time_s == pytest.approx(
+        st.dp_allreduce_s - st.dp_exposed_s, rel=1e-9)
+    assert on.batch_time_s < off.batch_time_s
+
+
+def test_layer_level_recompute_memory_and_time():
+    """uniform N keeps one hidden state per chunk of N layers and rebuilds a chunk at a
+    time; block N checkpoints the first N layers; both re-run those layers' forward."""
+    from dataclasses import replace
+
+    cm = CostModel(TOY, PLAIN)
+    base = Config(w=1, d=1, b=2, m=4, schedule="flush")
+    plain = cm.estimate(base).stages[0]
+    layers = TOY.num_layers
+    layer_act = TOY.layer_activation_bytes(2)
+    inp = TOY.input_activation_bytes(2)
+    for method, n, k, chunks, rebuilt in (("uniform", 1, layers, layers, 1),
+                                          ("uniform", 2, layers, -(-layers // 2), 2),
+                                          ("block", 1, 1, 1, 1)):
+        st = cm.estimate(replace(base, recompute_method=method, recompute_num_layers=n)).stages[0]
+        per_mb = plain.activation_per_microbatch_bytes - k * layer_act + chunks * inp
+        assert st.activation_per_microbatch_bytes == pytest.approx(per_mb)
+        assert st.activation_bytes == pytest.approx(st.in_flight * per_mb + rebuilt * layer_act)
+        assert st.backward_s > plain.backward_s
+        assert st.forward_s == pytest.approx(plain.forward_s)
+    uniform1 = cm.estimate(replace(base, recompute_method="uniform", recompute_num_layers=1))
+    assert uniform1.memory_per_gpu_bytes < cm.estimate(base).memory_per_gpu_bytes
+    with pytest.raises(ValueError, match="stage-level"):
+        replace(base, recompute=True, recompute_method="uniform", recompute_num_layers=1)
+

@@ -208,7 +208,7 @@ def test_sdpa_backend_matches_manual():
 def test_utils_and_bad_input():
     assert stage_layer_numbers(8, 4, 2) == range(4, 6)
     assert stage_layer_numbers(3, 1, 0) == range(0, 3)
-    with pytest.raises(ValueError, match="--num-layers 6 must be divisible"):
+    with pytest.raises(ValueError, match=r"--num-layers \(6\) must be divisible"):
         stage_layer_numbers(6, 4, 0)
     mask = get_attention_mask("causal", 3)
     assert mask.shape == (1, 1, 3, 3)
@@ -225,3 +225,21 @@ def test_utils_and_bad_input():
         GPTModel(dataclasses.replace(cfg, padded_vocab_size=0), TPInfo.single())
     with pytest.raises(ValueError, match="bool"):
         GPTModel(cfg, TPInfo.single())(make_batch()[0], None, torch.zeros(1, 1, SEQ, SEQ))
+
+
+def test_uneven_stage_split():
+    """--decoder-first/last-pipeline-num-layers: fixed first/last stage, even middle."""
+    from megatron.model.utils import stage_layer_counts
+
+    assert stage_layer_counts(8, 4, first=1, last=1) == [1, 3, 3, 1]
+    assert stage_layer_counts(4, 2, first=3) == [3, 1]
+    assert stage_layer_counts(6, 3, last=2) == [2, 2, 2]
+    assert stage_layer_counts(7, 4, first=1) == [1, 2, 2, 2]
+    assert [stage_layer_numbers(8, 4, r, first=1, last=1) for r in range(4)] == [
+        range(0, 1), range(1, 4), range(4, 7), range(7, 8)]
+    for bad in (dict(first=0), dict(first=8), dict(first=2, last=3)):
+        with pytest.raises(ValueError, match="decoder"):
+            stage_layer_counts(8, 2, **bad)
+    with pytest.raises(ValueError, match="split evenly"):
+        stage_layer_counts(8, 4, first=3)
+

@@ -49,3 +49,13 @@ def test_errors_are_one_clear_line():
     assert res.returncode == 2 and "no configuration" in res.stderr
     res = _plan("--num-layers", "4", "--num-gpus", "2", "--max-batch-size", "64")
     assert res.returncode == 2 and "--hidden-size" in res.stderr
+
+
+def test_layer_level_recompute_is_planned_with_megatron_flags():
+    res = _plan("--model", "gpt-355m", "--cluster", "dgx-a100", "--num-gpus", "1",
+                "--max-batch-size", "64", "--recompute", "layer", "--schedules", "flush")
+    assert res.returncode == 0, res.stderr
+    assert ("--recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 1") in res.stdout
+    assert "uni1" in res.stdout
+

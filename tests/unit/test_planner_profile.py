@@ -215,3 +215,33 @@ def test_validation_bench_predicts_stash_as_in_flight_times_profiled_bytes():
     assert got["weight_bytes_per_version"] == [
         2 * w["block_bytes"] + w["embedding_bytes"],
         2 * w["block_bytes"] + w["head_bytes"] + w["tied_embedding_bytes"]]
+
+
+def test_planner_picks_an_uneven_split_when_the_head_is_heavy():
+    """A head as costly as three blocks: with 8 layers over 2 stages the planner moves
+    layers to the first stage and prints Megatron's flags for it."""
+    from megatron.pipeline.planner.search import balance_stages, command_line, search
+
+    data = make_profile()
+    for row in data["microbatches"]:
+        b = row["micro_batch_size"]
+        row["head"] = piece(3e-3, 6e-3, 300, b)
+    prof = Profile(data)
+    model = prof.model_spec(num_layers=8)
+    cm = CostModel(model, FAST, profile=prof)
+    cfg = Config(w=1, d=2, b=2, m=8, schedule="2bw")
+    best = balance_stages(cm, cfg)
+    # stage costs per microbatch: first L blocks (+ tiny embedding), last 8-L blocks + head
+    # of 3 blocks: L = 5 / 3 balances them best among whole layers
+    assert (best.config.first_layers, best.config.last_layers) == (5, 3)
+    assert best.batch_time_s < cm.estimate(cfg).batch_time_s
+    rows = search(model, FAST, 2, 16, schedules=["2bw"], profile=prof, recompute=(False,))
+    top = next(r for r in rows if r.config.d == 2)
+    assert top.config.first_layers == 5
+    cmd = command_line(top, model)
+    assert "--decoder-first-pipeline-num-layers 5 --decoder-last-pipeline-num-layers 3" in cmd
+    # an even split stays even (no flags) when the ends are not heavier
+    even = balance_stages(CostModel(prof.model_spec(num_layers=8), FAST,
+                                    profile=Profile(make_profile())), cfg)
+    assert even.config.first_layers is None or even.config.first_layers >= 4
+

@@ -258,7 +258,7 @@ def test_full_state_round_trip_through_another_layout(tmp_path, capsys, divisibl
     last = mid.payloads[(1, 1)]
     assert last["model"]["output_word_embeddings.weight"].shape[0] == rows // 2
     assert last["consumed_train_samples"] == 56 and last["lr_scheduler"]["num_steps"] == 7
-    assert last["layout"] == {"tensor": 2, "pipeline": 2, "data": 1}
+    assert last["layout"] == {"tensor": 2, "pipeline": 2, "data": 1, "layers": [2, 4]}
     assert last["config"]["model"]["padded_vocab_size"] == rows
     # every stage's optimizer state matches its own parameters one to one
     for payload in mid.payloads.values():
@@ -350,3 +350,29 @@ def test_name_targets_follow_the_stage_modules_parameter_order(cls):
             assert list(targets) == [n for n, _ in stage.named_parameters()], (cls, d, p)
             assert [tuple(s) for s, _ in targets.values()] == \
                 [tuple(v.shape) for v in stage.parameters()]
+def test_merge_reads_an_uneven_stage_split(tmp_path):
+    """Stages of 1 and 3 layers (--decoder-first-pipeline-num-layers 1) merge back into
+    the full model: the split comes from the saved config."""
+    cfg = _cfg()
+    full = GPTModel(cfg, TP, seed=3)
+    stages = [GPTModel(cfg, TP, pre_process=True, post_process=False,
+                       layer_numbers=range(0, 1), seed=3),
+              GPTModel(cfg, TP, pre_process=False, post_process=True,
+                       layer_numbers=range(1, LAYERS), seed=3)]
+    base = os.path.join(tmp_path, "iter_0000005")
+    for p, st in enumerate(stages):
+        path = os.path.join(base, f"mp_rank_00_{p:03d}")
+        os.makedirs(path)
+        save_payload({"model": st.state_dict(), "layout": {"tensor": 1, "pipeline": 2},
+                      "config": {"model": {"num_layers": LAYERS},
+                                 "parallel": {"decoder_first_pipeline_num_layers": 1}},
+                      "iteration": 5}, os.path.join(path, "model_optim_rng"))
+    with open(os.path.join(tmp_path, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("5")
+    ckpt = read_checkpoint(str(tmp_path))
+    assert ckpt.stage_offsets == [0, 1]
+    merged = merge_checkpoint(ckpt)
+    ref = full.state_dict()
+    assert set(merged) == set(ref)
+    for name, value in ref.items():
+        assert torch.equal(merged[name], value), name

@@ -75,10 +75,26 @@ class Config:
     gradient accumulation); the global batch is w b m."""
     recompute: bool = False
     schedule: str = "2bw"
+    first_layers: Optional[int] = None
+    """Layers of the first stage (--decoder-first-pipeline-num-layers); None: equal split."""
+    last_layers: Optional[int] = None
+    """Layers of the last stage (--decoder-last-pipeline-num-layers); None: equal split."""
+    recompute_method: Optional[str] = None
+    """Layer-level recomputation inside each stage (--recompute-granularity full
+    --recompute-method uniform|block --recompute-num-layers N); exclusive with the
+    stage-level ``recompute``."""
+    recompute_num_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule {self.schedule!r}: expected one of {SCHEDULES}")
+        if self.recompute_method is not None:
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError(f"--recompute-method {self.recompute_method!r}: expected "
+                                 f"uniform or block")
+            if self.recompute or self.recompute_num_layers < 1:
+                raise ValueError("layer-level recomputation needs recompute=False (that is "
+                                 "the stage-level scheme) and recompute_num_layers >= 1")
         for attr in ("w", "d", "t", "b", "m"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"config: {attr} must be >= 1, got {getattr(self, attr)}")
@@ -93,8 +109,33 @@ class Config:
 
     def describe(self) -> str:
         rc = " +recompute" if self.recompute else ""
+        if self.recompute_method is not None:
+            rc = f" +recompute {self.recompute_method} {self.recompute_num_layers}"
+        split = ""
+        if self.first_layers is not None or self.last_layers is not None:
+            split = f" layers first={self.first_layers} last={self.last_layers}"
         return (f"{self.schedule:5s} w={self.w} d={self.d} t={self.t} b={self.b} "
-                f"m={self.m}{rc}")
+                f"m={self.m}{rc}{split}")
+
+    def layer_counts(self, num_layers: int) -> List[int]:
+        """Layers of each stage (ValueError when the split does not fit the model)."""
+        from megatron.model.utils import stage_layer_counts
+
+        return stage_layer_counts(num_layers, self.d, self.first_layers, self.last_layers)
+
+    def layer_recompute(self, layers: int) -> Tuple[int, int, int]:
+        """(checkpointed layers, kept chunk inputs, layers rebuilt at once) of a stage of
+        ``layers`` layers under layer-level recomputation (zeros without it).
+
+        uniform N: every layer, in chunks of N, each chunk keeping only its input;
+        block N: the first N layers, each its own chunk (the rest keep everything)."""
+        if self.recompute_method is None:
+            return 0, 0, 0
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            return layers, -(-layers // n), min(n, layers)
+        k = min(n, layers)
+        return k, k, 1 if k else 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +152,12 @@ class CostOptions:
     """Bytes per parameter in the data-parallel all-reduce."""
     overlap_grad_reduce_2bw: bool = True
     """2bw hides the all-reduce behind the next batch's compute (Appendix A)."""
+    overlap_grad_reduce: bool = True
+    """The executor starts each gradient bucket's data-parallel all-reduce as soon as the
+    batch's last backward pass has finished its gradients (post-accumulate-grad hooks),
+    so under flush/gpipe/none most of it hides behind that backward pass."""
+    grad_bucket_bytes: float = 32 * 2 ** 20
+    """Bucket size of the executor's gradient all-reduce (``GradientReduction``)."""
 
 
 def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
@@ -147,11 +194,19 @@ class StageCost:
     """|A_input(b)|: the stage input stashed per in-flight microbatch."""
     step_s: float = 0.0
     """Optimizer step of the stage, once per batch (profile-based costs only)."""
+    transient_bytes: float = 0.0
+    """Layer-level recomputation: activations of the chunk being rebuilt (one at a time)."""
+    dp_allreduce_s: float = 0.0
+    """The data-parallel part of ``allreduce_s`` (the rest is the tied-embedding sum)."""
+    dp_exposed_s: float = 0.0
+    """What of ``dp_allreduce_s`` is left after the stage's last backward pass: the last
+    bucket can only start when the backward ends, the rest overlaps it."""
 
     def with_in_flight(self, n: int, recompute: bool) -> "StageCost":
         """The same stage holding n microbatches (memory changes, times do not)."""
         acts = self.activation_per_microbatch_bytes
-        return replace(self, in_flight=n, activation_bytes=acts if recompute else n * acts,
+        return replace(self, in_flight=n,
+                       activation_bytes=acts if recompute else n * acts + self.transient_bytes,
                        stash_bytes=n * self.input_bytes)
 
     @property
@@ -193,17 +248,23 @@ class CostModel:
 
     def check(self, config: Config) -> None:
         """Raise ValueError when the model cannot be split as the config says."""
-        if self.model.num_layers % config.d:
-            raise ValueError(f"--pipeline-model-parallel-size {config.d} must divide "
-                             f"--num-layers {self.model.num_layers}")
+        if config.first_layers is None and config.last_layers is None:
+            if self.model.num_layers % config.d:
+                raise ValueError(f"--pipeline-model-parallel-size {config.d} must divide "
+                                 f"--num-layers {self.model.num_layers}")
+        else:
+            config.layer_counts(self.model.num_layers)
         if self.model.num_attention_heads % config.t:
             raise ValueError(f"--tensor-model-parallel-size {config.t} must divide "
                              f"--num-attention-heads {self.model.num_attention_heads}")
 
-    def stage_params(self, stage: int, d: int) -> float:
-        """Logical parameters of a stage; the last stage keeps a tied embedding copy."""
+    def stage_params(self, stage: int, d: int, layers: Optional[int] = None) -> float:
+        """Logical parameters of a stage; the last stage keeps a tied embedding copy.
+        ``layers``: the stage's layer count (default: an equal share)."""
         mdl = self.model
-        p = (mdl.num_layers // d) * mdl.params_per_layer
+        if layers is None:
+            layers = mdl.num_layers // d
+        p = layers * mdl.params_per_layer
         if stage == 0:
             p += mdl.embedding_params
         if stage == d - 1:
@@ -244,7 +305,7 @@ class CostModel:
         mdl, hw, opt = self.model, self.hardware, self.options
         d, t, b = c.d, c.t, c.b
         first, last = i == 0, i == d - 1
-        layers = mdl.num_layers // d
+        layers = c.layer_counts(mdl.num_layers)[i]
         rate = hw.flops_rate(b * mdl.seq_length)
         flops = layers * mdl.layer_forward_flops(b) + (mdl.head_forward_flops(b) if last else 0.0)
         comp_f = flops / t / rate
@@ -252,6 +313,9 @@ class CostModel:
             # LayerNorm/dropout/residual work is replicated on every tensor rank.
             comp_f += layers * mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth
         comp_b = 2.0 * comp_f
+        comp_f_layer = mdl.layer_forward_flops(b) / t / rate + (
+            mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth if hw.memory_bandwidth > 0
+            else 0.0)
         act = mdl.input_activation_bytes(b)
         act_stage = layers * mdl.layer_activation_bytes(b, t)
         if last:
@@ -268,6 +332,11 @@ class CostModel:
             # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
             stash_one = float(ps.recompute_stash_bytes)
             act_stage = float(ps.stash_bytes) - stash_one
+            block = self.profile.piece("block", b)
+            layer_f, layer_act = block.forward_s / t, float(block.stash_bytes) / t
+        else:
+            layer_f = comp_f_layer
+            layer_act = mdl.layer_activation_bytes(b, t)
         # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
         # vocab-parallel embedding (forward) and the output layer's input grad (backward).
         ar = ring_allreduce_time(act, t, links.tensor)
@@ -277,26 +346,43 @@ class CostModel:
         backward = comp_b + tp_b
         if c.recompute:
             backward += recompute_extra + tp_f
+        # layer-level recomputation: the checkpointed layers' forward runs again in the
+        # backward pass; a microbatch keeps one hidden state per chunk instead of their
+        # activations, and one chunk's activations exist while it is rebuilt
+        k, chunks, rebuilt = c.layer_recompute(layers)
+        transient = 0.0
+        if k:
+            backward += k * (layer_f + 2 * ar)
+            act_stage = act_stage - k * layer_act + chunks * act
+            transient = rebuilt * layer_act
         p2p = 0.0
         if not first:
             p2p += 2.0 * act / links.boundary[i - 1]
         if not last:
             p2p += 2.0 * act / links.boundary[i]
-        params = self.stage_params(i, d) / t
-        allreduce = ring_allreduce_time(params * opt.grad_bytes_per_param, c.w, links.data)
+        params = self.stage_params(i, d, layers) / t
+        grad_bytes = params * opt.grad_bytes_per_param
+        allreduce = ring_allreduce_time(grad_bytes, c.w, links.data)
+        dp_allreduce = allreduce
+        if opt.overlap_grad_reduce and c.w > 1:
+            buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
+            dp_exposed = max(dp_allreduce / buckets, dp_allreduce - backward)
+        else:
+            dp_exposed = dp_allreduce
         if d > 1 and (first or last):
             emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
             allreduce += ring_allreduce_time(emb, 2, links.embedding)
         n = in_flight(c.schedule, i, d, c.m)
         versions = 2 if c.schedule == "2bw" else 1
-        activations = act_stage if c.recompute else n * act_stage
+        activations = act_stage if c.recompute else n * act_stage + transient
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
             p2p_s=p2p, allreduce_s=allreduce,
             weights_bytes=versions * params * opt.weight_bytes_per_param,
             optimizer_bytes=params * opt.optimizer_bytes_per_param,
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
-            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step)
+            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
+            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient)
 
     def estimate(self, config: Config, keep_stages: bool = True) -> Estimate:
         """Throughput, memory per GPU and bubble fraction of one configuration
@@ -332,7 +418,10 @@ class CostModel:
         sum_{j<i} backward_j before stage 0 does, which hides that much of its reduce."""
         exposed, head_start = 0.0, 0.0
         for s in stages:
-            exposed = max(exposed, s.allreduce_s - head_start)
+            # the data-parallel part also overlaps the stage's own last backward (bucket
+            # hooks, ``StageCost.dp_exposed_s``); the tied-embedding sum runs after it
+            own = s.dp_exposed_s + (s.allreduce_s - s.dp_allreduce_s)
+            exposed = max(exposed, own - head_start)
             head_start += s.backward_s
         return exposed
 

@@ -85,13 +85,22 @@ def _gpipe_backoff(cm: CostModel, cfg: Config) -> Optional[Estimate]:
     return best
 
 
-def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, recompute: bool,
+def recompute_fields(recompute: Union[bool, str]) -> dict:
+    """Config fields of a recompute choice: False (none), True (stage-level, the paper's
+    scheme) or "uniform" (layer-level, uniform chunks of one layer)."""
+    if recompute == "uniform":
+        return {"recompute": False, "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {"recompute": bool(recompute)}
+
+
+def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str,
+                      recompute: Union[bool, str],
                       max_batch: int, max_microbatch: int = 64,
-                      exact_batch: bool = False) -> PlanRow:
+                      exact_batch: bool = False, balance: bool = False) -> PlanRow:
     """SEARCH(w, d, B) for one shape, schedule and recompute choice: the best (b, m).
 
     Rejected (fits=False, with the reason) when no b fits in memory or no b meets the
-    batch constraints."""
+    batch constraints.  ``balance``: then pick the stage split (``balance_stages``)."""
     best: Optional[Estimate] = None
     reason, smallest = None, None
     b = 1
@@ -107,7 +116,7 @@ def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, reco
         if schedule == "2bw" and m < d:
             reason = reason or f"2bw needs m >= d: m = {m} < d = {d} at b = {b}"
             break
-        cfg = Config(w=w, d=d, t=t, b=b, m=m, recompute=recompute, schedule=schedule)
+        cfg = Config(w=w, d=d, t=t, b=b, m=m, schedule=schedule, **recompute_fields(recompute))
         est = cm.estimate(cfg, keep_stages=False)
         if smallest is None:
             smallest = est
@@ -123,14 +132,51 @@ def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str, reco
         if best is None or est.samples_per_s > best.samples_per_s:
             best = est
         b *= 2
+    if best is not None and balance and d > 1:
+        best = balance_stages(cm, best.config)
     if best is not None:
         return PlanRow(best.config, best.samples_per_s, best.memory_per_gpu_bytes,
                        best.bubble_fraction, True, None)
     cfg = smallest.config if smallest else Config(w=w, d=d, t=t, b=1, m=max(1, max_batch // w),
-                                                  recompute=recompute, schedule=schedule)
+                                                  schedule=schedule, **recompute_fields(recompute))
     return PlanRow(cfg, 0.0, smallest.memory_per_gpu_bytes if smallest else 0.0,
                    smallest.bubble_fraction if smallest else 0.0, False,
                    reason or "no microbatch size fits")
+
+
+def layer_splits(num_layers: int, d: int) -> List[tuple]:
+    """Every (first, last) stage layer count that splits ``num_layers`` over ``d`` stages
+    with an even middle (Megatron's --decoder-first/last-pipeline-num-layers), the even
+    split as (None, None) first."""
+    out: List[tuple] = [(None, None)] if num_layers % d == 0 else []
+    if d < 2:
+        return out
+    even = num_layers // d if num_layers % d == 0 else None
+    middles = [0] if d == 2 else range(1, num_layers // (d - 2) + 1)
+    for k in middles:
+        rest = num_layers - k * (d - 2)
+        for first in range(1, rest):
+            last = rest - first
+            if first == last == k == even or (d == 2 and first == last == even):
+                continue  # that is the even split
+            out.append((first, last))
+    return out
+
+
+def balance_stages(cm: CostModel, cfg: Config) -> Estimate:
+    """The stage split (first/last stage layer counts) with the shortest predicted batch
+    time for ``cfg``, among those that fit in memory; the even split wins ties.
+
+    The first stage also runs the embedding, the last the LM head and the loss, so with
+    measured costs (a profile) fewer layers on them often balance the pipeline."""
+    best = None
+    for first, last in layer_splits(cm.model.num_layers, cfg.d):
+        est = cm.estimate(replace(cfg, first_layers=first, last_layers=last), keep_stages=False)
+        if not cm.fits(est):
+            continue
+        if best is None or est.batch_time_s < best.batch_time_s * (1 - 1e-9):
+            best = est
+    return best if best is not None else cm.estimate(cfg, keep_stages=False)
 
 
 def _check_inputs(model: ModelSpec, num_gpus: int, max_batch_size: int,
@@ -148,10 +194,15 @@ def _check_inputs(model: ModelSpec, num_gpus: int, max_batch_size: int,
 def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_size: int, *,
            schedules: Iterable[str] = SCHEDULES, tensor_parallel: bool = False,
            max_tensor: Optional[int] = None, max_microbatch_size: int = 64,
-           recompute: Sequence[bool] = (False, True), exact_batch: bool = False,
+           recompute: Sequence[Union[bool, str]] = (False, True), exact_batch: bool = False,
            options: CostOptions = CostOptions(),
-           profile: Optional["Profile"] = None) -> List[PlanRow]:
+           profile: Optional["Profile"] = None,
+           balance_stages_: bool = True) -> List[PlanRow]:
     """Ranked candidates: those that fit by predicted throughput, then the rejected.
+
+    With a ``profile`` each candidate's stage split is chosen from the measured costs
+    (``balance_stages``; off with ``balance_stages_=False``): the embedding and the LM
+    head make the first and last stage heavier than the middle ones.
 
     ``exact_batch`` keeps only (b, m) with w b m == B (the paper's fixed-batch
     comparisons) instead of w b m <= B.  ``profile`` (``planner.profile.Profile``)
@@ -166,11 +217,14 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
         for schedule in schedules:
             for rc in recompute:
                 if why:
-                    cfg = Config(w=w, d=d, t=t, b=1, m=1, recompute=rc, schedule=schedule)
+                    cfg = Config(w=w, d=d, t=t, b=1, m=1, schedule=schedule,
+                                 **recompute_fields(rc))
                     rows.append(PlanRow(cfg, 0.0, 0.0, 0.0, False, why))
                     continue
                 rows.append(search_microbatch(cm, t, w, d, schedule, rc, max_batch_size,
-                                              max_microbatch_size, exact_batch))
+                                              max_microbatch_size, exact_batch,
+                                              balance=balance_stages_ if profile is not None
+                                              else False))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.predicted_samples_per_s)
     rejected = [r for r in rows if not r.fits]
     return fitting + rejected
@@ -219,12 +273,25 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         "--tensor-model-parallel-size", cfg.t, "--pipeline-model-parallel-size", cfg.d,
         "--pipeline-schedule", cfg.schedule,
     ]
+    if cfg.first_layers is not None:
+        args += ["--decoder-first-pipeline-num-layers", cfg.first_layers]
+    if cfg.last_layers is not None:
+        args += ["--decoder-last-pipeline-num-layers", cfg.last_layers]
     if cfg.recompute:
         args.append("--recompute-activations")
+    elif cfg.recompute_method is not None:
+        args += ["--recompute-granularity", "full", "--recompute-method", cfg.recompute_method,
+                 "--recompute-num-layers", cfg.recompute_num_layers]
     args.append("--fp16")
     args += list(extra_args)
     # $VARS stay unquoted so the shell expands them on each node.
     return " ".join(launch + [script] + [shlex.quote(str(a)) for a in args])
+
+
+def _recompute_label(c: Config) -> str:
+    if c.recompute_method is not None:
+        return f"{c.recompute_method[:3]}{c.recompute_num_layers}"
+    return "yes" if c.recompute else "no"
 
 
 def format_table(rows: Sequence[PlanRow], limit: Optional[int] = None) -> str:
@@ -238,6 +305,6 @@ def format_table(rows: Sequence[PlanRow], limit: Optional[int] = None) -> str:
         tput = f"{r.predicted_samples_per_s:10.2f}" if r.fits else f"{'-':>10}"
         mem = f"{r.memory_per_gpu_bytes / GiB:7.2f}" if r.memory_per_gpu_bytes else f"{'-':>7}"
         lines.append(f"{i:>3}  {c.schedule:8} {c.w:>4} {c.d:>4} {c.t:>3} {c.b:>3} {c.m:>5} "
-                     f"{'yes' if c.recompute else 'no':6} {c.global_batch:>6} {tput} {mem} "
+                     f"{_recompute_label(c):6} {c.global_batch:>6} {tput} {mem} "
                      f"{100 * r.bubble_fraction:6.1f}%  {status}")
     return "\n".join(lines)

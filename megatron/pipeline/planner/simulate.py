@@ -58,7 +58,9 @@ def action_cost(config: Config, stages: Sequence[StageCost], links: Links,
         if a.op is Op.REDUCE_GRADS:
             # Hidden: it runs beside the next batch (simulated_batch_time bounds the
             # batch by its length, as the simulator has no asynchronous collectives).
-            return 0.0 if hide_reduce else s.allreduce_s
+            # Otherwise what is left after the last backward (the executor's bucket
+            # hooks overlap the rest of the data-parallel part with it).
+            return 0.0 if hide_reduce else s.dp_exposed_s + (s.allreduce_s - s.dp_allreduce_s)
         if a.op is Op.STEP:
             return s.step_s
         return 0.0
