@@ -350,25 +350,10 @@ _CPU_STAMPS: List[float] = []
 
 def run_ours(argv: List[str], num_microbatches: int):
     """(batch periods, losses) of this project's trainer; CPU stamps in _CPU_STAMPS."""
-    import pretrain_gpt
-    from megatron.training import pretrain
-    from bench.trainer_overhead import batch_periods
+    from bench.trainer_overhead import run_trainer
 
-    starts: List[float] = []
-    calls = [0]
     _CPU_STAMPS.clear()
-
-    def timed_forward_step(data_iterator, model):
-        if calls[0] % num_microbatches == 0:
-            starts.append(time.perf_counter())
-            _CPU_STAMPS.append(time.process_time())
-        calls[0] += 1
-        return pretrain_gpt.forward_step(data_iterator, model)
-
-    result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                      timed_forward_step, argv=argv)
-    losses = [result.losses[k]["lm loss"] for k in sorted(result.losses)]
-    return batch_periods(starts), losses
+    return run_trainer(argv, num_microbatches, cpu_stamps=_CPU_STAMPS)
 
 
 def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,

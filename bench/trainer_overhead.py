@@ -64,9 +64,11 @@ def batch_periods(stamps: List[float]) -> List[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def run_trainer(argv: List[str], num_microbatches: int) -> Tuple[List[float], List[float]]:
+def run_trainer(argv: List[str], num_microbatches: int,
+                cpu_stamps: Optional[List[float]] = None) -> Tuple[List[float], List[float]]:
     """(step times, losses) of ``pretrain`` on ``argv``; the last batch only ends the
-    last period, so ``iters`` batches give ``iters - 1`` step times."""
+    last period, so ``iters`` batches give ``iters - 1`` step times.  ``cpu_stamps``, when
+    given, receives the process CPU time at each batch start."""
     import pretrain_gpt
     from megatron.training import pretrain
 
@@ -76,6 +78,8 @@ def run_trainer(argv: List[str], num_microbatches: int) -> Tuple[List[float], Li
     def timed_forward_step(data_iterator, model):
         if calls[0] % num_microbatches == 0:
             starts.append(time.perf_counter())
+            if cpu_stamps is not None:
+                cpu_stamps.append(time.process_time())
         calls[0] += 1
         return pretrain_gpt.forward_step(data_iterator, model)
 

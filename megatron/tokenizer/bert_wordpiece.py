@@ -12,7 +12,7 @@ import unicodedata
 from typing import Dict, List, Optional, Sequence
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
-from megatron.tokenizer.fast import build_guarded, wordpiece_backend
+from megatron.tokenizer.fast import FastEncoded, build_guarded, wordpiece_backend
 
 UNK, CLS, SEP, PAD, MASK = "[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"
 MAX_CHARS_PER_WORD = 100
@@ -112,7 +112,7 @@ def load_vocab(vocab_file: str) -> Dict[str, int]:
     return vocab
 
 
-class BertWordPieceTokenizer(MegatronTokenizer):
+class BertWordPieceTokenizer(FastEncoded, MegatronTokenizer):
     """BERT tokenizer over a ``vocab.txt`` (``--vocab-file``), cased or lower-cased.
 
     ``fast`` (None = when installed) encodes with Hugging Face ``tokenizers``, guarded
@@ -168,16 +168,6 @@ class BertWordPieceTokenizer(MegatronTokenizer):
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> List[str]:
         return [self._inv_vocab[int(i)] for i in token_ids]
-
-    def tokenize(self, text: str) -> List[int]:
-        if self._fast is not None:
-            return self._fast.encode(text)
-        return self.tokenize_python(text)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        if self._fast is not None:
-            return self._fast.encode_batch(texts)
-        return [self.tokenize_python(t) for t in texts]
 
     def tokenize_python(self, text: str) -> List[int]:
         """The pure-Python reference encoder (the definition of the ids)."""

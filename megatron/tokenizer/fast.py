@@ -120,6 +120,26 @@ class GuardedEncoder:
         return out  # type: ignore[return-value]
 
 
+class FastEncoded:
+    """Mixin for tokenizers with a pure-Python reference encoder ``tokenize_python`` and an
+    optional ``GuardedEncoder`` in ``self._fast``: the fast one encodes when present."""
+
+    _fast: Optional["GuardedEncoder"] = None
+
+    def tokenize_python(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> List[int]:
+        if self._fast is not None:
+            return self._fast.encode(text)
+        return self.tokenize_python(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        if self._fast is not None:
+            return self._fast.encode_batch(texts)
+        return [self.tokenize_python(t) for t in texts]
+
+
 def gpt2_backend(encoder: Dict[str, int], merges: Sequence[tuple]):
     """Byte-level BPE with GPT-2's pre-tokenisation; <|endoftext|> stays plain text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

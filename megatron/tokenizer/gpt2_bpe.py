@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import regex
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
-from megatron.tokenizer.fast import build_guarded, gpt2_backend
+from megatron.tokenizer.fast import FastEncoded, build_guarded, gpt2_backend
 
 # Contractions first, then runs of letters / digits / other symbols each with at most
 # one leading space, then whitespace.  ``\s+(?!\S)`` leaves the last space of a run to
@@ -66,7 +66,7 @@ def read_merges(merge_file: str) -> List[Tuple[str, str]]:
     return merges
 
 
-class GPT2BPETokenizer(MegatronTokenizer):
+class GPT2BPETokenizer(FastEncoded, MegatronTokenizer):
     """GPT-2 tokenizer from ``encoder.json`` (``--vocab-file``) and ``vocab.bpe`` (``--merge-file``).
 
     Like the reference encoder, ``tokenize`` treats the text ``<|endoftext|>`` as plain
@@ -157,16 +157,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
             symbols = merged
         self.cache[piece] = symbols
         return symbols
-
-    def tokenize(self, text: str) -> List[int]:
-        if self._fast is not None:
-            return self._fast.encode(text)
-        return self.tokenize_python(text)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        if self._fast is not None:
-            return self._fast.encode_batch(texts)
-        return [self.tokenize_python(t) for t in texts]
 
     def tokenize_python(self, text: str) -> List[int]:
         """The pure-Python reference encoder (the definition of the ids)."""
