@@ -379,21 +379,28 @@ def _set_flag(argv: List[str], flag: str, value: str) -> List[str]:
     return out
 
 
-def run_groups(groups: List[List[Tuple[str, List[str]]]], world: int,
-               jobs: int) -> Dict[str, Any]:
-    """Run each group of trainings in its own set of ``world`` ranks, ``jobs`` groups at
-    a time; the results of the last rank (which computes the losses), merged."""
+def run_groups(groups: List[Any], world: int, jobs: int, worker: Any = None) -> Dict[str, Any]:
+    """Run each group (the worker's arguments) in its own set of ``world`` ranks, ``jobs``
+    groups at a time; the results of the last rank (which computes the losses), merged
+    (nested dicts one level deep)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.dist_utils import run_distributed
 
-    def one(runs: List[Tuple[str, List[str]]]) -> Dict[str, Any]:
-        return run_distributed(_worker, world, args=(runs,), timeout=6 * 3600)[-1]
+    fn = worker or _worker
+
+    def one(group: Any) -> Dict[str, Any]:
+        args = group if isinstance(group, tuple) else (group,)
+        return run_distributed(fn, world, args=args, timeout=6 * 3600)[-1]
 
     merged: Dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for res in pool.map(one, groups):
-            merged.update(res)
+            for k, v in res.items():
+                if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                    merged[k].update(v)
+                else:
+                    merged[k] = v
     return merged
 
 
