@@ -460,8 +460,10 @@ class PipelineEngine:
                 return
             self._pending_steps.pop(0)
             lr = self._lr_provider()
+            # base: the buffer holding W(t) (a flush step, warm-up included, updates in place)
+            base = self.buffer_for(t + 1 if self.schedule_at(t) == "2bw" else t)
             info = self.optimizer.finish_step(pending, self.weights.params(self.buffer_for(t)),
-                                              self.weights.params(self.buffer_for(t + 1)), lr)
+                                              self.weights.params(base), lr)
             self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
             self.iteration = t + 1
             losses = None

@@ -8,7 +8,8 @@ Rules (W(t): weights after t updates; g_t: batch t's clipped gradient):
   the optimizer state after step t-2 (identity before the first step); W(t+1) = W(t) -
   lr * AdamW(g_t);
 * dc: g_t taken at W(t-1), then g_t + lambda * g_t^2 * (W(t) - W(t-1)) is applied to W(t);
-* warmup N: batches t < N run on W(t) (Flush), later ones on W(max(t-1, N)).
+* warmup N: batches t < N run on W(t) (Flush), later ones on W(max(t-1, N)).  N is odd
+  here: the last warm-up step must update buffer 0 in place, not from buffer N % 2.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY, train_configs
 from tests.distributed.test_pipeline_semantics import _build_reference_model, _close, _losses
 
-STEPS, WARMUP, LAMBDA = 5, 2, 100.0
+STEPS, WARMUP, LAMBDA = 5, 3, 100.0
 
 
 def _argv(d: int, mitigation: str) -> List[str]:
@@ -130,7 +131,7 @@ def test_mitigation_equals_single_process_reference(runs, kind):
 
 
 def test_warmup_versions_switch_from_flush_to_2bw(runs):
-    expected = [0, 1, 2, 2, 3]  # batches 0, 1 under Flush; 2BW restarts from W(2)
+    expected = [0, 1, 2, 3, 3]  # batches 0-2 under Flush; 2BW restarts from W(3)
     assert runs["warmup_d2"]["versions"] == expected
     assert runs["predict_d2"]["versions"] == [max(t - 1, 0) for t in range(STEPS)]
 
