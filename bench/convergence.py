@@ -419,6 +419,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         "number of layers: --quick times at d=2; smoke 2)")
     p.add_argument("--time-iters", type=int, default=None,
                    help="iterations of each timing run (default 30; quick 12; smoke 2)")
+    p.add_argument("--time-repeats", type=int, default=3,
+                   help="interleaved timing rounds; the fastest of each variant is kept")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="what to compare (flush and 2bw are always included)")
     p.add_argument("--jobs", type=int, default=1,
@@ -461,15 +463,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     # per-iteration time of each variant, side by side in one short run at time_depth
     timed = [v for v in variants if v != "2bw+warmup"]
     timing_runs = []
-    for name in timed:
-        a = gpt_argv(name, s, data, time_depth, 1, lrs[0])
-        a = _set_flag(_set_flag(_set_flag(a, "--train-iters", str(time_iters)),
-                                "--eval-interval", str(10 * time_iters)), "--eval-iters", "1")
-        timing_runs.append((f"time:{name}", a))
+    for r in range(args.time_repeats):  # interleaved rounds: load spikes hit all variants
+        for name in timed:
+            a = gpt_argv(name, s, data, time_depth, 1, lrs[0])
+            a = _set_flag(_set_flag(_set_flag(a, "--train-iters", str(time_iters)),
+                                    "--eval-interval", str(10 * time_iters)), "--eval-iters", "1")
+            timing_runs.append((f"time{r}:{name}", a))
     print(f"[convergence] timing {', '.join(timed)} for {time_iters} iterations at "
-          f"d={time_depth} ...", flush=True)
+          f"d={time_depth}, {args.time_repeats} interleaved rounds (fastest kept) ...", flush=True)
     timing = run_groups([timing_runs], time_depth, 1)
-    seconds = {name: timing[f"time:{name}"]["seconds_per_iteration"] for name in timed}
+    seconds = {name: min(timing[f"time{r}:{name}"]["seconds_per_iteration"]
+                         for r in range(args.time_repeats)) for name in timed}
     by_lr = {lr: {name: results[f"{name}@{lr:g}"] for name in variants} for lr in lrs}
     figure = Path(args.figure) if args.figure else FIGURE
     plot(by_lr, figure_title(s, args.depth, args.width, data["source"], time_depth), figure,
@@ -486,7 +490,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "quick": args.quick, "smoke": args.smoke, "settings": s, "depth": args.depth,
         "width": args.width, "global_batch_size": s["mbs"] * s["m"] * args.width, "lrs": lrs,
         "variants": variants, "warmup_iters": warmup_iters,
-        "timing": {"depth": time_depth, "iterations": time_iters,
+        "timing": {"depth": time_depth, "iterations": time_iters, "rounds": args.time_repeats,
                    "seconds_per_iteration": seconds},
         "data_source": data["source"], "argv": {name: a for group in groups for name, a in group},
         "runs": out_runs,
