@@ -419,10 +419,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         "number of layers: --quick times at d=2; smoke 2)")
     p.add_argument("--time-iters", type=int, default=None,
                    help="iterations of each timing run (default 30; quick 12; smoke 2)")
-    p.add_argument("--time-repeats", type=int, default=3,
-                   help="interleaved timing rounds; the fastest of each variant is kept")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                   help="what to compare (flush and 2bw are always included)")
+    p.add_argument("--time-repeats", type=int, default=None,
+                   help="interleaved timing rounds; the fastest of each variant is kept "
+                        "(default 3; smoke 1)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
+                   help="what to compare (flush and 2bw are always included; default: "
+                        "all, smoke: 2bw+predict)")
     p.add_argument("--jobs", type=int, default=1,
                    help="learning rates trained at the same time (separate processes)")
     p.add_argument("--lr", type=float, nargs="+", default=None,
@@ -444,6 +446,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     s = model_settings(args.quick, args.smoke)
     if args.iters:
         s["iters"] = args.iters
+    if args.variants is None:
+        args.variants = ["2bw+predict"] if args.smoke else list(VARIANTS)
+    if args.time_repeats is None:
+        args.time_repeats = 1 if args.smoke else 3
     variants = ["flush", "2bw"] + [v for v in args.variants if v not in ("flush", "2bw")]
     warmup_iters = s["iters"] // 10  # the trainer's default --2bw-flush-warmup-iters
     # d=4 as asked; a model with fewer layers (--quick: 2) is timed at d = its layers

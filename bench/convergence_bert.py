@@ -289,11 +289,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="smaller model, 60 iterations (~1.5 min)")
     p.add_argument("--smoke", action="store_true", help="a few iterations, for tests (seconds)")
     p.add_argument("--iters", type=int, default=None, help="override pretraining iterations")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
                    help="pretraining variants compared (flush and 2bw always; only those "
-                        "two are finetuned)")
-    p.add_argument("--time-repeats", type=int, default=3,
-                   help="interleaved timing rounds; the fastest of each variant is kept")
+                        "two are finetuned; default: all, smoke: 2bw+predict)")
+    p.add_argument("--time-repeats", type=int, default=None,
+                   help="interleaved timing rounds; the fastest of each variant is kept "
+                        "(default 3; smoke 1)")
     p.add_argument("--time-iters", type=int, default=None,
                    help="iterations of each per-iteration timing run (default 30; smoke 2)")
     p.add_argument("--no-finetune-schedules", action="store_true",
@@ -310,6 +311,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     s = model_settings(args.quick, args.smoke)
     if args.iters:
         s["iters"] = args.iters
+    if args.variants is None:
+        args.variants = ["2bw+predict"] if args.smoke else list(VARIANTS)
+    if args.time_repeats is None:
+        args.time_repeats = 1 if args.smoke else 3
     variants = ["flush", "2bw"] + [v for v in args.variants if v not in SCHEDULES]
     warmup_iters = s["iters"] // 10  # the trainer's default --2bw-flush-warmup-iters
     time_iters = args.time_iters or (2 if args.smoke else 30)
