@@ -425,6 +425,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
                    help="what to compare (flush and 2bw are always included; default: "
                         "all, smoke: 2bw+predict)")
+    p.add_argument("--dc-lambda", type=float, default=None,
+                   help="--2bw-dc-lambda of the 2bw+dc variant (default: the trainer's, 1)")
     p.add_argument("--jobs", type=int, default=1,
                    help="learning rates trained at the same time (separate processes)")
     p.add_argument("--lr", type=float, nargs="+", default=None,
@@ -459,6 +461,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     data = prepare_data(Path(args.work_dir), s["vocab"], s["max_chars"] or None)
     prep_s = time.perf_counter() - t0
     lrs = args.lr or ([1e-3] if args.quick else [1e-3, 3e-4])
+    if args.dc_lambda is not None:
+        VARIANTS["2bw+dc"] = VARIANTS["2bw+dc"] + ["--2bw-dc-lambda", str(args.dc_lambda)]
     groups = [[(f"{name}@{lr:g}", gpt_argv(name, s, data, args.depth, args.width, lr))
                for name in variants] for lr in lrs]
     world = args.depth * args.width
