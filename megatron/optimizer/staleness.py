@@ -30,6 +30,19 @@ from torch import nn
 
 MITIGATIONS = ("none", "predict", "dc", "warmup")
 
+# (c, num, denom, coef) of P(W) = c * W + coef * num / denom (denom None: coef * num)
+_Terms = Tuple[float, torch.Tensor, Optional[torch.Tensor], float]
+
+
+def _apply(w: torch.Tensor, terms: _Terms) -> None:
+    """w := P(w), in place, in two element-wise passes."""
+    c, num, denom, coef = terms
+    w.mul_(c)
+    if denom is None:
+        w.add_(num, alpha=coef)
+    else:
+        w.addcdiv_(num, denom, value=coef)
+
 
 def _groups_by_param(optimizer: torch.optim.Optimizer) -> Dict[int, dict]:
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -45,46 +58,58 @@ class WeightPrediction:
         self.last_lr = 0.0
         """Learning rate the buffers' current predictions were made with."""
 
-    def _terms(self, main: nn.Parameter, lr: float) -> Tuple[float, Optional[torch.Tensor]]:
-        """(c, a) of P(W) = c * W - a from ``main``'s optimizer state; (1, None) when the
+    def _terms(self, main: nn.Parameter, lr: float) -> Optional[_Terms]:
+        """P(W) = c * W + coef * num / denom from ``main``'s optimizer state; None when the
         parameter has no state yet (before its first update there is nothing to predict)."""
         state = self.optimizer.state.get(main)
         if not state:
-            return 1.0, None
+            return None
         group = self._group[id(main)]
-        wd = group.get("weight_decay", 0.0)
+        c = 1.0 - lr * group.get("weight_decay", 0.0)
         if "exp_avg" in state:  # AdamW, as torch.optim.AdamW with grad = 0
             beta1, beta2 = group["betas"]
             step = float(state["step"]) + 1.0
             bc1 = 1.0 - beta1 ** step
             bc2 = 1.0 - beta2 ** step
-            m = state["exp_avg"] * beta1
-            denom = (state["exp_avg_sq"] * beta2).sqrt_().div_(math.sqrt(bc2)).add_(group["eps"])
-            return 1.0 - lr * wd, m.div_(denom).mul_(lr / bc1)
+            # sqrt(beta2 * v / bc2) + eps, then the step along beta1 * m / bc1
+            denom = state["exp_avg_sq"].sqrt().mul_(math.sqrt(beta2 / bc2)).add_(group["eps"])
+            return c, state["exp_avg"], denom, -lr * beta1 / bc1
         buf = state.get("momentum_buffer")  # SGD (L2 decay enters the momentum)
         if buf is None:
-            return 1.0, None
-        return 1.0 - lr * wd, buf * (lr * group["momentum"])
+            return None
+        return c, buf, None, -lr * group["momentum"]
 
     @torch.no_grad()
     def predict_(self, dst: Sequence[nn.Parameter], src: Sequence[torch.Tensor],
                  lr: float) -> None:
-        """dst := P(src) with the current state and ``lr`` (dst may be low precision)."""
+        """dst := P(src) with the current state and ``lr`` (dst may be low precision; src
+        may be dst's own tensor, then the prediction is made in place)."""
         for main, d, s in zip(self.main_params, dst, src):
-            c, a = self._terms(main, lr)
-            if a is None:
-                d.data.copy_(s)
-            else:
-                d.data.copy_(s.to(a.dtype) * c - a)
+            terms = self._terms(main, lr)
+            in_place = s.data_ptr() == d.data.data_ptr() and s.dtype == d.dtype
+            if terms is None:
+                if not in_place:
+                    d.data.copy_(s)
+                continue
+            w = s if in_place else s.to(terms[1].dtype, copy=True)
+            _apply(w, terms)
+            if not in_place:
+                d.data.copy_(w)
         self.last_lr = lr
 
     @torch.no_grad()
     def restore_(self, buf: Sequence[nn.Parameter]) -> None:
-        """Invert the prediction in place: W = (P(W) + a) / c (same state, ``last_lr``)."""
+        """Invert the prediction in place: W = (P(W) - coef * num / denom) / c (same state,
+        ``last_lr``)."""
         for main, p in zip(self.main_params, buf):
-            c, a = self._terms(main, self.last_lr)
-            if a is not None:
-                p.data.add_(a).div_(c)
+            terms = self._terms(main, self.last_lr)
+            if terms is not None:
+                c, num, denom, coef = terms
+                if denom is None:
+                    p.data.add_(num, alpha=-coef)
+                else:
+                    p.data.addcdiv_(num, denom, value=-coef)
+                p.data.div_(c)
 
     def state_dict(self) -> dict:
         return {"last_lr": self.last_lr}
