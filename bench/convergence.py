@@ -4,10 +4,15 @@
     PYTHONPATH=. python bench/convergence.py --quick    # a few minutes, smaller model
     PYTHONPATH=. python bench/convergence.py --quick --smoke   # seconds (tests)
 
-The same small GPT is pretrained twice on 2 gloo CPU ranks (d=2 pipeline stages, w=1 by
-default), once with ``--pipeline-schedule flush`` (vanilla optimizer semantics) and once
-with ``--pipeline-schedule 2bw`` (1-stale updates, paper section 3.1), with identical
-data order, hyperparameters and seeds.  The corpus is tinyshakespeare plus the
+The same small GPT is pretrained once per variant -- ``--pipeline-schedule flush``
+(vanilla optimizer semantics), ``2bw`` (1-stale updates, paper section 3.1) and 2BW with
+each ``--2bw-mitigation`` (predict, dc, warmup) -- with identical data order,
+hyperparameters and seeds.  The loss curves run at d=1 by default (``--depth``): the
+update rules are proven invariant to d (tests/distributed/test_pipeline_semantics.py,
+test_mitigations.py), and one rank is much cheaper on a small CPU machine.  The time
+per iteration of each variant is measured separately, side by side, in short runs at
+d=4 (``--time-depth``; at most the number of layers), and "time to Flush's final loss"
+is iterations-to-reach x that time.  The corpus is tinyshakespeare plus the
 WikiText-2 test split from ``../shared/data`` (cut into ~2,000-character documents and
 interleaved in a fixed order), tokenized with a SentencePiece model trained by
 tools/train_tokenizer.py and written by tools/preprocess_data.py; without
