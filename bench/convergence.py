@@ -483,6 +483,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             a = gpt_argv(name, s, data, time_depth, 1, lrs[0])
             a = _set_flag(_set_flag(_set_flag(a, "--train-iters", str(time_iters)),
                                     "--eval-interval", str(10 * time_iters)), "--eval-iters", "1")
+            a = _set_flag(a, "--lr-warmup-iters", "1")  # must stay below the short run
             timing_runs.append((f"time{r}:{name}", a))
     print(f"[convergence] timing {', '.join(timed)} for {time_iters} iterations at "
           f"d={time_depth}, {args.time_repeats} interleaved rounds (fastest kept) ...", flush=True)

@@ -331,9 +331,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                  if n not in SCHEDULES]
         timed = [v for v in variants if v != "2bw+warmup"]
         # interleaved rounds (fastest kept): load spikes on a shared machine hit every variant
-        timing = [(f"time{r}:{n}", _set_flag(_set_flag(_set_flag(
+        timing = [(f"time{r}:{n}", _set_flag(_set_flag(_set_flag(_set_flag(
             pretrain_argv(n, s, data["data_path"], None), "--train-iters", str(time_iters)),
-            "--eval-interval", str(10 * time_iters)), "--eval-iters", "1"))
+            "--eval-interval", str(10 * time_iters)), "--eval-iters", "1"),
+            "--lr-warmup-iters", "1"))
             for r in range(args.time_repeats) for n in timed]
         print(f"[convergence_bert] data ready in {prep_s:.0f} s ({data['source']}); "
               f"pretraining {', '.join(variants)} for {s['iters']} iterations, then "
