@@ -4,10 +4,15 @@
     PYTHONPATH=. python bench/convergence.py --quick    # a few minutes, smaller model
     PYTHONPATH=. python bench/convergence.py --quick --smoke   # seconds (tests)
 
-The same small GPT is pretrained twice on 2 gloo CPU ranks (d=2 pipeline stages, w=1 by
-default), once with ``--pipeline-schedule flush`` (vanilla optimizer semantics) and once
-with ``--pipeline-schedule 2bw`` (1-stale updates, paper section 3.1), with identical
-data order, hyperparameters and seeds.  The corpus is tinyshakespeare plus the
+The same small GPT is pretrained once per variant -- ``--pipeline-schedule flush``
+(vanilla optimizer semantics), ``2bw`` (1-stale updates, paper section 3.1) and 2BW with
+each ``--2bw-mitigation`` (predict, dc, warmup) -- with identical data order,
+hyperparameters and seeds.  The loss curves run at d=1 by default (``--depth``): the
+update rules are proven invariant to d (tests/distributed/test_pipeline_semantics.py,
+test_mitigations.py), and one rank is much cheaper on a small CPU machine.  The time
+per iteration of each variant is measured separately, side by side, in short runs at
+d=4 (``--time-depth``; at most the number of layers), and "time to Flush's final loss"
+is iterations-to-reach x that time.  The corpus is tinyshakespeare plus the
 WikiText-2 test split from ``../shared/data`` (cut into ~2,000-character documents and
 interleaved in a fixed order), tokenized with a SentencePiece model trained by
 tools/train_tokenizer.py and written by tools/preprocess_data.py; without
@@ -46,6 +51,19 @@ from bench.common import (REPO_ROOT, RESULTS_DIR, first_reach, format_table,  # 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_gpt.png"
 SCHEDULES = ("flush", "2bw")
+# Every variant compared: the two schedules, then 2BW with each --2bw-mitigation.
+VARIANTS: Dict[str, List[str]] = {
+    "flush": ["--pipeline-schedule", "flush"],
+    "2bw": ["--pipeline-schedule", "2bw"],
+    "2bw+predict": ["--pipeline-schedule", "2bw", "--2bw-mitigation", "predict"],
+    "2bw+dc": ["--pipeline-schedule", "2bw", "--2bw-mitigation", "dc"],
+    "2bw+warmup": ["--pipeline-schedule", "2bw", "--2bw-mitigation", "warmup"],
+}
+STYLES = {"flush": ("PipeDream-Flush (vanilla Adam)", "tab:blue", "-"),
+          "2bw": ("PipeDream-2BW (1-stale Adam)", "tab:red", "--"),
+          "2bw+predict": ("2BW + weight prediction", "tab:green", "-"),
+          "2bw+dc": ("2BW + delay compensation", "tab:purple", ":"),
+          "2bw+warmup": ("2BW + flush warm-up", "tab:orange", "-.")}
 
 
 def git_revision() -> Dict[str, Any]:
@@ -131,14 +149,15 @@ def model_settings(quick: bool, smoke: bool) -> Dict[str, int]:
                 eval_iters=8, vocab=2048, max_chars=0)
 
 
-def gpt_argv(schedule: str, s: Dict[str, int], data: Dict[str, str], depth: int,
+def gpt_argv(variant: str, s: Dict[str, int], data: Dict[str, str], depth: int,
              width: int, lr: float) -> List[str]:
+    """Trainer flags of one variant (a schedule name, or 2bw+<mitigation>)."""
     gbs = s["mbs"] * s["m"] * width
     return ["--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]),
             "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
             "--max-position-embeddings", str(s["seq"]),
             "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(gbs),
-            "--pipeline-model-parallel-size", str(depth), "--pipeline-schedule", schedule,
+            "--pipeline-model-parallel-size", str(depth), *VARIANTS[variant],
             "--distributed-backend", "gloo",
             "--train-iters", str(s["iters"]), "--lr", str(lr), "--min-lr", str(lr / 10),
             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, s["iters"] // 20)),
@@ -216,6 +235,39 @@ def analyze(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
                                      else reach_2bw - reach_flush)}
 
 
+def elapsed(variant: str, iteration: float, seconds: Dict[str, Optional[float]],
+            warmup_iters: int) -> Optional[float]:
+    """Seconds a variant needs for ``iteration`` iterations at the measured per-iteration
+    times; the flush warm-up runs its first ``warmup_iters`` at Flush's time, then 2BW's."""
+    if variant == "2bw+warmup":
+        if seconds.get("flush") is None or seconds.get("2bw") is None:
+            return None
+        head = min(iteration, warmup_iters)
+        return head * seconds["flush"] + (iteration - head) * seconds["2bw"]
+    sec = seconds.get(variant)
+    return None if sec is None else iteration * sec
+
+
+def variant_summary(runs: Dict[str, Dict[str, Any]], seconds: Dict[str, Optional[float]],
+                    warmup_iters: int) -> Dict[str, Dict[str, Any]]:
+    """Per variant: validation loss at Flush's last iteration, its gap to Flush, the
+    iteration where it first reaches Flush's final loss and the time that takes."""
+    flush = runs["flush"]["valid"]
+    last = max(flush)
+    target = flush[last]
+    out = {}
+    for name, r in runs.items():
+        valid = r["valid"]
+        reach = first_reach(valid, target)
+        out[name] = {"final_valid": valid[last],
+                     "relative_to_flush": (valid[last] - target) / target,
+                     "reaches_flush_final_at": reach,
+                     "seconds_per_iteration": seconds.get(name),
+                     "seconds_to_flush_final": (None if reach is None else
+                                                elapsed(name, reach, seconds, warmup_iters))}
+    return out
+
+
 def smooth(values: Sequence[float], window: int) -> List[float]:
     out, acc = [], 0.0
     for i, v in enumerate(values):
@@ -226,39 +278,50 @@ def smooth(values: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def plot(by_lr: Dict[float, Dict[str, Dict[str, Any]]], title: str, path: Path) -> None:
-    """One row per learning rate: training loss (left), validation loss (right)."""
+def plot(by_lr: Dict[float, Dict[str, Dict[str, Any]]], title: str, path: Path,
+         seconds: Optional[Dict[str, Optional[float]]] = None, warmup_iters: int = 0) -> None:
+    """One row per learning rate: training loss, validation loss against iterations,
+    and (when per-iteration times are known) validation loss against time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(by_lr), 2, figsize=(11, 0.6 + 3.8 * len(by_lr)),
+    ncols = 3 if seconds else 2
+    fig, axes = plt.subplots(len(by_lr), ncols, figsize=(5.5 * ncols, 0.6 + 3.8 * len(by_lr)),
                              squeeze=False)
-    styles = {"flush": ("PipeDream-Flush (vanilla Adam)", "tab:blue", "-"),
-              "2bw": ("PipeDream-2BW (1-stale Adam)", "tab:red", "--")}
-    for (ax_t, ax_v), (lr, runs) in zip(axes, by_lr.items()):
-        for name in SCHEDULES:
-            label, color, ls = styles[name]
+    for row, (lr, runs) in zip(axes, by_lr.items()):
+        ax_t, ax_v = row[0], row[1]
+        for name in runs:
+            label, color, ls = STYLES.get(name, (name, None, "-"))
             its, vals = zip(*sorted(runs[name]["train"].items()))
             window = max(1, len(vals) // 40)
-            ax_t.plot(its, vals, color=color, alpha=0.15, lw=0.8)
-            ax_t.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
+            ax_t.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.4,
                       label=f"{label}, moving avg {window}")
             its, vals = zip(*sorted(runs[name]["valid"].items()))
-            ax_v.plot(its, vals, color=color, ls=ls, marker="o", ms=3, lw=1.6,
+            ax_v.plot(its, vals, color=color, ls=ls, marker="o", ms=2.5, lw=1.4,
                       label=f"{label}: {vals[-1]:.3f}")
+            if seconds:
+                times = [elapsed(name, it, seconds, warmup_iters) for it in its]
+                if all(t is not None for t in times):
+                    row[2].plot(times, vals, color=color, ls=ls, marker="o", ms=2.5, lw=1.4,
+                                label=label)
         for ax, what in ((ax_t, "training loss"),
                          (ax_v, "validation loss (fixed held-out set)")):
             ax.set_xlabel("iteration")
             ax.set_ylabel("lm loss (nats/token)")
             ax.set_title(f"{what}, peak lr {lr:g}", fontsize=10)
+        if seconds:
+            row[2].set_xlabel("seconds (iterations x measured s/iteration at the timing depth)")
+            row[2].set_ylabel("lm loss (nats/token)")
+            row[2].set_title(f"validation loss against time, peak lr {lr:g}", fontsize=10)
+        for ax in row:
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -269,10 +332,13 @@ def bert_status() -> Dict[str, Any]:
             "results": "bench/results/convergence_bert.json"}
 
 
-def figure_title(s: Dict[str, int], depth: int, width: int, source: str) -> str:
+def figure_title(s: Dict[str, int], depth: int, width: int, source: str,
+                 time_depth: Optional[int] = None) -> str:
+    timing = (f"; loss curves at d={depth} (semantics do not depend on d), s/iteration "
+              f"measured at d={time_depth}" if time_depth else "")
     return (f"GPT {s['layers']} layers, hidden {s['hidden']}, seq {s['seq']}, vocab "
             f"{s['vocab']}; d={depth}, w={width}, m={s['m']}, b={s['mbs']}, global batch "
-            f"{s['mbs'] * s['m'] * width}\n{source}")
+            f"{s['mbs'] * s['m'] * width}{timing}\n{source}")
 
 
 def replot(results_dir: Path, figure: Optional[str]) -> Dict[str, Any]:
@@ -285,29 +351,62 @@ def replot(results_dir: Path, figure: Optional[str]) -> Dict[str, Any]:
                               for part in ("train", "valid")}
                        for name, c in r["curves"].items()} for r in data["runs"]}
     out = Path(figure) if figure else REPO_ROOT / data["figures"][0]
+    timing = data.get("timing") or {}
     plot(by_lr, figure_title(data["settings"], data["depth"], data["width"],
-                             data["data_source"]), out)
+                             data["data_source"], timing.get("depth")), out,
+         timing.get("seconds_per_iteration"), data.get("warmup_iters", 0))
     print(f"redrew {out} from {path}")
     return data
 
 
-def report(lr: float, runs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def report(lr: float, runs: Dict[str, Dict[str, Any]], seconds: Dict[str, Optional[float]],
+           warmup_iters: int) -> Dict[str, Any]:
     """Print one learning rate's comparison; return its JSON record."""
     summary = analyze(runs)
-    rows = [[name, runs[name]["valid"][summary["final_iteration"]],
-             runs[name]["seconds_per_iteration"]] for name in SCHEDULES]
-    print(format_table(["schedule", "final valid loss", "s/iteration"], rows,
+    variants = variant_summary(runs, seconds, warmup_iters)
+    rows = [[name, v["final_valid"], f"{v['relative_to_flush'] * 100:+.2f}%",
+             v["reaches_flush_final_at"], v["seconds_per_iteration"],
+             v["seconds_to_flush_final"]] for name, v in variants.items()]
+    print(format_table(["variant", "final valid loss", "vs flush", "reaches flush final at",
+                        "s/iteration (timing run)", "s to flush final"], rows,
                        title=f"peak lr {lr:g}: after {summary['final_iteration']} iterations"))
-    extra = summary["extra_iterations_2bw"]
-    print(f"relative difference of final validation loss (2bw vs flush): "
-          f"{summary['relative_difference'] * 100:+.2f}%")
-    print("iterations 2bw needs beyond flush to reach flush's final validation loss: "
-          + ("not reached within the run" if extra is None else f"{extra:+.1f}"))
-    return {"lr": lr, "summary": summary,
-            "table": [{"schedule": r[0], "final_valid_loss": r[1], "seconds_per_iteration": r[2]}
-                      for r in rows],
+    return {"lr": lr, "summary": summary, "variants": variants,
+            "table": [{"schedule": name, "final_valid_loss": v["final_valid"],
+                       "seconds_per_iteration": runs[name]["seconds_per_iteration"]}
+                      for name, v in variants.items()],
             "curves": {name: {"train": runs[name]["train"], "valid": runs[name]["valid"]}
-                       for name in SCHEDULES}}
+                       for name in runs}}
+
+
+def _set_flag(argv: List[str], flag: str, value: str) -> List[str]:
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def run_groups(groups: List[Any], world: int, jobs: int, worker: Any = None) -> Dict[str, Any]:
+    """Run each group (the worker's arguments) in its own set of ``world`` ranks, ``jobs``
+    groups at a time; the results of the last rank (which computes the losses), merged
+    (nested dicts one level deep)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.dist_utils import run_distributed
+
+    fn = worker or _worker
+
+    def one(group: Any) -> Dict[str, Any]:
+        args = group if isinstance(group, tuple) else (group,)
+        return run_distributed(fn, world, args=args, timeout=6 * 3600)[-1]
+
+    merged: Dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for res in pool.map(one, groups):
+            for k, v in res.items():
+                if isinstance(v, dict) and isinstance(merged.get(k), dict):
+                    merged[k].update(v)
+                else:
+                    merged[k] = v
+    return merged
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,10 +415,27 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="smaller model, 150 iterations")
     p.add_argument("--smoke", action="store_true", help="with --quick: seconds, for tests")
     p.add_argument("--iters", type=int, default=None, help="override --train-iters")
-    p.add_argument("--depth", type=int, default=2, help="pipeline stages d (default 2)")
+    p.add_argument("--depth", type=int, default=1,
+                   help="pipeline stages d of the loss-curve runs (default 1: the semantics "
+                        "are proven invariant to d, and d=1 is cheapest)")
     p.add_argument("--width", type=int, default=1, help="parallel pipelines w (default 1)")
+    p.add_argument("--time-depth", type=int, default=None,
+                   help="d of the separate per-iteration timing runs (default 4, at most the "
+                        "number of layers: --quick times at d=2; smoke 2)")
+    p.add_argument("--time-iters", type=int, default=None,
+                   help="iterations of each timing run (default 30; quick 12; smoke 2)")
+    p.add_argument("--time-repeats", type=int, default=None,
+                   help="interleaved timing rounds; the fastest of each variant is kept "
+                        "(default 3; smoke 1)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
+                   help="what to compare (flush and 2bw are always included; default: "
+                        "all, smoke: 2bw+predict)")
+    p.add_argument("--dc-lambda", type=float, default=None,
+                   help="--2bw-dc-lambda of the 2bw+dc variant (default: the trainer's, 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="learning rates trained at the same time (separate processes)")
     p.add_argument("--lr", type=float, nargs="+", default=None,
-                   help="peak learning rates, one pair of runs each (default 1e-3 3e-4; "
+                   help="peak learning rates, one set of runs each (default 1e-3 3e-4; "
                         "quick: 1e-3)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "megatron-bench"
                                              / "convergence"),
@@ -333,34 +449,67 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         p.error("--smoke is a variant of --quick; pass both")
     if args.replot:
         return replot(Path(args.out_dir) if args.out_dir else RESULTS_DIR, args.figure)
-    from tests.dist_utils import run_distributed
 
     s = model_settings(args.quick, args.smoke)
     if args.iters:
         s["iters"] = args.iters
+    if args.variants is None:
+        args.variants = ["2bw+predict"] if args.smoke else list(VARIANTS)
+    if args.time_repeats is None:
+        args.time_repeats = 1 if args.smoke else 3
+    variants = ["flush", "2bw"] + [v for v in args.variants if v not in ("flush", "2bw")]
+    warmup_iters = s["iters"] // 10  # the trainer's default --2bw-flush-warmup-iters
+    # d=4 as asked; a model with fewer layers (--quick: 2) is timed at d = its layers
+    time_depth = args.time_depth or min(2 if args.smoke else 4, s["layers"])
+    time_iters = args.time_iters or (2 if args.smoke else 12 if args.quick else 30)
     t0 = time.perf_counter()
     data = prepare_data(Path(args.work_dir), s["vocab"], s["max_chars"] or None)
     prep_s = time.perf_counter() - t0
     lrs = args.lr or ([1e-3] if args.quick else [1e-3, 3e-4])
-    runs = [(f"{name}@{lr:g}", gpt_argv(name, s, data, args.depth, args.width, lr))
-            for lr in lrs for name in SCHEDULES]
+    if args.dc_lambda is not None:
+        VARIANTS["2bw+dc"] = VARIANTS["2bw+dc"] + ["--2bw-dc-lambda", str(args.dc_lambda)]
+    groups = [[(f"{name}@{lr:g}", gpt_argv(name, s, data, args.depth, args.width, lr))
+               for name in variants] for lr in lrs]
     world = args.depth * args.width
     print(f"[convergence] data ready in {prep_s:.0f} s ({data['source']}); training "
-          f"{' and '.join(SCHEDULES)} at lr {', '.join(f'{lr:g}' for lr in lrs)} for "
-          f"{s['iters']} iterations on {world} ranks ...", flush=True)
-    per_rank = run_distributed(_worker, world, args=(runs,), timeout=6 * 3600)
-    results = per_rank[-1]  # the last pipeline stage computes the losses
-    by_lr = {lr: {name: results[f"{name}@{lr:g}"] for name in SCHEDULES} for lr in lrs}
+          f"{', '.join(variants)} at lr {', '.join(f'{lr:g}' for lr in lrs)} for "
+          f"{s['iters']} iterations on {world} rank(s) ...", flush=True)
+    results = run_groups(groups, world, args.jobs)
+    # per-iteration time of each variant, side by side in one short run at time_depth
+    timed = [v for v in variants if v != "2bw+warmup"]
+    timing_runs = []
+    for r in range(args.time_repeats):  # interleaved rounds: load spikes hit all variants
+        for name in timed:
+            a = gpt_argv(name, s, data, time_depth, 1, lrs[0])
+            a = _set_flag(_set_flag(_set_flag(a, "--train-iters", str(time_iters)),
+                                    "--eval-interval", str(10 * time_iters)), "--eval-iters", "1")
+            a = _set_flag(a, "--lr-warmup-iters", "1")  # must stay below the short run
+            timing_runs.append((f"time{r}:{name}", a))
+    print(f"[convergence] timing {', '.join(timed)} for {time_iters} iterations at "
+          f"d={time_depth}, {args.time_repeats} interleaved rounds (fastest kept) ...", flush=True)
+    timing = run_groups([timing_runs], time_depth, 1)
+    seconds = {name: min(timing[f"time{r}:{name}"]["seconds_per_iteration"]
+                         for r in range(args.time_repeats)) for name in timed}
+    by_lr = {lr: {name: results[f"{name}@{lr:g}"] for name in variants} for lr in lrs}
     figure = Path(args.figure) if args.figure else FIGURE
-    plot(by_lr, figure_title(s, args.depth, args.width, data["source"]), figure)
-    out_runs = [report(lr, r) for lr, r in by_lr.items()]
+    plot(by_lr, figure_title(s, args.depth, args.width, data["source"], time_depth), figure,
+         seconds, warmup_iters)
+    print(f"loss curves at d={args.depth} (2BW and its mitigations are proven invariant to "
+          f"d); seconds/iteration measured side by side at d={time_depth} over {time_iters} "
+          f"iterations (one pipeline fill and drain included); the flush warm-up's time is "
+          f"{warmup_iters} iterations at Flush's time, then 2BW's")
+    out_runs = [report(lr, r, seconds, warmup_iters) for lr, r in by_lr.items()]
     payload = {
         "command": ("PYTHONPATH=. python bench/convergence.py "
                    + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
                    ).strip(),
         "quick": args.quick, "smoke": args.smoke, "settings": s, "depth": args.depth,
         "width": args.width, "global_batch_size": s["mbs"] * s["m"] * args.width, "lrs": lrs,
-        "data_source": data["source"], "argv": {name: a for name, a in runs}, "runs": out_runs,
+        "variants": variants, "warmup_iters": warmup_iters,
+        "timing": {"depth": time_depth, "iterations": time_iters, "rounds": args.time_repeats,
+                   "seconds_per_iteration": seconds},
+        "data_source": data["source"], "argv": {name: a for group in groups for name, a in group},
+        "runs": out_runs,
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],
         "bert_mnli": bert_status(), "git": git_revision(),

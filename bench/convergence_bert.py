@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (REPO_ROOT, format_table, run_tool, write_corpus,  # noqa: E402
                           write_results)
-from bench.convergence import (SHARED_DATA, _FirstSamples, first_reach, git_revision,  # noqa: E402
-                               real_text_documents, smooth)
+from bench.convergence import (SHARED_DATA, STYLES, VARIANTS, _FirstSamples,  # noqa: E402
+                               _set_flag, elapsed, first_reach, git_revision,
+                               real_text_documents, run_groups, smooth, variant_summary)
 
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_bert.png"
 SCHEDULES = ("flush", "2bw")
@@ -85,26 +86,28 @@ def model_settings(quick: bool, smoke: bool) -> Dict[str, Any]:
                 eval_interval=25, eval_iters=8, lr=1e-3, max_chars=0, ft_epochs=5, ft_lr=5e-4)
 
 
-def common_argv(s: Dict[str, Any]) -> List[str]:
+def common_argv(s: Dict[str, Any], depth: int = 2) -> List[str]:
     return ["--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]),
             "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]),
             "--max-position-embeddings", str(s["seq"]),
             "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(VOCAB),
-            "--pipeline-model-parallel-size", "2", "--distributed-backend", "gloo",
+            "--pipeline-model-parallel-size", str(depth), "--distributed-backend", "gloo",
             "--seed", "1234", "--num-workers", "0", "--log-interval", "100000",
             "--distributed-timeout-minutes", "30"]
 
 
-def pretrain_argv(schedule: str, s: Dict[str, Any], data_path: str, save: Path) -> List[str]:
-    return common_argv(s) + [
-        "--pipeline-schedule", schedule, "--micro-batch-size", str(s["mbs"]),
+def pretrain_argv(variant: str, s: Dict[str, Any], data_path: str, save: Optional[Path],
+                  depth: int = 2) -> List[str]:
+    """Pretraining flags of one variant (flush, 2bw or 2bw+<mitigation>)."""
+    return common_argv(s, depth) + [
+        *VARIANTS[variant], "--micro-batch-size", str(s["mbs"]),
         "--global-batch-size", str(s["mbs"] * s["m"]), "--train-iters", str(s["iters"]),
         "--lr", str(s["lr"]), "--min-lr", str(s["lr"] / 10), "--lr-decay-style", "cosine",
         "--lr-warmup-iters", str(max(1, s["iters"] // 20)), "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--mask-prob", "0.15", "--short-seq-prob", "0.1",
         "--data-path", data_path, "--split", "90,10,0",
         "--eval-interval", str(s["eval_interval"]), "--eval-iters", str(s["eval_iters"]),
-        "--save", str(save), "--save-interval", str(s["iters"])]
+        *(["--save", str(save), "--save-interval", str(s["iters"])] if save else [])]
 
 
 def finetune_argv(schedule: str, s: Dict[str, Any], pretrained: Path) -> List[str]:
@@ -133,7 +136,7 @@ def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[i
 
 
 def _worker(rank: int, world: int, pre: List[Tuple[str, List[str]]],
-            fine: List[Tuple[str, List[str]]]) -> Dict[str, Any]:
+            fine: List[Tuple[str, List[str]]] = ()) -> Dict[str, Any]:
     import torch
 
     import pretrain_bert
@@ -211,43 +214,50 @@ def mnli_table(fine: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def plot(pre: Dict[str, Dict[str, Any]], title: str, path: Path) -> None:
+def plot(pre: Dict[str, Dict[str, Any]], title: str, path: Path,
+         seconds: Optional[Dict[str, Optional[float]]] = None, warmup_iters: int = 0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"flush": ("PipeDream-Flush (vanilla Adam)", "tab:blue", "-"),
-              "2bw": ("PipeDream-2BW (1-stale Adam)", "tab:red", "--")}
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.6))
-    panels = (("train", "lm loss", "training masked-LM loss"),
+    panels = [("train", "lm loss", "training masked-LM loss"),
               ("valid", "lm loss", "validation masked-LM loss (fixed held-out samples)"),
               ("train", "sop loss", "training sentence-order loss"),
-              ("valid", "sop loss", "validation sentence-order loss"))
+              ("valid", "sop loss", "validation sentence-order loss")]
+    if seconds:
+        panels += [("time", "lm loss", "validation masked-LM loss against time"),
+                   ("time", "sop loss", "validation sentence-order loss against time")]
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(12, 3.8 * len(panels) // 2))
     for ax, (part, key, what) in zip(axes.flat, panels):
-        for name in SCHEDULES:
-            label, color, ls = styles[name]
-            c = curve(pre[name][part], key)
+        for name in pre:
+            label, color, ls = STYLES.get(name, (name, None, "-"))
+            c = curve(pre[name]["valid" if part == "time" else part], key)
             if not c:
                 continue
             its, vals = zip(*c.items())
-            if part == "train":
+            if part == "time":
+                times = [elapsed(name, it, seconds, warmup_iters) for it in its]
+                if all(t is not None for t in times):
+                    ax.plot(times, vals, color=color, ls=ls, marker="o", ms=2.5, lw=1.4,
+                            label=label)
+            elif part == "train":
                 window = max(1, len(vals) // 25)
-                ax.plot(its, vals, color=color, alpha=0.15, lw=0.8)
-                ax.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.6,
+                ax.plot(its, smooth(vals, window), color=color, ls=ls, lw=1.4,
                         label=f"{label}, moving avg {window}")
             else:
-                ax.plot(its, vals, color=color, ls=ls, marker="o", ms=3, lw=1.6,
+                ax.plot(its, vals, color=color, ls=ls, marker="o", ms=2.5, lw=1.4,
                         label=f"{label}: {vals[-1]:.3f}")
-        ax.set_xlabel("iteration")
+        ax.set_xlabel("seconds (iterations x measured s/iteration)" if part == "time"
+                      else "iteration")
         ax.set_ylabel(f"{key} (nats)")
         ax.set_title(what, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -279,6 +289,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="smaller model, 60 iterations (~1.5 min)")
     p.add_argument("--smoke", action="store_true", help="a few iterations, for tests (seconds)")
     p.add_argument("--iters", type=int, default=None, help="override pretraining iterations")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None,
+                   help="pretraining variants compared (flush and 2bw always; only those "
+                        "two are finetuned; default: all, smoke: 2bw+predict)")
+    p.add_argument("--time-repeats", type=int, default=None,
+                   help="interleaved timing rounds; the fastest of each variant is kept "
+                        "(default 3; smoke 1)")
+    p.add_argument("--time-iters", type=int, default=None,
+                   help="iterations of each per-iteration timing run (default 30; smoke 2)")
     p.add_argument("--no-finetune-schedules", action="store_true",
                    help="finetune with each pretraining run's own schedule only")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "megatron-bench"
@@ -290,11 +308,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if not (VOCAB.is_file() and MNLI.is_dir()):
         raise SystemExit(f"bench/convergence_bert.py: needs {VOCAB} and {MNLI} (the BERT "
                          f"vocabulary and the MNLI sample); not found")
-    from tests.dist_utils import run_distributed
-
     s = model_settings(args.quick, args.smoke)
     if args.iters:
         s["iters"] = args.iters
+    if args.variants is None:
+        args.variants = ["2bw+predict"] if args.smoke else list(VARIANTS)
+    if args.time_repeats is None:
+        args.time_repeats = 1 if args.smoke else 3
+    variants = ["flush", "2bw"] + [v for v in args.variants if v not in SCHEDULES]
+    warmup_iters = s["iters"] // 10  # the trainer's default --2bw-flush-warmup-iters
+    time_iters = args.time_iters or (2 if args.smoke else 30)
     t0 = time.perf_counter()
     data = prepare_data(Path(args.work_dir), s["max_chars"] or None)
     prep_s = time.perf_counter() - t0
@@ -303,18 +326,43 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         pre = [(n, pretrain_argv(n, s, data["data_path"], ckpt_root / n)) for n in SCHEDULES]
         fine = [(f"{pn}->{fn}", finetune_argv(fn, s, ckpt_root / pn)) for pn in SCHEDULES
                 for fn in SCHEDULES if fn == pn or not args.no_finetune_schedules]
+        # the mitigations pretrain in a second pair of ranks, at the same time
+        extra = [(n, pretrain_argv(n, s, data["data_path"], None)) for n in variants
+                 if n not in SCHEDULES]
+        timed = [v for v in variants if v != "2bw+warmup"]
+        # interleaved rounds (fastest kept): load spikes on a shared machine hit every variant
+        timing = [(f"time{r}:{n}", _set_flag(_set_flag(_set_flag(_set_flag(
+            pretrain_argv(n, s, data["data_path"], None), "--train-iters", str(time_iters)),
+            "--eval-interval", str(10 * time_iters)), "--eval-iters", "1"),
+            "--lr-warmup-iters", "1"))
+            for r in range(args.time_repeats) for n in timed]
         print(f"[convergence_bert] data ready in {prep_s:.0f} s ({data['source']}); "
-              f"pretraining flush and 2bw for {s['iters']} iterations, then {len(fine)} MNLI "
-              f"finetunings, on 2 ranks ...", flush=True)
-        results = run_distributed(_worker, 2, args=(pre, fine), timeout=3 * 3600)[-1]
+              f"pretraining {', '.join(variants)} for {s['iters']} iterations, then "
+              f"{len(fine)} MNLI finetunings, on 2 ranks per group ...", flush=True)
+        groups = [(pre, fine)] + ([(extra, [])] if extra else [])
+        results = run_groups(groups, 2, len(groups), worker=_worker)
+        print(f"[convergence_bert] timing {', '.join(timed)} for {time_iters} iterations at "
+              f"d=2 (the bench's BERT has 2 layers: d=4 is not possible) ...", flush=True)
+        times = run_groups([(timing, [])], 2, 1, worker=_worker)
     finally:
         shutil.rmtree(ckpt_root, ignore_errors=True)
     pre_res, fine_res = results["pretrain"], results["finetune"]
+    pre_res = {n: pre_res[n] for n in variants}
+    seconds = {n: min(times["pretrain"][f"time{r}:{n}"]["seconds_per_iteration"]
+                      for r in range(args.time_repeats)) for n in timed}
     figure = Path(args.figure) if args.figure else FIGURE
-    plot(pre_res, figure_title(s, data["source"]), figure)
+    plot(pre_res, figure_title(s, data["source"]), figure, seconds, warmup_iters)
     summary = summarize(pre_res)
     table = mnli_table(fine_res)
     report(s, summary, pre_res, table)
+    lm = {n: {"valid": curve(pre_res[n]["valid"], "lm loss")} for n in variants}
+    vsum = variant_summary(lm, seconds, warmup_iters)
+    print(format_table(["variant", "final valid lm loss", "vs flush", "reaches flush final at",
+                        "s/iteration (d=2)", "s to flush final"],
+                       [[n, v["final_valid"], f"{v['relative_to_flush'] * 100:+.2f}%",
+                         v["reaches_flush_final_at"], v["seconds_per_iteration"],
+                         v["seconds_to_flush_final"]] for n, v in vsum.items()],
+                       title="2BW mitigations, masked-LM validation loss"))
     payload = {
         "command": ("PYTHONPATH=. python bench/convergence_bert.py "
                     + " ".join(shlex.quote(a) for a in
@@ -322,13 +370,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "quick": args.quick, "smoke": args.smoke, "settings": s, "depth": 2, "width": 1,
         "global_batch_size": s["mbs"] * s["m"], "data_source": data["source"],
         "summary": summary, "mnli_table": table, "mnli_caveat": CAVEAT,
+        "variants": vsum, "warmup_iters": warmup_iters,
+        "timing": {"depth": 2, "iterations": time_iters, "rounds": args.time_repeats,
+                   "seconds_per_iteration": seconds},
         "pretraining": [{"schedule": n, "final_valid_lm_loss": summary.get(f"final_valid_lm_{n}"),
                          "final_valid_sop_loss": summary.get(f"final_valid_sop_{n}"),
                          "seconds_per_iteration": pre_res[n]["seconds_per_iteration"]}
                         for n in SCHEDULES],
         "curves": {n: {"train": pre_res[n]["train"], "valid": pre_res[n]["valid"]}
-                   for n in SCHEDULES},
-        "finetuning": fine_res, "argv": {"pretrain": dict(pre), "finetune": dict(fine)},
+                   for n in variants},
+        "finetuning": fine_res,
+        "argv": {"pretrain": dict(pre + extra), "finetune": dict(fine)},
         "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
                     else str(figure)],
         "git": git_revision(), "bench_seconds": time.perf_counter() - t0}

@@ -33,6 +33,7 @@ from megatron.config import (
 )
 
 from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402 - one list of names
+from megatron.optimizer.staleness import MITIGATIONS  # noqa: E402
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -114,6 +115,21 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
              "per stage; updates use a 1-stale gradient, W(t+1) = W(t) - lr * grad f(W(t-1)); "
              "needs m >= d microbatches per batch.  With --pipeline-model-parallel-size 1 "
              "every schedule runs without a pipeline.")
+    g.add_argument(
+        "--2bw-mitigation", dest="tbw_mitigation", choices=MITIGATIONS, default="none",
+        help="Opt-in correction of 2BW's 1-stale update that keeps its schedule and two "
+             "weight buffers (needs --pipeline-schedule 2bw; docs/pipeline.md has the "
+             "measurements).  predict: each batch runs on the optimizer's prediction of "
+             "the weights its gradient is applied to (the next update with a zero "
+             "gradient).  dc: delay-compensated gradient g + lambda*g*g*(W(t) - W(t-1)) "
+             "(DC-ASGD).  warmup: flush semantics for the first --2bw-flush-warmup-iters "
+             "iterations, then 2BW.")
+    g.add_argument("--2bw-flush-warmup-iters", dest="tbw_flush_warmup_iters", type=int,
+                   default=None,
+                   help="Iterations run with flush semantics before 2BW starts "
+                        "(--2bw-mitigation warmup; default 10%% of --train-iters).")
+    g.add_argument("--2bw-dc-lambda", dest="tbw_dc_lambda", type=float, default=1.0,
+                   help="Weight lambda of the delay compensation (--2bw-mitigation dc).")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -380,6 +396,13 @@ def _check_batches(args: argparse.Namespace) -> None:
              f"x data-parallel size ({dp}) = {mbs * dp}")
     args.num_microbatches = gbs // (mbs * dp)
     m = args.num_microbatches
+    _require(args.tbw_mitigation == "none" or args.pipeline_schedule == "2bw",
+             f"--2bw-mitigation {args.tbw_mitigation} needs --pipeline-schedule 2bw, got "
+             f"--pipeline-schedule {args.pipeline_schedule}")
+    if args.tbw_flush_warmup_iters is None:
+        args.tbw_flush_warmup_iters = (args.train_iters or 0) // 10
+    _require(args.tbw_flush_warmup_iters >= 0,
+             f"--2bw-flush-warmup-iters must be >= 0, got {args.tbw_flush_warmup_iters}")
     if args.pipeline_schedule == "2bw":
         _require(m >= pp,
                  f"PipeDream-2BW needs m >= d: --global-batch-size ({gbs}) / (--micro-batch-size "
@@ -661,6 +684,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         pipeline_schedule=args.pipeline_schedule,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        tbw_mitigation=args.tbw_mitigation,
+        tbw_flush_warmup_iters=args.tbw_flush_warmup_iters, tbw_dc_lambda=args.tbw_dc_lambda,
         distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     precision = PrecisionConfig(

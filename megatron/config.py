@@ -95,6 +95,12 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Transformer layers of the last stage (None: an equal share).  The other stages
     split the remaining layers evenly."""
+    tbw_mitigation: str = "none"
+    """--2bw-mitigation: none, predict, dc or warmup (megatron.optimizer.staleness)."""
+    tbw_flush_warmup_iters: int = 0
+    """--2bw-flush-warmup-iters: batches run under flush semantics before 2BW (warmup)."""
+    tbw_dc_lambda: float = 1.0
+    """--2bw-dc-lambda: weight of DC-ASGD's correction g*g*(W(t) - W(t-1)) (dc)."""
     distributed_backend: Optional[str] = None
     """'gloo' or 'nccl'; None picks nccl when CUDA is available, else gloo."""
     distributed_timeout_minutes: float = 10.0

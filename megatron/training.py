@@ -218,6 +218,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
     model.to(device=device)
     optimizer = get_megatron_optimizer(cfg.optimizer, cfg.precision, list(model.parameters()),
                                        model_groups=groups.model, tp_rank=groups.tp_rank)
+    par = cfg.parallel
+    optimizer.enable_mitigation(par.tbw_mitigation, par.tbw_dc_lambda)
     if cfg.training.skip_train:  # evaluation only: no step is taken, any schedule will do
         scheduler = OptimizerParamScheduler(cfg.optimizer.lr or 0.0, 0.0, 0, 1, "constant")
     else:
@@ -231,7 +233,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         stage_recompute=cfg.model.stage_recompute, trace=trace,
         get_rng_state=get_rng_state, set_rng_state=set_rng_state,
         fault_injection=fault_injection,
-        memory_count_interval=cfg.training.measure_memory_interval)
+        memory_count_interval=cfg.training.measure_memory_interval,
+        flush_warmup_iters=par.tbw_flush_warmup_iters if par.tbw_mitigation == "warmup" else 0)
     return model, optimizer, scheduler, engine
 
 

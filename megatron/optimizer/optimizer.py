@@ -44,6 +44,7 @@ from torch import nn
 
 from megatron.optimizer.clip_grads import clip_coefficient, local_grad_stats, norm_mask, scale_grads_
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megatron.optimizer.staleness import WeightPrediction, delay_compensate_, true_weights
 
 OPTIMIZERS = ("adam", "sgd")
 _HALF = (torch.float16, torch.bfloat16)
@@ -98,6 +99,21 @@ class MegatronOptimizer:
         self._device = params[0].device
         # Attributes (shared, tensor_model_parallel) are read once, from the first buffer.
         self._mask = norm_mask(params, tp_rank)
+        # 2BW staleness mitigations (megatron.optimizer.staleness), off by default.
+        self.prediction: Optional[WeightPrediction] = None
+        self.dc_lambda = 0.0
+
+    def enable_mitigation(self, mitigation: str, dc_lambda: float = 0.0) -> None:
+        """Turn on ``--2bw-mitigation predict`` or ``dc`` (others need nothing here)."""
+        if mitigation == "predict":
+            self.prediction = WeightPrediction(self.optimizer, self.main_params)
+        elif mitigation == "dc":
+            self.dc_lambda = float(dc_lambda)
+
+    def true_weights(self, latest: Sequence[nn.Parameter]):
+        """Context in which ``latest`` holds the un-predicted latest weights."""
+        return true_weights(self.prediction, latest,
+                            self.main_params if self.use_masters else None)
 
     # -- loss scaling ------------------------------------------------------------------
     @property
@@ -180,6 +196,8 @@ class MegatronOptimizer:
                 return StepInfo(skipped=True, **info)
 
             scale_grads_(grads, clip_coefficient(grad_norm, self.clip_grad))
+            if self.dc_lambda:
+                delay_compensate_(grads, grads_from, base, self.dc_lambda)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if self.use_masters:
@@ -211,17 +229,26 @@ class MegatronOptimizer:
         self.optimizer.step()
         for main, p in zip(self.main_params, write_to):
             main.grad = None
-            p.data.copy_(main.data)
+            if self.prediction is None:
+                p.data.copy_(main.data)
+        if self.prediction is not None:
+            self.prediction.predict_(write_to, [m.data for m in self.main_params],
+                                     self.optimizer.param_groups[0]["lr"])
 
     def _step_in_buffer(self, grads: List[Optional[torch.Tensor]],
                         write_to: Sequence[nn.Parameter], base: Sequence[nn.Parameter]) -> None:
         _copy_buffer(base, write_to)
+        if self.prediction is not None:  # base holds P(W(t)): recover W(t)
+            self.prediction.restore_(write_to)
         for main, p, g in zip(self.main_params, write_to, grads):
             main.data = p.data
             main.grad = g
         self.optimizer.step()
         for main in self.main_params:
             main.grad = None
+        if self.prediction is not None:
+            self.prediction.predict_(write_to, [p.data for p in write_to],
+                                     self.optimizer.param_groups[0]["lr"])
 
     def _release_grads(self, grads_from: Sequence[nn.Parameter]) -> None:
         self.zero_grad(grads_from)
@@ -244,6 +271,8 @@ class MegatronOptimizer:
             "optimizer": self.optimizer.state_dict(),
             "fp32_masters": [m.data for m in self.main_params] if self.use_masters else None,
             "grad_scaler": self.scaler.state_dict(),
+            "weight_prediction": (self.prediction.state_dict()
+                                  if self.prediction is not None else None),
         }
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -271,6 +300,8 @@ class MegatronOptimizer:
                 for main, saved in zip(self.main_params, sd["fp32_masters"]):
                     main.data.copy_(saved)
         self.scaler.load_state_dict(sd["grad_scaler"])
+        if self.prediction is not None:
+            self.prediction.load_state_dict(sd.get("weight_prediction"))
 
     def reload_model_params(self, params: Sequence[nn.Parameter]) -> None:
         """Make the main parameters match ``params`` (the buffer holding the latest weights)."""

@@ -15,6 +15,7 @@ version.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,7 +197,7 @@ class PipelineEngine:
                  get_rng_state: Optional[Callable[[], Any]] = None,
                  set_rng_state: Optional[Callable[[Any], None]] = None,
                  fault_injection: Optional[Callable[[int, int], bool]] = None,
-                 memory_count_interval: int = 0) -> None:
+                 memory_count_interval: int = 0, flush_warmup_iters: int = 0) -> None:
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -212,6 +213,9 @@ class PipelineEngine:
         self.is_first = groups.is_first_stage
         self.is_last = groups.is_last_stage
         self.iteration = 0
+        # --2bw-mitigation warmup: batches t < flush_warmup_iters run under flush
+        # semantics on buffer 0, later ones under 2BW (see ``schedule_at``).
+        self.flush_warmup_iters = flush_warmup_iters if schedule == "2bw" else 0
         self.weights = WeightBuffers(model, 2 if schedule == "2bw" else 1)
         self.tracker = StashTracker(self.weights.storage_ptrs())
         self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
@@ -250,7 +254,7 @@ class PipelineEngine:
         # before the previous batch's STEP updated the scaler (2BW), so the scale of
         # batch t is fixed as the one in force after STEP(t - lag): lag 2 under 2BW
         # (STEP(t-2) precedes all of batch t), 1 otherwise.  Identical on every stage.
-        self._scale_lag = 2 if schedule == "2bw" else 1
+        self._scale_lag = 2 if self.schedule_at(0) == "2bw" else 1
         self._batch_scales: Dict[int, float] = {}
         self._seed_batch_scales()
         self._lr_provider: Callable[[], float] = lambda: 0.0
@@ -259,7 +263,18 @@ class PipelineEngine:
     # -- buffers -----------------------------------------------------------------------
     def buffer_for(self, t: int) -> int:
         """Weight buffer used by global batch t."""
-        return t % 2 if self.weights.num_buffers == 2 else 0
+        return t % 2 if self.weights.num_buffers == 2 and t >= self.flush_warmup_iters else 0
+
+    def schedule_at(self, t: int) -> str:
+        """Schedule batch t runs under (flush during a 2BW run's flush warm-up)."""
+        return "flush" if t < self.flush_warmup_iters else self.schedule_name
+
+    def _version(self, t: int) -> int:
+        """Weight version batch t uses; after a warm-up of N batches 2BW restarts from
+        W(N) (batches N and N+1 both use it, as batches 0 and 1 use W(0))."""
+        if self.schedule_at(t) != "2bw":
+            return t
+        return max(self.version_for(t, "2bw"), self.flush_warmup_iters)
 
     @property
     def latest_buffer(self) -> int:
@@ -304,16 +319,29 @@ class PipelineEngine:
         """Run ``num_batches`` optimizer steps and drain the pipeline at the end."""
         self._lr_provider = lr_provider
         self._on_step = on_step
-        actions = build_schedule(self.schedule_name, self.num_stages, self.num_microbatches,
-                                 num_batches)
-        seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=True)
-        self.model.train()
-        # The stash pattern is kept across segments: a microbatch's shapes are fixed by
-        # --micro-batch-size and --seq-length, and the training loop may run one-batch
-        # segments (flush drains after every batch), which would otherwise count every batch.
-        self._run(actions, seg)
+        reports: List[StepReport] = []
+        end = self.iteration + num_batches
+        while self.iteration < end:  # two parts when the flush warm-up ends inside
+            name = self.schedule_at(self.iteration)
+            warm = self.iteration < self.flush_warmup_iters
+            stop = min(end, self.flush_warmup_iters) if warm else end
+            if self.flush_warmup_iters and self.iteration == self.flush_warmup_iters:
+                self.weights.sync_all_from(self.latest_buffer)  # 2BW starts from W(N)
+            self._scale_lag = 2 if name == "2bw" else 1
+            self._seed_batch_scales()
+            actions = build_schedule(name, self.num_stages, self.num_microbatches,
+                                     stop - self.iteration)
+            seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator,
+                           train=True)
+            self.model.train()
+            # The stash pattern is kept across segments: a microbatch's shapes are fixed
+            # by --micro-batch-size and --seq-length, and the training loop may run
+            # one-batch segments (flush drains after every batch), which would otherwise
+            # count every batch.
+            self._run(actions, seg)
+            reports += seg.reports
         self.install_latest()
-        return seg.reports
+        return reports
 
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator[Any], num_batches: int) -> Optional[Dict[str, float]]:
@@ -323,8 +351,11 @@ class PipelineEngine:
         seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=False)
         self.model.eval()
         self.install_latest()
+        true_weights = getattr(self.optimizer, "true_weights", None)
         try:
-            self._run(actions, seg)
+            with (true_weights(self.weights.params(self.latest_buffer)) if true_weights
+                  else contextlib.nullcontext()):
+                self._run(actions, seg)
         finally:
             self.model.train()
         if not self.is_last:
@@ -386,7 +417,7 @@ class PipelineEngine:
             "rank": self.groups.rank, "stage": self.stage, "action": str(action),
             "op": action.op.value, "microbatch": action.microbatch, "batch": batch,
             "start": start, "end": end, "cpu": cpu, "train": seg.train,
-            "version": (self.version_for(batch, self.schedule_name)
+            "version": (self._version(batch)
                         if batch is not None and action.op in (Op.FORWARD, Op.BACKWARD) else None)})
 
     # -- compute -------------------------------------------------------------------------
@@ -549,7 +580,7 @@ class PipelineEngine:
         pending = self.optimizer.begin_step(params, grad_scale=grad_scale,
                                             extra_found_inf=self._loss_nonfinite(seg, t))
         self._pending_steps.append((t, pending, grad_scale))
-        if self.schedule_name != "2bw":
+        if self.schedule_at(t) != "2bw":
             self._finish_steps(seg, before_batch=t + 1)
 
     def _loss_nonfinite(self, seg: _Segment, t: int) -> bool:
@@ -576,13 +607,15 @@ class PipelineEngine:
                 sums = seg.loss_sums.pop(t, {})
                 losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
             lr = self._lr_provider()
+            # base: the buffer holding W(t) (a flush step, warm-up included, updates in place)
+            base = self.buffer_for(t + 1 if self.schedule_at(t) == "2bw" else t)
             info = self.optimizer.finish_step(pending, self.weights.params(self.buffer_for(t)),
-                                              self.weights.params(self.buffer_for(t + 1)), lr)
+                                              self.weights.params(base), lr)
             self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
             self.iteration = t + 1
             report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
                                 loss_scale=info.loss_scale, lr=lr,
-                                weight_version=self.version_for(t, self.schedule_name),
+                                weight_version=self._version(t),
                                 losses=losses, grad_scale=grad_scale)
             seg.reports.append(report)
             self._note_versions(seg)

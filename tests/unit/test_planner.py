@@ -110,6 +110,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-schedule", choices=SCHEDULES, required=True)
     p.add_argument("--recompute-activations", action="store_true")
     p.add_argument("--fp16", action="store_true")
+    p.add_argument("--2bw-mitigation", dest="tbw_mitigation", default="none")
     return p
 
 
@@ -138,6 +139,13 @@ def test_command_line_round_trip(cfg, kind):
     assert launch.script == f"pretrain_{kind}.py"
     assert launch.nnodes * launch.nproc_per_node == cfg.num_gpus
     args = _megatron_parser().parse_args(words[script + 1:])
+    # a planned 2BW run uses the staleness mitigation the benches recommend
+    from megatron.optimizer.staleness import MITIGATIONS
+    from megatron.pipeline.planner.search import RECOMMENDED_2BW_MITIGATION
+
+    assert RECOMMENDED_2BW_MITIGATION in MITIGATIONS
+    assert args.tbw_mitigation == (RECOMMENDED_2BW_MITIGATION if cfg.schedule == "2bw"
+                                   else "none")
     assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (
         model.num_layers, model.hidden_size, model.num_attention_heads, model.seq_length)
     assert (args.micro_batch_size, args.global_batch_size) == (cfg.b, cfg.global_batch)

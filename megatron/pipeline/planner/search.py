@@ -21,6 +21,11 @@ from .cost_model import SCHEDULES, Config, CostModel, CostOptions, Estimate
 from .hardware import GiB, HardwareSpec
 from .model_spec import ModelSpec
 
+# The 2BW staleness mitigation the convergence benches recommend (docs/pipeline.md,
+# "Staleness mitigations"; one of megatron.optimizer.staleness.MITIGATIONS).  A planned
+# 2BW command line passes it, so a user who copies the command gets it.
+RECOMMENDED_2BW_MITIGATION = "predict"
+
 if TYPE_CHECKING:
     from .profile import Profile
 
@@ -277,6 +282,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         args += ["--decoder-first-pipeline-num-layers", cfg.first_layers]
     if cfg.last_layers is not None:
         args += ["--decoder-last-pipeline-num-layers", cfg.last_layers]
+    if cfg.schedule == "2bw" and RECOMMENDED_2BW_MITIGATION != "none":
+        args += ["--2bw-mitigation", RECOMMENDED_2BW_MITIGATION]
     if cfg.recompute:
         args.append("--recompute-activations")
     elif cfg.recompute_method is not None:
