@@ -9,8 +9,13 @@ figure(s), the exact command that made the numbers, the machine and the date, al
 from the bench's JSON.  The convergence, memory and throughput benches get a headline
 and tables of their own; every other bench's JSON is rendered generically (its scalar
 fields and its lists of records).  Benches whose JSON is missing are listed with the
-command that would produce it.  The output depends only on the JSON files and the
-figures present, so regenerating an unchanged tree gives the same bytes.
+command that would produce it.  Bench JSON in a subfolder of the results folder
+(``bench/results/<group>/<name>.json``, e.g. the 2BW staleness-mitigation runs in
+bench/results/mitigations/) becomes an extra section ``<group>_<name>`` right after its
+bench's own section.  The convergence renderers read both the two-schedule JSON (flush
+vs 2bw) and the per-variant JSON (flush, 2bw, 2bw+predict, 2bw+dc, 2bw+warmup).  The
+output depends only on the JSON files and the figures present, so regenerating an
+unchanged tree gives the same bytes.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results"
@@ -168,6 +173,15 @@ def _or_not_reached(v: Optional[float]) -> Any:
 
 
 def render_convergence(d: Dict[str, Any]) -> List[str]:
+    """GPT convergence: the per-variant format (flush, 2bw and its mitigations) when every
+    run has ``variants``, else the older two-schedule format."""
+    if has_variants(d):
+        return render_convergence_variants(d)
+    return render_convergence_two(d)
+
+
+def render_convergence_two(d: Dict[str, Any]) -> List[str]:
+    """The two-schedule format (flush vs 2bw, no ``variants``)."""
     runs = d["runs"]
     heads = [f"at peak lr {r['lr']:g}, validation loss after {r['summary']['final_iteration']} "
              f"iterations is {r['summary']['final_valid_2bw']:.4f} (2BW) vs "
@@ -196,36 +210,202 @@ def render_convergence(d: Dict[str, Any]) -> List[str]:
         out.append("The gap between the schedules changes with the learning rate: "
                    + ", ".join(f"{r['summary']['relative_difference'] * 100:+.2f}% at peak lr "
                                f"{r['lr']:g}" for r in by_gap) + ".")
-    bert = d.get("bert_mnli") or {}
-    if bert.get("results"):
-        out.append("BERT pretraining + MNLI finetuning (paper Table 1): see "
-                   "[convergence_bert](#convergence_bert) (`" + bert.get("command", "") + "`).")
-    else:
-        out.append(f"BERT pretraining + MNLI finetuning (paper Table 1): "
-                   f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")
+    out.append(_bert_pointer(d))
     return out
 
 
+def _bert_pointer(d: Dict[str, Any]) -> str:
+    """Where the BERT half (paper Table 1) of the convergence evidence is."""
+    bert = d.get("bert_mnli") or {}
+    if bert.get("results"):
+        return ("BERT pretraining + MNLI finetuning (paper Table 1): see "
+                "[convergence_bert](#convergence_bert) (`" + bert.get("command", "") + "`).")
+    return (f"BERT pretraining + MNLI finetuning (paper Table 1): "
+            f"**{bert.get('status', 'TODO')}** - {bert.get('reason', 'not recorded')}.")
+
+
 def render_convergence_bert(d: Dict[str, Any]) -> List[str]:
+    """BERT convergence: per-variant format when the JSON has ``variants``, else the
+    older two-schedule format."""
+    if has_variants(d):
+        return render_convergence_bert_variants(d)
+    return render_convergence_bert_two(d)
+
+
+def render_convergence_bert_two(d: Dict[str, Any]) -> List[str]:
     """BERT pretraining losses of both schedules, then the Table 1 style MNLI rows."""
     sm, st = d["summary"], d["settings"]
     head = (f"**Headline:** BERT validation masked-LM loss after {sm['final_iteration']} "
             f"iterations is {sm['final_valid_lm_2bw']:.4f} (2BW) vs "
             f"{sm['final_valid_lm_flush']:.4f} (PipeDream-Flush, vanilla Adam), "
             f"{sm['relative_difference_lm'] * 100:+.2f}% (from {sm['first_valid_lm_flush']:.4f} "
-            f"at the first evaluation, iteration {st['eval_interval']}); MNLI accuracies are "
-            f"from a handful of examples and are not evidence.")
-    out = [head,
-           f"Model: BERT, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads, "
-           f"seq {st['seq']}, uncased WordPiece vocabulary; d={d['depth']}, w={d['width']}, "
-           f"m={st['m']}, b={st['mbs']}, global batch {d['global_batch_size']}, "
-           f"{st['iters']} iterations, peak lr {st['lr']:g}. Data: {d['data_source']}.",
-           records_table(d["pretraining"]),
-           f"MNLI finetuning ({st['ft_epochs']} epochs, lr {st['ft_lr']:g}, same settings for "
-           f"every row), accuracy after the last epoch:",
-           records_table(d["mnli_table"]),
-           f"*{d['mnli_caveat']}*"]
+            f"at the first evaluation, iteration {st['eval_interval']}); {MNLI_NOT_EVIDENCE}")
+    return [head, _bert_model_line(d), records_table(d["pretraining"]), *_mnli_lines(d)]
+
+
+MNLI_NOT_EVIDENCE = "MNLI accuracies are from a handful of examples and are not evidence."
+
+
+def _bert_model_line(d: Dict[str, Any]) -> str:
+    st = d["settings"]
+    return (f"Model: BERT, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads, "
+            f"seq {st['seq']}, uncased WordPiece vocabulary; d={d['depth']}, w={d['width']}, "
+            f"m={st['m']}, b={st['mbs']}, global batch {d['global_batch_size']}, "
+            f"{st['iters']} iterations, peak lr {st['lr']:g}. Data: {d['data_source']}.")
+
+
+def _mnli_lines(d: Dict[str, Any]) -> List[str]:
+    st = d["settings"]
+    return [f"MNLI finetuning ({st['ft_epochs']} epochs, lr {st['ft_lr']:g}, same settings for "
+            f"every row), accuracy after the last epoch:",
+            records_table(d["mnli_table"]),
+            f"*{d['mnli_caveat']}*"]
+
+
+# ---------------------------------------------------------------------------------------
+# convergence, per-variant format: flush, 2bw and 2BW with each staleness mitigation
+# ---------------------------------------------------------------------------------------
+class VariantRun(NamedTuple):
+    """One learning rate of a per-variant convergence JSON."""
+    lr: float
+    final_iteration: int
+    variants: Dict[str, Dict[str, Any]]  # name -> final_valid, relative_to_flush, ...
+
+
+def has_variants(d: Dict[str, Any]) -> bool:
+    """Whether a convergence JSON has per-variant summaries (GPT: in every run; BERT:
+    at the top level)."""
+    if isinstance(d.get("runs"), list):
+        return bool(d["runs"]) and all(isinstance(r.get("variants"), dict) for r in d["runs"])
+    return isinstance(d.get("variants"), dict)
+
+
+def variant_runs(d: Dict[str, Any]) -> List[VariantRun]:
+    if isinstance(d.get("runs"), list):
+        return [VariantRun(float(r["lr"]), int(r["summary"]["final_iteration"]), r["variants"])
+                for r in d["runs"]]
+    return [VariantRun(float(d["settings"]["lr"]), int(d["summary"]["final_iteration"]),
+                       d["variants"])]
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.2f}%"
+
+
+def _iterations_text(runs: Sequence[VariantRun]) -> str:
+    return " / ".join(str(i) for i in sorted({r.final_iteration for r in runs}))
+
+
+def _gap_clauses(runs: Sequence[VariantRun]) -> List[str]:
+    """'<variant> +x% at lr a and +y% at lr b' for every variant but Flush (no lr when
+    there is only one)."""
+    names = [n for r in runs for n in r.variants if n != "flush"]
+    out = []
+    for name in dict.fromkeys(names):
+        gaps = [_pct(r.variants[name]["relative_to_flush"])
+                + (f" at lr {r.lr:g}" if len(runs) > 1 else "")
+                for r in runs if name in r.variants]
+        out.append(f"{name} {' and '.join(gaps)}")
     return out
+
+
+def _reach_clause(runs: Sequence[VariantRun]) -> str:
+    """Which 2BW variants get down to Flush's final validation loss, and when."""
+    hits = []
+    for r in runs:
+        flush_s = r.variants["flush"].get("seconds_to_flush_final")
+        for name, v in r.variants.items():
+            at = v.get("reaches_flush_final_at")
+            if name == "flush" or at is None:
+                continue
+            sec = v.get("seconds_to_flush_final")
+            hits.append(f"{name} at lr {r.lr:g} by iteration {at:.0f}"
+                        + ("" if sec is None or flush_s is None
+                           else f" ({sec:.1f} s vs {flush_s:.1f} s for Flush)"))
+    within = f"within {_iterations_text(runs)} iterations"
+    if not hits:
+        return f"no 2BW variant reaches Flush's final loss {within}"
+    return f"reaching Flush's final loss {within}: " + ", ".join(hits)
+
+
+def _variants_headline(runs: Sequence[VariantRun], what: str) -> str:
+    by_lr = sorted(runs, key=lambda r: r.lr)
+    flush = ", ".join(f"{r.variants['flush']['final_valid']:.4f} at lr {r.lr:g}" for r in by_lr)
+    return (f"**Headline:** {what} after {_iterations_text(runs)} iterations relative to "
+            f"PipeDream-Flush (vanilla Adam; Flush ends at {flush}): "
+            + "; ".join(_gap_clauses(by_lr)) + f"; {_reach_clause(by_lr)}.")
+
+
+def _timing_line(d: Dict[str, Any]) -> str:
+    t = d["timing"]
+    line = (f"Seconds/iteration measured separately, side by side at d={t['depth']} "
+            f"({t['iterations']} iterations per run, fastest of {t['rounds']} interleaved "
+            f"round(s)); time to Flush's final loss = iterations to reach it x that time.")
+    if any("2bw+warmup" in r.variants for r in variant_runs(d)):
+        line += (f" 2bw+warmup runs Flush's schedule for its first {d['warmup_iters']} "
+                 f"iterations, then 2BW's: it is not timed separately (its time uses Flush's "
+                 f"seconds/iteration for those iterations, then 2BW's).")
+    return line
+
+
+def _seconds_per_iteration_text(name: str, v: Dict[str, Any]) -> Any:
+    if v.get("seconds_per_iteration") is not None:
+        return v["seconds_per_iteration"]
+    return "not timed (flush's, then 2bw's)" if name == "2bw+warmup" else "not timed"
+
+
+def _time_to_flush_final_text(v: Dict[str, Any]) -> str:
+    if v.get("reaches_flush_final_at") is None:
+        return "not reached"
+    sec = v.get("seconds_to_flush_final")
+    return "-" if sec is None else f"{sec:.1f}"
+
+
+def variant_table(run: VariantRun, timing_depth: int) -> str:
+    """One row per variant: final loss, gap to Flush, when (iteration, seconds) it
+    reaches Flush's final loss, and its measured seconds/iteration."""
+    rows = [[name, f"{v['final_valid']:.4f}", _pct(v["relative_to_flush"]),
+             "not reached" if v.get("reaches_flush_final_at") is None
+             else f"{v['reaches_flush_final_at']:.0f}",
+             _seconds_per_iteration_text(name, v), _time_to_flush_final_text(v)]
+            for name, v in run.variants.items()]
+    return md_table(["variant", "final valid loss", "vs flush",
+                     "iteration reaching flush's final loss",
+                     f"seconds/iteration at d={timing_depth}",
+                     "seconds to flush's final loss"], rows)
+
+
+def _variant_tables(d: Dict[str, Any]) -> List[str]:
+    out = []
+    for run in variant_runs(d):
+        out += [f"Peak lr {run.lr:g}, validation loss after {run.final_iteration} iterations:",
+                variant_table(run, int(d["timing"]["depth"]))]
+    return out
+
+
+def _gpt_model_line(d: Dict[str, Any]) -> str:
+    st = d["settings"]
+    return (f"Model: GPT, {st['layers']} layers, hidden {st['hidden']}, {st['heads']} heads, "
+            f"seq {st['seq']}, vocab {st['vocab']}; loss curves at d={d['depth']}, "
+            f"w={d['width']}, m={st['m']}, b={st['mbs']}, global batch "
+            f"{d['global_batch_size']}, {st['iters']} iterations, cosine decay to lr/10. "
+            f"Data: {d['data_source']}.")
+
+
+def render_convergence_variants(d: Dict[str, Any]) -> List[str]:
+    """GPT: headline, settings, one table per learning rate, pointer to the BERT half."""
+    head = _variants_headline(variant_runs(d), "GPT validation loss")
+    return [head, _gpt_model_line(d), _timing_line(d), *_variant_tables(d), _bert_pointer(d)]
+
+
+def render_convergence_bert_variants(d: Dict[str, Any]) -> List[str]:
+    """BERT: headline, settings, the variant table, the two schedules' rows, MNLI."""
+    head = _variants_headline(variant_runs(d), "BERT validation masked-LM loss")
+    return [f"{head[:-1]}; {MNLI_NOT_EVIDENCE}", _bert_model_line(d), _timing_line(d),
+            *_variant_tables(d),
+            "Flush and 2BW pretraining rows (masked-LM and sentence-order validation losses; "
+            "seconds/iteration of these loss-curve runs):",
+            records_table(d["pretraining"]), *_mnli_lines(d)]
 
 
 def render_memory(d: Dict[str, Any]) -> List[str]:
@@ -350,11 +530,21 @@ RENDERERS: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
 # ---------------------------------------------------------------------------------------
 # the page
 # ---------------------------------------------------------------------------------------
-def section(name: str, data: Optional[Dict[str, Any]], repo: Path, out_md: Path) -> str:
+class Entry(NamedTuple):
+    """One section of the page: its title (and anchor), the bench that wrote the JSON,
+    the JSON (None: not run yet), and the JSON's path when it is not ``<results>/<name>``."""
+    name: str
+    bench: str
+    data: Optional[Dict[str, Any]]
+    source: Optional[str] = None
+
+
+def section(entry: Entry, repo: Path, out_md: Path) -> str:
+    name, bench, data = entry.name, entry.bench, entry.data
     lines = [f"## {name}"]
-    summary = bench_summary(name)
+    summary = bench_summary(bench)
     if summary:
-        lines.append(f"*{summary}* (`bench/{name}.py`)")
+        lines.append(f"*{summary}* (`bench/{bench}.py`)")
     if data is None:
         lines.append(f"Not run yet: `PYTHONPATH=. python bench/{name}.py` writes "
                      f"`bench/results/{name}.json`.")
@@ -366,9 +556,10 @@ def section(name: str, data: Optional[Dict[str, Any]], repo: Path, out_md: Path)
     if git.get("commit"):
         dirty = " with uncommitted changes in the tree" if git.get("dirty") else ""
         code = f"\n- code: commit {git['commit'][:12]}{dirty}"
-    lines.append(f"- command: {command_of(name, data)}\n- machine: {machine_of(data)}\n"
+    where = f"- results: `{entry.source}`\n" if entry.source else ""
+    lines.append(f"{where}- command: {command_of(bench, data)}\n- machine: {machine_of(data)}\n"
                  f"- date: {date_of(data)}{code}")
-    renderer = RENDERERS.get(name, render_generic)
+    renderer = RENDERERS.get(bench, render_generic)
     try:
         lines += renderer(data)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
@@ -396,29 +587,66 @@ def load_results(results_dir: Path) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def build_page(results_dir: Path, out_md: Path, repo: Path = REPO_ROOT) -> str:
+def load_extra_results(results_dir: Path, repo: Path) -> List[Entry]:
+    """Bench JSON in subfolders (``<results>/<group>/<name>.json``: a bench rerun with
+    other options, e.g. bench/results/mitigations/), as sections ``<group>_<name>``.
+    Only files that say which bench wrote them (``bench``) count."""
+    out = []
+    for sub in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        for stem, data in load_results(sub).items():
+            if isinstance(data.get("bench"), str):
+                out.append(Entry(f"{sub.name}_{stem}", data["bench"], data,
+                                 _display_path(sub / f"{stem}.json", repo)))
+    return out
+
+
+def _display_path(path: Path, repo: Path) -> str:
+    return os.path.relpath(path, repo).replace(os.sep, "/") if path.is_relative_to(repo) \
+        else str(path)
+
+
+def page_entries(results_dir: Path, repo: Path) -> List[Entry]:
+    """Top-level results in page order, each followed by the subfolder results of the
+    same bench; subfolder results of other benches come last."""
     results = load_results(results_dir)
+    extras = load_extra_results(results_dir, repo)
     names = list(KNOWN) + sorted(n for n in results if n not in KNOWN)
-    rel_results = os.path.relpath(results_dir, repo) if results_dir.is_relative_to(repo) \
-        else str(results_dir)
+    out: List[Entry] = []
+    for n in names:
+        out.append(Entry(n, n, results.get(n)))
+        out += [e for e in extras if e.bench == n]
+    return out + [e for e in extras if e.bench not in names]
+
+
+HEADLINE_BENCHES = ("convergence", "convergence_bert", "memory", "throughput")
+
+
+def headline_of(entry: Entry) -> Optional[str]:
+    """The first line of a bench-specific section when it is a headline."""
+    if entry.data is None or entry.bench not in HEADLINE_BENCHES:
+        return None
+    try:
+        first = RENDERERS[entry.bench](entry.data)[0]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return first[len("**Headline:** "):] if first.startswith("**Headline:**") else None
+
+
+def build_page(results_dir: Path, out_md: Path, repo: Path = REPO_ROOT) -> str:
+    entries = page_entries(results_dir, repo)
+    rel_results = _display_path(results_dir, repo)
+    sources = f"`{rel_results}/*.json`" + (
+        f" and `{rel_results}/*/*.json`" if any(e.source for e in entries) else "")
     parts = ["# Results",
-             f"Generated by `python tools/make_results.py` from `{rel_results}/*.json`; do "
+             f"Generated by `python tools/make_results.py` from {sources}; do "
              "not edit by hand (rerun a bench, then the tool).  Absolute times come from "
              "shared CPU machines and are indicative; ratios between schedules measured in "
              "the same run are the evidence.",
-             "Contents: " + ", ".join(f"[{n}](#{n})" for n in names)]
-    heads = []
-    for n in ("convergence", "convergence_bert", "memory", "throughput"):
-        if n in results:
-            try:
-                first = RENDERERS[n](results[n])[0]
-            except (KeyError, TypeError, ValueError, ZeroDivisionError):
-                continue
-            if first.startswith("**Headline:**"):
-                heads.append(f"- {n}: " + first[len("**Headline:** "):])
+             "Contents: " + ", ".join(f"[{e.name}](#{e.name})" for e in entries)]
+    heads = [f"- {e.name}: {h}" for e in entries for h in [headline_of(e)] if h]
     if heads:
         parts.append("## Headline numbers\n\n" + "\n".join(heads))
-    parts += [section(n, results.get(n), repo, out_md) for n in names]
+    parts += [section(e, repo, out_md) for e in entries]
     return "\n\n".join(parts) + "\n"
 
 
@@ -442,7 +670,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(page, encoding="utf-8")
-    print(f"wrote {out_md} from {len(load_results(results_dir))} result files")
+    count = sum(e.data is not None for e in page_entries(results_dir, REPO_ROOT))
+    print(f"wrote {out_md} from {count} result files")
     return 0
 
 

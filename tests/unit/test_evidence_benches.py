@@ -154,6 +154,7 @@ def test_results_page_regenerates(results: Path) -> None:
         assert f"]({name}.png)" in page  # figure linked relative to the page
     conv = _load(results, "convergence")["runs"][0]["summary"]
     assert f"{conv['final_valid_flush']:.4f}" in page
+    assert "does not have the fields" not in page  # every bench has its own renderer
     assert "## Headline numbers" in page
     assert "Not run yet" in page  # benches of others absent from this folder
     page_path.write_text(page + "edited by hand\n")
@@ -166,5 +167,50 @@ def test_committed_results_page_is_current() -> None:
 
     if not DEFAULT_OUTPUT.is_file():
         pytest.skip("docs/RESULTS.md not generated yet")
-    assert DEFAULT_OUTPUT.read_text() == build_page(DEFAULT_RESULTS, DEFAULT_OUTPUT), (
+    page = build_page(DEFAULT_RESULTS, DEFAULT_OUTPUT)
+    assert DEFAULT_OUTPUT.read_text() == page, (
         "docs/RESULTS.md is stale: run `python tools/make_results.py`")
+    # the two-schedule and the per-variant convergence JSON both render as intended
+    assert "does not have the fields" not in page
+
+
+def _variant(final: float, rel: float, reach, spi, seconds) -> Dict:
+    return {"final_valid": final, "relative_to_flush": rel, "reaches_flush_final_at": reach,
+            "seconds_per_iteration": spi, "seconds_to_flush_final": seconds}
+
+
+def _variant_payload() -> Dict:
+    """A tiny convergence JSON in the per-variant format bench/convergence.py writes."""
+    variants = {"flush": _variant(5.0, 0.0, 100.0, 0.5, 50.0),
+                "2bw": _variant(5.1, 0.02, None, 0.45, None),
+                "2bw+warmup": _variant(4.95, -0.01, 90.0, None, 44.0)}
+    return {"bench": "convergence", "command": "PYTHONPATH=. python bench/convergence.py -x",
+            "quick": True, "smoke": False,
+            "settings": {"layers": 2, "hidden": 8, "heads": 2, "seq": 8, "mbs": 1, "m": 2,
+                         "iters": 100, "vocab": 64},
+            "depth": 1, "width": 1, "global_batch_size": 2, "lrs": [1e-3],
+            "variants": list(variants), "warmup_iters": 10,
+            "timing": {"depth": 4, "iterations": 3, "rounds": 1,
+                       "seconds_per_iteration": {"flush": 0.5, "2bw": 0.45}},
+            "data_source": "synthetic", "figures": ["docs/figures/none.png"],
+            "runs": [{"lr": 1e-3, "summary": {"final_iteration": 100}, "variants": variants}],
+            "bert_mnli": {"status": "TODO", "reason": "not part of this test"}}
+
+
+def test_variant_format_renders_from_a_subfolder(tmp_path: Path) -> None:
+    """bench/results/<group>/*.json become sections with the per-variant table."""
+    from tools.make_results import build_page
+
+    (tmp_path / "mitigations").mkdir()
+    with open(tmp_path / "mitigations" / "convergence_x.json", "w") as f:
+        json.dump(_variant_payload(), f)
+    page = build_page(tmp_path, tmp_path / "RESULTS.md")
+    assert "## mitigations_convergence_x" in page and "does not have the fields" not in page
+    assert "mitigations/convergence_x.json`" in page
+    assert "| 2bw | 5.1000 | +2.00% | not reached | 0.45 | not reached |" in page
+    assert "| 2bw+warmup | 4.9500 | -1.00% | 90 | not timed (flush's, then 2bw's) | 44.0 |" \
+        in page
+    assert "seconds/iteration at d=4" in page
+    head = [line for line in page.splitlines() if line.startswith("- mitigations_convergence_x")]
+    assert len(head) == 1 and "2bw +2.00%; 2bw+warmup -1.00%" in head[0]
+    assert "2bw+warmup at lr 0.001 by iteration 90 (44.0 s vs 50.0 s for Flush)" in head[0]
