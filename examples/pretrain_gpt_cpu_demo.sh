@@ -44,4 +44,4 @@ OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 p
     --timeline-file "$OUT/timeline.json" \
     --distributed-timeout-minutes 5
 echo "[demo] done: checkpoints in $OUT/checkpoints, traces in $OUT/timeline_rank*.json"
-echo "[demo] draw the pipeline: $PY tools/draw_timeline.py --trace '$OUT/timeline_rank*.json' --output $OUT/timeline.png"
+echo "[demo] draw three batches of the pipeline: $PY tools/draw_timeline.py --trace '$OUT/timeline_rank*.json' --trace-batches $(( ITERS / 2 )):$(( ITERS / 2 + 3 )) --output $OUT/timeline.png"

@@ -7,7 +7,8 @@ Simulated, with the paper's unit costs (forward 1, backward 2)::
 
 From the per-rank files a traced training run wrote::
 
-    python tools/draw_timeline.py --trace 'run/timeline_rank*.json' --output run/timeline.png
+    python tools/draw_timeline.py --trace 'run/timeline_rank*.json' --output run/timeline.png \
+        [--trace-batches 100:103]
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron.pipeline.schedules import SCHEDULES, STEP_PLACEMENTS, build_schedule  # noqa: E402
 from megatron.pipeline.simulator import simulate, unit_cost  # noqa: E402
 from megatron.pipeline.timeline_plot import plot_timeline  # noqa: E402
-from megatron.pipeline.trace import load_traces, save_chrome_trace  # noqa: E402
+from megatron.errors import UserError  # noqa: E402
+from megatron.pipeline.trace import load_traces, save_chrome_trace, window_events  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -42,11 +44,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="where 2bw puts each STEP (see megatron/pipeline/schedules.py)")
     p.add_argument("--color-by", choices=("auto", "batch", "version"), default="auto",
                    help="box colour: batch, or weight version (auto: version for 2bw)")
+    p.add_argument("--trace-batches", default=None, metavar="A:B",
+                   help="with --trace: draw only batches A..B-1 of the run (a long run's "
+                        "whole timeline is too dense to read)")
     p.add_argument("--title", default=None)
     p.add_argument("--output", required=True, help="image file to write (.png, .pdf, .svg)")
     p.add_argument("--chrome-trace", default=None,
                    help="also write the events as a Chrome/Perfetto trace JSON")
     return p.parse_args(argv)
+
+
+def _batch_range(text: str) -> List[int]:
+    try:
+        first, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise UserError(f"--trace-batches: expected A:B (first batch, end), got {text!r}") from None
+    if not 0 <= first < stop:
+        raise UserError(f"--trace-batches {text}: expected 0 <= A < B")
+    return [first, stop]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -74,6 +89,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         paths = args.trace if any(c in args.trace for c in "*?[") else args.trace.split(",")
         events, meta = load_traces(paths)
+        if args.trace_batches:
+            try:
+                events = window_events(events, *_batch_range(args.trace_batches))
+            except ValueError as exc:
+                raise UserError(f"--trace-batches {args.trace_batches}: {exc}") from None
         name = str(meta.get("schedule", ""))
         title = args.title or f"traced run {name} (ranks {meta.get('ranks')})"
         time_label = "time (s)"

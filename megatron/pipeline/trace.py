@@ -118,6 +118,21 @@ def load_traces(paths: Union[str, Iterable[Union[str, Path]]]
     return merged, meta
 
 
+def window_events(events: Sequence[TraceEvent], first: int, stop: int) -> List[TraceEvent]:
+    """The events of batches ``first <= batch < stop`` (and batch-less events inside their
+    time span), shifted so the window starts at 0: a long run's whole timeline is too
+    dense to read, a few batches of it show the schedule."""
+    kept = [e for e in events if e.batch is not None and first <= e.batch < stop]
+    if not kept:
+        raise ValueError(f"no traced action belongs to batches {first}..{stop - 1}")
+    t0, t1 = min(e.start for e in kept), max(e.end for e in kept)
+    kept += [e for e in events if e.batch is None and t0 <= e.start and e.end <= t1]
+    out = [TraceEvent(**{**e.to_dict(), "start": e.start - t0, "end": e.end - t0})
+           for e in kept]
+    out.sort(key=lambda e: (e.start, e.rank))
+    return out
+
+
 def to_chrome_trace(events: Sequence[TraceEvent], time_unit_us: float = 1e6) -> Dict[str, Any]:
     """Chrome trace-event format (chrome://tracing, ui.perfetto.dev).
 

@@ -119,3 +119,21 @@ def test_draw_timeline_cli_simulated_and_from_trace(tmp_path: Path, capsys) -> N
     assert tool.main(["--trace", str(tmp_path / "timeline_rank*.json"),
                       "--output", str(png2)]) == 0
     assert png2.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_window_keeps_the_chosen_batches_from_time_zero() -> None:
+    from megatron.pipeline.trace import window_events
+
+    def ev(batch, start, op="F"):
+        return TraceEvent(rank=0, stage=0, action=f"0{op}{batch}", op=op, microbatch=batch,
+                          batch=batch, start=start, end=start + 1.0)
+
+    events = [ev(b, 10.0 * b) for b in range(5)]
+    events.append(TraceEvent(rank=0, stage=0, action="x", op="X", microbatch=None, batch=None,
+                             start=21.0, end=21.5))
+    out = window_events(events, 2, 4)
+    assert [e.batch for e in out] == [2, None, 3]
+    assert out[0].start == 0.0 and out[-1].start == 10.0
+    assert events[2].start == 20.0  # the input is not modified
+    with pytest.raises(ValueError, match="batches 7..8"):
+        window_events(events, 7, 9)
