@@ -79,7 +79,7 @@ def run(model: Dict[str, int], rounds: int) -> Dict[str, Any]:
             with open(old, "rb") as fh:  # the previous save_payload synced too
                 os.fsync(fh.fileno())
             t1 = time.perf_counter()
-            back_old = torch.load(old, weights_only=False)
+            back_old = torch.load(old, weights_only=True)  # our own file; the old format's load path
             t2 = time.perf_counter()
             times["pickle_save"].append(t1 - t0)
             times["pickle_load"].append(t2 - t1)
