@@ -99,6 +99,8 @@ class FullOptimizer:
     groups: Dict[str, Dict[str, Any]]
     """'decay' / 'no_decay' -> torch param-group hyper-parameters (without 'params')."""
     grad_scaler: Any
+    weight_prediction: Any = None
+    """--2bw-mitigation predict's state (the lr its forecast used), the same on every rank."""
 
 
 @dataclass
@@ -213,7 +215,8 @@ def _merge_optimizer(ckpt: CheckpointShards) -> FullOptimizer:
     first = ckpt.payloads[(0, 0)]["optimizer"]
     return FullOptimizer(name=first["meta"]["optimizer"], tensors=tensors_full,
                          scalars=scalars_full, masters=masters_full, groups=groups,
-                         grad_scaler=first.get("grad_scaler"))
+                         grad_scaler=first.get("grad_scaler"),
+                         weight_prediction=first.get("weight_prediction"))
 
 
 class _NoSplit:
@@ -340,7 +343,8 @@ def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
     return {"meta": {"optimizer": opt.name, "num_params": len(names),
                      "shapes": [list(s) for s in shapes], "fp32_masters": masters is not None},
             "optimizer": {"state": state, "param_groups": groups},
-            "fp32_masters": masters, "grad_scaler": opt.grad_scaler}
+            "fp32_masters": masters, "grad_scaler": opt.grad_scaler,
+            "weight_prediction": opt.weight_prediction}
 
 
 def check_save_path(load: Optional[str], save: str) -> None:
