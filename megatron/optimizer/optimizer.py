@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -150,7 +150,8 @@ class MegatronOptimizer:
                                   grad_scale=grad_scale)
         return self.finish_step(pending, write_to, base, lr)
 
-    def begin_step(self, grads_from: Sequence[nn.Parameter], *, extra_found_inf: bool = False,
+    def begin_step(self, grads_from: Sequence[nn.Parameter], *,
+                   extra_found_inf: Union[bool, torch.Tensor] = False,
                    grad_scale: Optional[float] = None) -> "PendingStep":
         """First half of ``step``: unscale, take local statistics and START the one
         all-reduce that makes every model rank agree on overflow and the global norm.
@@ -163,7 +164,10 @@ class MegatronOptimizer:
             grads = self._unscaled_grads(grads_from, grad_scale)
             stats = torch.zeros(4, dtype=torch.float64, device=self._device)
             stats[:3] = local_grad_stats(grads, self._mask, self._device, self.log_num_zeros)
-            stats[3] = 1.0 if extra_found_inf else 0.0
+            # a tensor flag (the last stage's loss check) joins the agreement on the device,
+            # without a device-to-host sync here
+            stats[3] = (extra_found_inf.to(stats.dtype) if torch.is_tensor(extra_found_inf)
+                        else (1.0 if extra_found_inf else 0.0))
             work = None
             if self.model_groups is not None:
                 work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.model_groups,

@@ -19,7 +19,7 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -583,14 +583,17 @@ class PipelineEngine:
         if self.schedule_at(t) != "2bw":
             self._finish_steps(seg, before_batch=t + 1)
 
-    def _loss_nonfinite(self, seg: _Segment, t: int) -> bool:
-        """Last stage: batch t's reported loss is inf/nan.  Fed into the optimizer's
-        agreement so every stage skips the step: a loss like ``l + nan`` leaves the
-        gradients finite, so the gradient check alone would apply the step."""
-        if not self.is_last:
+    def _loss_nonfinite(self, seg: _Segment, t: int) -> Union[bool, torch.Tensor]:
+        """Last stage: whether batch t's reported loss is inf/nan, as a device tensor (no
+        sync).  Fed into the optimizer's agreement so every stage skips the step: a loss
+        like ``l + nan`` leaves the gradients finite, so the gradient check alone would
+        apply the step."""
+        sums = seg.loss_sums.get(t, {}) if self.is_last else {}
+        if not sums:
             return False
-        return any(not bool(torch.isfinite(torch.as_tensor(v)).all())
-                   for v in seg.loss_sums.get(t, {}).values())
+        vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                           for v in sums.values()])
+        return (~torch.isfinite(vec)).any()
 
     def _finish_steps(self, seg: _Segment, before_batch: Optional[int] = None) -> None:
         """Finish pending updates that batch ``before_batch`` needs (all when None)."""
