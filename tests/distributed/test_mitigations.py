@@ -21,7 +21,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY, train_configs
-from tests.distributed.test_pipeline_semantics import _build_reference_model, _close, _losses
+from tests.distributed.test_pipeline_semantics import _close, _losses, reference_setup
 
 STEPS, WARMUP, LAMBDA = 5, 3, 100.0
 
@@ -34,18 +34,7 @@ def _argv(d: int, mitigation: str) -> List[str]:
 
 def reference_losses(kind: str) -> List[float]:
     """Plain single-process PyTorch loop; ``kind`` in 2bw, predict, dc, warmup."""
-    from megatron.config import ModelConfig
-    from megatron.data.gpt_dataset import MockGPTDataset
-    from megatron.model import GPTModel
-    from megatron.tensor_parallel.utils import TPInfo
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                      max_position_embeddings=16, padded_vocab_size=128, hidden_dropout=0.0,
-                      attention_dropout=0.0, params_dtype=torch.float64)
-    model = _build_reference_model(GPTModel, cfg, TPInfo.single())
-    data = MockGPTDataset(STEPS * 8, 16, 96, 7)
-    params = list(model.parameters())
+    model, data, params = reference_setup(STEPS)
 
     def adamw(ps):
         decay = [p for p in ps if p.ndim >= 2]

@@ -32,18 +32,7 @@ def _pp(d: int, schedule: str, *extra: str) -> List[str]:
 # ---------------------------------------------------------------- independent references
 def reference_losses(delayed: bool, optimizer: str = "adam") -> List[float]:
     """Plain single-process PyTorch loop over the same data, model and hyper-parameters."""
-    from megatron.config import ModelConfig
-    from megatron.data.gpt_dataset import MockGPTDataset
-    from megatron.model import GPTModel
-    from megatron.tensor_parallel.utils import TPInfo
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                      max_position_embeddings=16, padded_vocab_size=128, hidden_dropout=0.0,
-                      attention_dropout=0.0, params_dtype=torch.float64)
-    model = _build_reference_model(GPTModel, cfg, TPInfo.single())
-    data = MockGPTDataset(STEPS * 8, 16, 96, 7)
-    params = list(model.parameters())
+    model, data, params = reference_setup(STEPS)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
@@ -76,13 +65,22 @@ def reference_losses(delayed: bool, optimizer: str = "adam") -> List[float]:
     return losses
 
 
-def _build_reference_model(GPTModel, cfg, tp):
-    import inspect
+def reference_setup(steps: int):
+    """(model, data, params) of the single-process float64 references: TINY's GPT with
+    the same initial weights and mock data as the pipelined runs, ``steps`` batches of 8."""
+    from megatron.config import ModelConfig
+    from megatron.data.gpt_dataset import MockGPTDataset
+    from megatron.model import GPTModel
+    from megatron.tensor_parallel.utils import TPInfo
 
-    kwargs = dict(pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
-    if "seed" in inspect.signature(GPTModel.__init__).parameters:
-        kwargs["seed"] = 7
-    return GPTModel(cfg, tp, **kwargs)
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      max_position_embeddings=16, padded_vocab_size=128, hidden_dropout=0.0,
+                      attention_dropout=0.0, params_dtype=torch.float64)
+    model = GPTModel(cfg, TPInfo.single(), pre_process=True, post_process=True,
+                     layer_numbers=range(cfg.num_layers), seed=7)
+    data = MockGPTDataset(steps * 8, 16, 96, 7)
+    return model, data, list(model.parameters())
 
 
 def _losses(summary: Dict) -> List[float]:
