@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (REPO_ROOT, format_table, run_tool, write_corpus,  # noqa: E402
                           write_results)
-from bench.convergence import (SHARED_DATA, STYLES, VARIANTS, _FirstSamples,  # noqa: E402
-                               _set_flag, elapsed, first_reach, git_revision,
+from bench.convergence import (DEFAULT_VARIANTS, SHARED_DATA, STYLES, VARIANTS,  # noqa: E402
+                               _FirstSamples, _set_flag, elapsed, first_reach, git_revision,
                                real_text_documents, run_groups, smooth, variant_summary)
 
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_bert.png"
@@ -312,7 +312,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.iters:
         s["iters"] = args.iters
     if args.variants is None:
-        args.variants = ["2bw+predict"] if args.smoke else list(VARIANTS)
+        args.variants = ["2bw+predict"] if args.smoke else list(DEFAULT_VARIANTS)
     if args.time_repeats is None:
         args.time_repeats = 1 if args.smoke else 3
     variants = ["flush", "2bw"] + [v for v in args.variants if v not in SCHEDULES]

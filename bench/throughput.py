@@ -189,8 +189,8 @@ GPU_ROWS = (("trainer", "bf16", 8, 32, []), ("trainer", "fp16", 8, 32, []),
 
 
 def gpu_trainer_argv(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
-                     extra: Sequence[str]) -> List[str]:
-    return ["--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
+                     extra: Sequence[str], dropout: float = 0.1) -> List[str]:
+    return ["--hidden-dropout", str(dropout), "--attention-dropout", str(dropout), "--num-layers", str(model["layers"]), "--hidden-size", str(model["hidden"]),
             "--num-attention-heads", str(model["heads"]), "--seq-length", str(model["seq"]),
             "--max-position-embeddings", str(model["seq"]), "--vocab-size", str(model["vocab"]),
             "--tokenizer-type", "NullTokenizer", "--mock-data", "--micro-batch-size", str(mb),
@@ -200,12 +200,12 @@ def gpu_trainer_argv(model: Dict[str, int], precision: str, mb: int, gbs: int, i
 
 
 def _trainer_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
-                    warmup: int, extra: Sequence[str]) -> float:
+                    warmup: int, extra: Sequence[str], dropout: float = 0.1) -> float:
     """Median seconds per iteration of ``pretrain`` (first forward of batch k to k+1)."""
     import pretrain_gpt
     from megatron.training import pretrain
 
-    argv = gpu_trainer_argv(model, precision, mb, gbs, iters, extra)
+    argv = gpu_trainer_argv(model, precision, mb, gbs, iters, extra, dropout)
     stamps: List[float] = []
     with contextlib.redirect_stdout(io.StringIO()):
         pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
@@ -214,7 +214,7 @@ def _trainer_period(model: Dict[str, int], precision: str, mb: int, gbs: int, it
 
 
 def _plain_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
-                  warmup: int, device: str, compile_model: bool) -> float:
+                  warmup: int, device: str, compile_model: bool, dropout: float = 0.1) -> float:
     """The same step written as a plain PyTorch loop around transformers' GPT-2: fp32
     weights under autocast, fused AdamW, gradient accumulation over gbs / mb
     microbatches, clipping at 1.0, one loss read per iteration (as the trainer's)."""
@@ -223,7 +223,8 @@ def _plain_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iter
 
     cfg = GPT2Config(n_layer=model["layers"], n_embd=model["hidden"], n_head=model["heads"],
                      n_positions=model["seq"], vocab_size=model["vocab"], bos_token_id=0,
-                     eos_token_id=0)
+                     eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
+                     attn_pdrop=dropout)
     net = GPT2LMHeadModel(cfg).to(device)
     net.train()
     step_model = torch.compile(net) if compile_model else net
@@ -252,7 +253,9 @@ def _plain_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iter
     return median(times[warmup:])
 
 
-def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False) -> Dict[str, Any]:
+def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False,
+                    micro_batch_sizes: Sequence[int] = (8, 1), compile_layers: bool = True,
+                    dropout: float = 0.1) -> Dict[str, Any]:
     """GPT-345M on one GPU: the trainer (bf16, fp16, with and without --compile-layers)
     at micro batch 8 and 1, and a plain PyTorch GPT-2 of the same shape under
     torch.compile beside it (skipped without CUDA).
@@ -271,21 +274,24 @@ def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False) -> D
         return {"status": "skipped", "reason": "no CUDA device on this machine"}
     else:
         model, device, name, plan = GPT_345M, "cuda", torch.cuda.get_device_name(0), GPU_ROWS
+    plan = [r for r in plan if r[2] in micro_batch_sizes
+            and (compile_layers or "--compile-layers" not in (r[4] or []))]
     peak = _peak_flops(name)
     rows = []
     for label, precision, mb, gbs, extra in plan:
-        cfg, _ = gpt_config(gpu_trainer_argv(model, precision, mb, gbs, iters, []))
+        cfg, _ = gpt_config(gpu_trainer_argv(model, precision, mb, gbs, iters, [], dropout))
         flops = gpt_flops_per_iteration(cfg.model, gbs, cfg.model.seq_length)
         if extra is None:
             period = _plain_period(model, precision, mb, gbs, iters, warmup, device,
-                                   compile_model=not dry_run)
+                                   compile_model=not dry_run, dropout=dropout)
         else:
-            period = _trainer_period(model, precision, mb, gbs, iters, warmup, extra)
+            period = _trainer_period(model, precision, mb, gbs, iters, warmup, extra, dropout)
         achieved = flops / period
         rows.append({"name": label, "precision": precision, "micro_batch_size": mb,
                      "global_batch_size": gbs, "seconds_per_iteration": period,
                      "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-                     "argv": gpu_trainer_argv(model, precision, mb, gbs, iters, extra or [])
+                     "argv": gpu_trainer_argv(model, precision, mb, gbs, iters, extra or [],
+                                              dropout)
                      if extra is not None else None})
         if device == "cuda":
             torch.cuda.synchronize()
@@ -305,9 +311,26 @@ def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False) -> D
     return {"status": "dry run" if dry_run else "measured", "device": name, "peak_flops": peak,
             "peak_note": "dense tensor-core peak assumed from the device name",
             "model": (f"GPT ({model['layers']} layers, hidden {model['hidden']}, "
-                      f"{model['heads']} heads, seq {model['seq']}, vocab {model['vocab']})"),
+                      f"{model['heads']} heads, seq {model['seq']}, vocab {model['vocab']}, "
+                      f"dropout {dropout:g})"), "dropout": dropout,
             "rows": rows, "b1_trainer_over_plain_compiled": ratios,
             "goals": "bf16 b=8 MFU >= 0.40; b=1 trainer step <= 0.9x plain compiled step"}
+
+
+def cuda_only(args: argparse.Namespace, argv: Optional[List[str]], t0: float) -> Dict[str, Any]:
+    """Section (c) alone (a GPU session's run): its own JSON, nothing else rewritten."""
+    cuda = bench_cuda_345m(dry_run=args.gpu_dry_run, micro_batch_sizes=args.cuda_micro_batch_sizes,
+                           compile_layers=not args.cuda_skip_compile_layers,
+                           dropout=args.dropout)
+    print_cuda(cuda)
+    payload = {
+        "command": ("PYTHONPATH=. python bench/throughput.py "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+                   ).strip(),
+        "cuda_gpt_345m": cuda, "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
+    path = write_results("throughput_cuda", payload, args.out_dir)
+    print(f"wrote {path} ({payload['bench_seconds']:.0f} s)")
+    return payload
 
 
 def print_cuda(cuda: Dict[str, Any]) -> None:
@@ -396,9 +419,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="synthetic forward time F in ms (default 20, quick 5, smoke 2); B = 2F")
     p.add_argument("--skip-gpt", action="store_true", help="synthetic stages only")
     p.add_argument("--skip-cuda", action="store_true", help="no GPT-345M GPU measurement")
+    p.add_argument("--cuda-only", action="store_true",
+                   help="only section (c), the GPT-345M GPU measurement; writes "
+                        "throughput_cuda.json and leaves throughput.json and the figure alone")
     p.add_argument("--gpu-dry-run", action="store_true",
                    help="run section (c)'s code on the CPU with a 2-layer model (checks it "
                         "without a GPU; its numbers mean nothing)")
+    p.add_argument("--cuda-micro-batch-sizes", type=int, nargs="+", default=[8, 1],
+                   help="with --cuda-only: the micro batch sizes of section (c) (8 and 1)")
+    p.add_argument("--cuda-skip-compile-layers", action="store_true",
+                   help="with --cuda-only: leave out the --compile-layers rows")
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="with --cuda-only: hidden and attention dropout of both models (0.1)")
     p.add_argument("--out-dir", default=None, help="where to write throughput.json")
     p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
     p.add_argument("--replot", action="store_true",
@@ -408,10 +440,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         p.error("--smoke is a variant of --quick; pass both")
     if args.replot:
         return replot(Path(args.out_dir) if args.out_dir else RESULTS_DIR, args.figure)
+    if args.cuda_only and args.skip_cuda:
+        p.error("--cuda-only and --skip-cuda exclude each other")
     import torch
 
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
+    if args.cuda_only:
+        return cuda_only(args, argv, t0)
+    torch.set_num_threads(1)
     if args.smoke:
         ms, gpt_ms, batches, fwd = [4], [2], 3, 2.0
         gpt_batches, rounds = 3, 1

@@ -522,9 +522,119 @@ def _generic_value(key: str, v: Any, depth: int) -> List[str]:
     return []
 
 
+def render_convergence_gpu(d: Dict[str, Any]) -> List[str]:
+    summ = d["summary"]
+    flush = summ["flush"]
+    others = [(n, v) for n, v in summ.items() if n != "flush"]
+    best = min(others, key=lambda nv: nv[1]["final_valid"]) if others else None
+    m = d["model"]
+    out = []
+    if best:
+        out.append(f"**Headline:** on one {d['device']}, GPT {m['layers']} x {m['hidden']} "
+                   f"(seq {m['seq']}, batch {m['gbs']}, lr {fmt(d['lr'])} cosine, "
+                   f"{d['precision']}) after {d['iters']} iterations: Flush reaches validation "
+                   f"loss {flush['final_valid']:.3f}; the best 2BW variant ({best[0]}) ends at "
+                   f"{best[1]['final_valid']:.3f} ({_pct(best[1]['relative_to_flush'])}), and "
+                   + ("no 2BW variant reaches Flush's final loss within the run."
+                      if all(v["reaches_flush_final_at"] is None for _, v in others)
+                      else "some variants reach Flush's final loss (table)."))
+    corpus = d.get("corpus") or {}
+    out.append(f"Corpus: {corpus.get('source', '?')}, {fmt(corpus.get('tokens'))} GPT-2 "
+               f"tokens in {fmt(corpus.get('documents'))} files. Loss curves at d=1 (the "
+               f"semantics are proven invariant to d); seconds per iteration measured per "
+               f"variant in a separate short run without evaluation on the same GPU (at d=1 "
+               f"they show each mitigation's optimizer cost, not 2BW's pipeline gain).")
+    if d.get("notes"):
+        out.append(f"Note: {d['notes']}")
+    out.append(md_table(["variant", "final validation loss", "vs Flush",
+                         "iterations to Flush's final", "s/iteration", "s to Flush's final"],
+                        [[n, v["final_valid"], _pct(v["relative_to_flush"]),
+                          _or_not_reached(v["reaches_flush_final_at"]),
+                          v["seconds_per_iteration"], v["seconds_to_flush_final"]]
+                         for n, v in summ.items()]))
+    its = sorted({int(k) for v in summ.values() for k in v.get("gap_at", {})})
+    pick = [i for i in its if i in (100, 200, 400, 600, 800, 1000) or i == its[-1]]
+    rows = []
+    for n, v in summ.items():
+        if n == "flush":
+            continue
+        gaps = {int(k): x for k, x in v.get("gap_at", {}).items()}
+        rows.append([n] + [gaps.get(i) for i in pick])
+    if rows:
+        out.append("Validation-loss gap to Flush (nats) at equal iterations:")
+        out.append(md_table(["variant"] + [f"it {i}" for i in pick], rows))
+    return out
+
+
+def render_throughput_cuda(d: Dict[str, Any]) -> List[str]:
+    cuda = d["cuda_gpt_345m"]
+    if cuda.get("status") != "measured":
+        return [f"GPT-345M on a GPU: **{cuda.get('status')}** ({cuda.get('reason', '')})."]
+    rows = cuda["rows"]
+    b8 = [r for r in rows if r["name"] == "trainer" and r["precision"] == "bf16"
+          and r["micro_batch_size"] == 8]
+    ratios = cuda.get("b1_trainer_over_plain_compiled", {})
+    out = []
+    if b8:
+        out.append(f"**Headline:** {cuda['device']}: the trainer reaches "
+                   f"{100 * b8[0]['mfu']:.1f}% MFU in bf16 at micro batch 8 (goal 40%); at "
+                   f"micro batch 1 its step takes {ratios.get('trainer', float('nan')):.2f}x "
+                   f"that of transformers' GPT-2 under torch.compile (goal <= 0.9).")
+    out.append(f"{cuda['model']}; peak {fmt(cuda.get('peak_flops'))} FLOP/s "
+               f"({cuda.get('peak_note', '')}); side by side in one process:")
+    out.append(md_table(["run", "precision", "micro batch", "global batch", "s/iteration",
+                         "TFLOP/s", "MFU"],
+                        [[r["name"], r["precision"], r["micro_batch_size"],
+                          r["global_batch_size"], r["seconds_per_iteration"], r["tflops"],
+                          r["mfu"]] for r in rows]))
+    if ratios:
+        out.append("Micro batch 1, trainer step / plain compiled step: "
+                   + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()) + ".")
+    return out
+
+
+def render_planner_validation_cuda(d: Dict[str, Any]) -> List[str]:
+    if d.get("status") != "measured":
+        return [f"Planner validation on a GPU: **{d.get('status')}** ({d.get('reason', '')})."]
+    rows = d["rows"]
+    settings = (d.get("profile") or {}).get("settings", {})
+    per_sync = settings.get("runs_per_sync", 1)
+    out = [f"**Headline:** {d['device']}, {d['precision']}, d=1 flush: the planner's step "
+           f"time is within {100 * d['goal']:.0f}% of the trainer's for {d['within_goal']} of "
+           f"{len(rows)} micro batch sizes (profile timed with {per_sync} run(s) per "
+           f"synchronisation)."]
+    out.append(md_table(["micro batch", "m", "predicted s/step", "measured s/step",
+                         "predicted/measured", "within goal"],
+                        [[r["micro_batch_size"], r["m"], r["predicted_s"], r["measured_s"],
+                          r["ratio"], r["within_goal"]] for r in rows]))
+    return out
+
+
+def render_gpu_profile(d: Dict[str, Any]) -> List[str]:
+    out = []
+    for r in d["runs"]:
+        head = (f"micro batch {r['micro_batch_size']}, global {r['global_batch_size']}, "
+                f"{r['precision']} {' '.join(r.get('extra') or [])}: "
+                f"{r['active_iterations']} profiled iterations, {fmt(r['wall_ms_active'])} ms "
+                f"of wall clock")
+        if r.get("busy_note"):
+            head += f" ({r['busy_note']})"
+        out.append(head)
+        out.append(md_table(["operator (by GPU time)", "calls", "self GPU ms", "self CPU ms"],
+                            [[x["name"][:70], x["count"], x["self_device_ms"], x["self_cpu_ms"]]
+                             for x in r["top_device"][:10]]))
+        out.append(md_table(["operator (by CPU time)", "calls", "self CPU ms", "self GPU ms"],
+                            [[x["name"][:70], x["count"], x["self_cpu_ms"], x["self_device_ms"]]
+                             for x in r["top_cpu"][:10]]))
+    return out
+
+
 RENDERERS: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
     "convergence": render_convergence, "convergence_bert": render_convergence_bert,
-    "memory": render_memory, "throughput": render_throughput}
+    "memory": render_memory, "throughput": render_throughput,
+    "convergence_gpu": render_convergence_gpu, "throughput_cuda": render_throughput_cuda,
+    "planner_validation_cuda": render_planner_validation_cuda,
+    "gpu_profile": render_gpu_profile}
 
 
 # ---------------------------------------------------------------------------------------

@@ -154,13 +154,20 @@ def make_batch(config: ModelConfig, b: int, device: torch.device,
 
 def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
              module: nn.Module, weight_ptrs: set, device: torch.device, warmup: int,
-             repeat: int) -> Dict[str, Any]:
+             repeat: int, per_sync: int = 1) -> Dict[str, Any]:
     """Median forward/backward time, counted stash bytes (identical every run) and,
     on CUDA, the allocator's view of the forward.
 
     The stash is counted in passes of its own, before the timed runs: the saved-tensor
     hooks do Python work per saved tensor, which inside the timed region swamped the
-    forward time of a block on a GPU (the same 1.30 ms at b=1 and b=8 on an H100)."""
+    forward time of a block on a GPU (the same 1.30 ms at b=1 and b=8 on an H100).
+
+    ``per_sync`` > 1 (the CUDA default): each timed sample runs that many forwards back
+    to back, then their backwards, with one synchronisation per phase, and divides.  The
+    trainer never synchronises between layers, so the host queues kernels while the GPU
+    runs earlier ones; one synchronised forward per sample times the host's launch work
+    and the GPU's work one after the other, which overstated an H100's step by 1.3-1.7x
+    (bench/planner_validation.py --cuda)."""
     fwd, bwd, fwd_cpu, bwd_cpu, counts = [], [], [], [], set()
     cuda_stats: Dict[str, int] = {}
     for _ in range(2):  # twice: the count must not depend on the run
@@ -170,37 +177,43 @@ def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tens
         counts.add(nbytes)
         backward(out)
         del out
+    if device.type == "cuda":  # the allocator's view of one forward, untimed
+        for p in module.parameters():
+            p.grad = None
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = forward()
+        _sync(device)
+        cuda_stats = {"cuda_forward_peak_bytes": torch.cuda.max_memory_allocated(device) - base,
+                      "cuda_retained_bytes": torch.cuda.memory_allocated(device) - base}
+        backward(out)
+        del out
     for i in range(warmup + repeat):
         for p in module.parameters():
             p.grad = None
         _sync(device)
-        if device.type == "cuda" and i == warmup:
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
         c0, t0 = time.thread_time(), time.perf_counter()
-        out = forward()
+        outs = [forward() for _ in range(per_sync)]
         _sync(device)
         c1, t1 = time.thread_time(), time.perf_counter()
-        if device.type == "cuda" and i == warmup:
-            cuda_stats = {
-                "cuda_forward_peak_bytes": torch.cuda.max_memory_allocated(device) - base,
-                "cuda_retained_bytes": torch.cuda.memory_allocated(device) - base}
-        backward(out)
+        for out in reversed(outs):
+            backward(out)
         _sync(device)
         c2, t2 = time.thread_time(), time.perf_counter()
         if i >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-            fwd_cpu.append(c1 - c0)
-            bwd_cpu.append(c2 - c1)
-        del out
+            fwd.append((t1 - t0) / per_sync)
+            bwd.append((t2 - t1) / per_sync)
+            fwd_cpu.append((c1 - c0) / per_sync)
+            bwd_cpu.append((c2 - c1) / per_sync)
+        del outs
     if len(counts) != 1:
         raise RuntimeError(f"saved-activation bytes changed between runs: {sorted(counts)}")
     return {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
             "forward_cpu_s": statistics.median(fwd_cpu),
             "backward_cpu_s": statistics.median(bwd_cpu),
             "stash_bytes": counts.pop(), "forward_samples_s": fwd, "backward_samples_s": bwd,
-            **cuda_stats}
+            "runs_per_sync": per_sync, **cuda_stats}
 
 
 def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
@@ -230,12 +243,19 @@ def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
 
 def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   device: Optional[torch.device] = None, warmup: int = 2, repeat: int = 5,
-                  seed: int = 1234, optimizer: str = "adam") -> Dict[str, Any]:
-    """The profile (schema in the module docstring) of ``config`` on ``device``."""
+                  seed: int = 1234, optimizer: str = "adam",
+                  runs_per_sync: Optional[int] = None) -> Dict[str, Any]:
+    """The profile (schema in the module docstring) of ``config`` on ``device``.
+
+    ``runs_per_sync``: forwards (then backwards) queued per synchronisation in a timed
+    sample (default 8 on CUDA, where the host runs ahead of the GPU, 1 on the CPU)."""
     from megatron.model.transformer import ParallelTransformerLayer
     from megatron.tensor_parallel import TPInfo, model_parallel_seed
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    per_sync = runs_per_sync or (8 if device.type == "cuda" else 1)
+    if per_sync < 1:
+        raise ValueError(f"--runs-per-sync {per_sync}: expected at least 1")
     if not micro_batch_sizes or min(micro_batch_sizes) < 1:
         raise ValueError(f"--micro-batch-sizes {list(micro_batch_sizes)}: expected positive sizes")
     if warmup < 0 or repeat < 1:
@@ -264,11 +284,12 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         row: Dict[str, Any] = {"micro_batch_size": b, "stage_input_bytes": s * b * h * dtype_bytes,
                                "data_bytes": b * (s + 1) * 8}
         row["block"] = _measure(lambda: block(x), push, block, weight_storage_ptrs(block),
-                                device, warmup, repeat)
+                                device, warmup, repeat, per_sync)
         row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
-                                    weight_storage_ptrs(embedding), device, warmup, repeat)
+                                    weight_storage_ptrs(embedding), device, warmup, repeat,
+                                    per_sync)
         row["head"] = _measure(lambda: head(x, batch), push_loss, head,
-                               weight_storage_ptrs(head), device, warmup, repeat)
+                               weight_storage_ptrs(head), device, warmup, repeat, per_sync)
         rows.append(row)
     bp, bb = param_count(block)
     ep, eb = param_count(embedding)
@@ -284,7 +305,8 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         "schema": SCHEMA,
         "device": {"type": device.type, "name": device_name(device), "torch": torch.__version__,
                    "threads": torch.get_num_threads()},
-        "settings": {"warmup": warmup, "repeat": repeat, "statistic": "median", "seed": seed},
+        "settings": {"warmup": warmup, "repeat": repeat, "statistic": "median", "seed": seed,
+                     "runs_per_sync": per_sync},
         "model": {"kind": "gpt", "num_layers": config.num_layers, "hidden_size": h,
                   "num_attention_heads": config.num_attention_heads, "seq_length": s,
                   "ffn_hidden_size": config.ffn_hidden_size,
@@ -330,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     m.add_argument("--warmup", type=int, default=2)
     m.add_argument("--repeat", type=int, default=5)
+    m.add_argument("--runs-per-sync", type=int, default=None,
+                   help="forwards (then backwards) queued per synchronisation in a timed "
+                        "sample, as the trainer queues layers (default 8 on CUDA, 1 on CPU)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (match the threads of one training rank)")
     m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
@@ -379,7 +404,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.set_num_threads(args.threads)
         device = torch.device(args.device) if args.device else None
         profile = profile_model(config, args.micro_batch_sizes, device=device,
-                                warmup=args.warmup, repeat=args.repeat, seed=args.seed,
+                                warmup=args.warmup, repeat=args.repeat,
+                                runs_per_sync=args.runs_per_sync, seed=args.seed,
                                 optimizer=args.optimizer)
     except ValueError as exc:
         print(f"profile_model.py: error: {exc}", file=sys.stderr)

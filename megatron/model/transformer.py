@@ -42,6 +42,11 @@ class CoreAttention(nn.Module):
         self.backend = backend
         self.head_dim = config.kv_channels
         self.dropout_p = config.attention_dropout
+        # With t > 1 each rank owns different heads, so their dropout masks come from the
+        # tensor-parallel RNG stream.  With t = 1 the default stream serves: swapping
+        # generator states costs host work per layer and breaks --compile-layers' graph
+        # (dynamo does not trace get/set_rng_state) into three.
+        self.fork_rng = tp.size > 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -49,8 +54,8 @@ class CoreAttention(nn.Module):
         s, b, np_, hn = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
         p = self.dropout_p if self.training else 0.0
-        # Each rank owns different heads, so their dropout masks come from the TP stream.
-        fork = get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+        fork = (get_rng_tracker().fork() if p > 0 and self.fork_rng
+                else contextlib.nullcontext())
         with fork:
             if self.backend == "sdpa" or (self.backend == "auto" and q.is_cuda):
                 ctx = self._sdpa(q, k, v, mask, p)

@@ -455,7 +455,11 @@ class PipelineEngine:
         t = self._global_batch(a, seg)
         if seg.train and self._pending_steps:
             self._finish_steps(seg, before_batch=t)
-        self.weights.install(self.buffer_for(t))
+        if seg.train:
+            self.weights.install(self.buffer_for(t))
+        # evaluation: every batch on the newest weights, installed by evaluate().  Picking
+        # the buffer by t, as training does, alternated W(i) and W(i-1) under 2BW, and at
+        # the end of a flush warm-up the unsynchronised second buffer (still W(0)).
         data = self._next_data(seg)
         x = seg.inputs.pop(mb, None)
         if not seg.train:

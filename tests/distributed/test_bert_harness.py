@@ -31,7 +31,10 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
         "--lr", "1e-3", "--lr-decay-style", "constant", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--seed", "7", "--log-interval", "1000",
-        "--eval-interval", "1000", "--eval-iters", "1", "--num-workers", "0"]
+        "--eval-interval", "1000", "--eval-iters", "1", "--num-workers", "0",
+        # the single-process reference runs in the test process: on the CPU like the
+        # gloo ranks, also where a GPU is visible
+        "--distributed-backend", "gloo"]
 
 # A small BERT with the real uncased WordPiece vocabulary, for finetuning end to end.
 REAL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

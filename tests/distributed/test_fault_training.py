@@ -371,8 +371,9 @@ def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(tmp_pa
     """torchrun, 2 pipeline stages: SIGTERM to ONE worker; both agree, save the same
     iteration, and the job exits 0 (old code: killed, nothing saved)."""
     ckpt, log = tmp_path / "ck", tmp_path / "out.txt"
+    # gloo: two CPU ranks also where one GPU is visible (NCCL would need two)
     argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
-                 "--eval-iters", "0", "--log-interval", "1", "--exit-signal-handler",
+                 "--distributed-backend", "gloo", "--eval-iters", "0", "--log-interval", "1", "--exit-signal-handler",
                  "--save", str(ckpt), "--save-interval", "1000", iters=100000)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",

@@ -21,11 +21,16 @@ RECOMPUTE = {
 }
 
 
-def loss_and_grads(dropout: float, **recompute):
+def loss_and_grads(dropout: float, tp_stream: bool = False, **recompute):
+    """``tp_stream``: attention dropout draws from the tracker's stream, as it does on a
+    rank with t > 1 (t = 1 draws from the default stream)."""
     torch.set_num_threads(1)
     cfg = make_config(hidden_dropout=dropout, attention_dropout=dropout, **recompute)
     ids, labels = make_batch(2)
     model = GPTModel(cfg, TPInfo.single(), seed=5)
+    for module in model.modules():
+        if isinstance(module, transformer_module.CoreAttention):
+            module.fork_rng = tp_stream
     model_parallel_seed(21)
     loss = model(ids, None, None, labels=labels).mean()
     loss.backward()
@@ -42,21 +47,23 @@ def assert_same(a, b, atol=1e-13):
 
 @pytest.mark.parametrize("kind", sorted(RECOMPUTE))
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_recompute_gives_same_gradients(kind, dropout):
-    assert_same(loss_and_grads(dropout, **RECOMPUTE[kind]), loss_and_grads(dropout))
+@pytest.mark.parametrize("tp_stream", [False, True])
+def test_recompute_gives_same_gradients(kind, dropout, tp_stream):
+    assert_same(loss_and_grads(dropout, tp_stream, **RECOMPUTE[kind]),
+                loss_and_grads(dropout, tp_stream))
 
 
 def test_dropout_is_active_and_replay_matters(monkeypatch):
     """Guards the test above: dropout changes the result, and a checkpoint that does not
     replay the tracker's stream gives different gradients."""
-    plain, dropped = loss_and_grads(0.0), loss_and_grads(0.3)
+    plain, dropped = loss_and_grads(0.0, True), loss_and_grads(0.3, True)
     assert not torch.allclose(plain[0], dropped[0])
 
     def no_tracker_replay(fn, *args):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
     monkeypatch.setattr(transformer_module, "checkpoint", no_tracker_replay)
-    broken = loss_and_grads(0.3, **RECOMPUTE["selective"])
+    broken = loss_and_grads(0.3, True, **RECOMPUTE["selective"])
     torch.testing.assert_close(broken[0], dropped[0], rtol=0, atol=1e-13)  # forward same
     qkv = "encoder.layers.0.self_attention.query_key_value.weight"
     assert not torch.allclose(broken[1][qkv], dropped[1][qkv])
