@@ -258,7 +258,12 @@ def elapsed(variant: str, iteration: float, seconds: Dict[str, Optional[float]],
 def variant_summary(runs: Dict[str, Dict[str, Any]], seconds: Dict[str, Optional[float]],
                     warmup_iters: int) -> Dict[str, Dict[str, Any]]:
     """Per variant: validation loss at Flush's last iteration, its gap to Flush, the
-    iteration where it first reaches Flush's final loss and the time that takes."""
+    iteration where it first reaches Flush's final loss and the time that takes.
+
+    And time to a loss both reach: the higher of the variant's and Flush's final losses
+    (``common_target``); the seconds each needs to first reach it (iterations x measured
+    seconds/iteration) and Flush's time over the variant's (``speedup_at_common_target``,
+    above 1: the variant gets there sooner)."""
     flush = runs["flush"]["valid"]
     last = max(flush)
     target = flush[last]
@@ -266,12 +271,19 @@ def variant_summary(runs: Dict[str, Dict[str, Any]], seconds: Dict[str, Optional
     for name, r in runs.items():
         valid = r["valid"]
         reach = first_reach(valid, target)
+        common = max(valid[last], target)
+        reach_v, reach_f = first_reach(valid, common), first_reach(flush, common)
+        t_v = None if reach_v is None else elapsed(name, reach_v, seconds, warmup_iters)
+        t_f = None if reach_f is None else elapsed("flush", reach_f, seconds, warmup_iters)
         out[name] = {"final_valid": valid[last],
                      "relative_to_flush": (valid[last] - target) / target,
                      "reaches_flush_final_at": reach,
                      "seconds_per_iteration": seconds.get(name),
                      "seconds_to_flush_final": (None if reach is None else
-                                                elapsed(name, reach, seconds, warmup_iters))}
+                                                elapsed(name, reach, seconds, warmup_iters)),
+                     "common_target": common, "seconds_to_common_target": t_v,
+                     "flush_seconds_to_common_target": t_f,
+                     "speedup_at_common_target": (t_f / t_v if t_v and t_f else None)}
     return out
 
 
@@ -366,6 +378,22 @@ def replot(results_dir: Path, figure: Optional[str]) -> Dict[str, Any]:
     return data
 
 
+def resummarize(path: Path) -> Dict[str, Any]:
+    """Recompute each learning rate's per-variant summary of a convergence.json from its
+    stored curves and timing (the summary's fields grew after the run), write it back."""
+    data = json.loads(path.read_text())
+    seconds = (data.get("timing") or {}).get("seconds_per_iteration") or {}
+    for run in data["runs"]:
+        curves = {name: {part: {int(k): v for k, v in c[part].items()}
+                         for part in ("train", "valid")} for name, c in run["curves"].items()}
+        run["variants"] = variant_summary(curves, seconds, data.get("warmup_iters", 0))
+    data["resummarized"] = ("per-variant summaries recomputed from the stored curves and "
+                            "timing by bench/convergence.py --resummarize")
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"recomputed the summaries of {path}")
+    return data
+
+
 def report(lr: float, runs: Dict[str, Dict[str, Any]], seconds: Dict[str, Optional[float]],
            warmup_iters: int) -> Dict[str, Any]:
     """Print one learning rate's comparison; return its JSON record."""
@@ -373,9 +401,11 @@ def report(lr: float, runs: Dict[str, Dict[str, Any]], seconds: Dict[str, Option
     variants = variant_summary(runs, seconds, warmup_iters)
     rows = [[name, v["final_valid"], f"{v['relative_to_flush'] * 100:+.2f}%",
              v["reaches_flush_final_at"], v["seconds_per_iteration"],
-             v["seconds_to_flush_final"]] for name, v in variants.items()]
+             v["seconds_to_flush_final"], v["speedup_at_common_target"]]
+            for name, v in variants.items()]
     print(format_table(["variant", "final valid loss", "vs flush", "reaches flush final at",
-                        "s/iteration (timing run)", "s to flush final"], rows,
+                        "s/iteration (timing run)", "s to flush final",
+                        "flush s / variant s to the loss both reach"], rows,
                        title=f"peak lr {lr:g}: after {summary['final_iteration']} iterations"))
     return {"lr": lr, "summary": summary, "variants": variants,
             "table": [{"schedule": name, "final_valid_loss": v["final_valid"],
@@ -449,11 +479,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="where the corpus, tokenizer and indexed dataset are cached")
     p.add_argument("--out-dir", default=None, help="where to write convergence.json")
     p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    p.add_argument("--resummarize", metavar="JSON", default=None,
+                   help="recompute the per-variant summaries of a convergence.json from its "
+                        "stored curves and timing, and write it back")
     p.add_argument("--replot", action="store_true",
                    help="only redraw the figure from an existing convergence.json")
     args = p.parse_args(argv)
     if args.smoke and not args.quick:
         p.error("--smoke is a variant of --quick; pass both")
+    if args.resummarize:
+        return resummarize(Path(args.resummarize))
     if args.replot:
         return replot(Path(args.out_dir) if args.out_dir else RESULTS_DIR, args.figure)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import shlex
 import shutil
 import sys
@@ -283,6 +284,20 @@ def report(s: Dict[str, Any], summary: Dict[str, Any], pre: Dict[str, Any],
     print(CAVEAT)
 
 
+def resummarize(path: Path) -> Dict[str, Any]:
+    """The masked-LM per-variant summary recomputed from the stored curves (its fields
+    grew after the run), written back."""
+    data = json.loads(path.read_text())
+    lm = {n: {"valid": curve(c["valid"], "lm loss")} for n, c in data["curves"].items()}
+    seconds = (data.get("timing") or {}).get("seconds_per_iteration") or {}
+    data["variants"] = variant_summary(lm, seconds, data.get("warmup_iters", 0))
+    data["resummarized"] = ("per-variant summary recomputed from the stored curves and "
+                            "timing by bench/convergence_bert.py --resummarize")
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"recomputed the summary of {path}")
+    return data
+
+
 # ---------------------------------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -304,7 +319,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="where the corpus and the sentence-level dataset are cached")
     p.add_argument("--out-dir", default=None, help="where to write convergence_bert.json")
     p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    p.add_argument("--resummarize", metavar="JSON", default=None,
+                   help="recompute the per-variant summary of a convergence_bert.json from "
+                        "its stored curves and timing, and write it back")
     args = p.parse_args(argv)
+    if args.resummarize:
+        return resummarize(Path(args.resummarize))
     if not (VOCAB.is_file() and MNLI.is_dir()):
         raise SystemExit(f"bench/convergence_bert.py: needs {VOCAB} and {MNLI} (the BERT "
                          f"vocabulary and the MNLI sample); not found")

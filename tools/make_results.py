@@ -41,7 +41,7 @@ KNOWN = ("convergence", "convergence_bert", "memory", "throughput", "pipeline_sc
 FIGURE_GLOBS = {"pipeline_schedules": ["docs/figures/timeline_real_*.png"],
                 "paper_reproduction": ["docs/figures/paper_*.png"]}
 MAX_ROWS = 40
-SKIP_KEYS = {"bench", "machine", "command", "figures"}
+SKIP_KEYS = {"bench", "machine", "command", "figures", "notes"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,16 +363,28 @@ def _time_to_flush_final_text(v: Dict[str, Any]) -> str:
 
 def variant_table(run: VariantRun, timing_depth: int) -> str:
     """One row per variant: final loss, gap to Flush, when (iteration, seconds) it
-    reaches Flush's final loss, and its measured seconds/iteration."""
+    reaches Flush's final loss, its measured seconds/iteration and, where the JSON has
+    it, the time each needs to reach the loss both reach."""
+    common = any("seconds_to_common_target" in v for v in run.variants.values())
     rows = [[name, f"{v['final_valid']:.4f}", _pct(v["relative_to_flush"]),
              "not reached" if v.get("reaches_flush_final_at") is None
              else f"{v['reaches_flush_final_at']:.0f}",
              _seconds_per_iteration_text(name, v), _time_to_flush_final_text(v)]
+            + ([_common_target_text(v)] if common else [])
             for name, v in run.variants.items()]
     return md_table(["variant", "final valid loss", "vs flush",
                      "iteration reaching flush's final loss",
                      f"seconds/iteration at d={timing_depth}",
-                     "seconds to flush's final loss"], rows)
+                     "seconds to flush's final loss"]
+                    + (["time to the loss both reach: variant s / flush s (flush/variant)"]
+                       if common else []), rows)
+
+
+def _common_target_text(v: Dict[str, Any]) -> str:
+    t_v, t_f = v.get("seconds_to_common_target"), v.get("flush_seconds_to_common_target")
+    if t_v is None or t_f is None:
+        return "-"
+    return f"{t_v:.1f} / {t_f:.1f} ({t_f / t_v:.2f}x) at {v['common_target']:.4f}"
 
 
 def _variant_tables(d: Dict[str, Any]) -> List[str]:
@@ -544,8 +556,6 @@ def render_convergence_gpu(d: Dict[str, Any]) -> List[str]:
                f"semantics are proven invariant to d); seconds per iteration measured per "
                f"variant in a separate short run without evaluation on the same GPU (at d=1 "
                f"they show each mitigation's optimizer cost, not 2BW's pipeline gain).")
-    if d.get("notes"):
-        out.append(f"Note: {d['notes']}")
     out.append(md_table(["variant", "final validation loss", "vs Flush",
                          "iterations to Flush's final", "s/iteration", "s to Flush's final"],
                         [[n, v["final_valid"], _pct(v["relative_to_flush"]),
@@ -669,6 +679,8 @@ def section(entry: Entry, repo: Path, out_md: Path) -> str:
     where = f"- results: `{entry.source}`\n" if entry.source else ""
     lines.append(f"{where}- command: {command_of(bench, data)}\n- machine: {machine_of(data)}\n"
                  f"- date: {date_of(data)}{code}")
+    if data.get("notes"):  # a caveat added to the JSON after the run
+        lines.append(f"**Note:** {data['notes']}")
     renderer = RENDERERS.get(bench, render_generic)
     try:
         lines += renderer(data)

@@ -189,6 +189,11 @@ def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tens
                       "cuda_retained_bytes": torch.cuda.memory_allocated(device) - base}
         backward(out)
         del out
+        # queued forwards keep their activations until their backwards: stay within half
+        # of the free memory (a 16 GB card profiling a large head at b=8 queues fewer)
+        free, _ = torch.cuda.mem_get_info(device)
+        per_sync = max(1, min(per_sync, int(0.5 * free)
+                              // max(1, cuda_stats["cuda_forward_peak_bytes"])))
     for i in range(warmup + repeat):
         for p in module.parameters():
             p.grad = None

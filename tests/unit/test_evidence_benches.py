@@ -214,3 +214,19 @@ def test_variant_format_renders_from_a_subfolder(tmp_path: Path) -> None:
     head = [line for line in page.splitlines() if line.startswith("- mitigations_convergence_x")]
     assert len(head) == 1 and "2bw +2.00%; 2bw+warmup -1.00%" in head[0]
     assert "2bw+warmup at lr 0.001 by iteration 90 (44.0 s vs 50.0 s for Flush)" in head[0]
+
+
+def test_variant_summary_time_to_the_loss_both_reach() -> None:
+    """Flush ends lower; 2BW is faster per iteration but reaches its own final loss (the
+    loss both reach) later in time than Flush does."""
+    from bench.convergence import variant_summary
+
+    runs = {"flush": {"valid": {100: 5.0, 200: 4.0, 300: 3.0}},
+            "2bw": {"valid": {100: 5.5, 200: 4.5, 300: 4.0}}}
+    out = variant_summary(runs, {"flush": 1.0, "2bw": 0.8}, warmup_iters=0)
+    assert out["flush"]["speedup_at_common_target"] == pytest.approx(1.0)
+    tbw = out["2bw"]
+    assert tbw["reaches_flush_final_at"] is None and tbw["common_target"] == 4.0
+    assert tbw["seconds_to_common_target"] == pytest.approx(300 * 0.8)
+    assert tbw["flush_seconds_to_common_target"] == pytest.approx(200 * 1.0)
+    assert tbw["speedup_at_common_target"] == pytest.approx(200 / 240)
