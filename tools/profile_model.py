@@ -258,7 +258,8 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     from megatron.tensor_parallel import TPInfo, model_parallel_seed
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    per_sync = runs_per_sync or (8 if device.type == "cuda" else 1)
+    per_sync = (runs_per_sync if runs_per_sync is not None
+                else 8 if device.type == "cuda" else 1)
     if per_sync < 1:
         raise ValueError(f"--runs-per-sync {per_sync}: expected at least 1")
     if not micro_batch_sizes or min(micro_batch_sizes) < 1:

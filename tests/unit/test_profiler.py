@@ -147,6 +147,20 @@ def test_bad_flags_give_one_clear_error(tmp_path, capsys):
         profile_model(_config(torch.float32), [0])
 
 
+def test_runs_per_sync_queues_runs_and_keeps_the_stash_count():
+    """Several forwards queued per synchronisation (the CUDA default, 8): per-run times,
+    the same stash bytes, and the count recorded; 0 is an error."""
+    one = profile_model(_config(torch.float32), [2], warmup=0, repeat=1)
+    three = profile_model(_config(torch.float32), [2], warmup=0, repeat=1, runs_per_sync=3)
+    assert one["settings"]["runs_per_sync"] == 1 and three["settings"]["runs_per_sync"] == 3
+    for name in ("block", "embedding", "head"):
+        a, b = one["microbatches"][0][name], three["microbatches"][0][name]
+        assert b["runs_per_sync"] == 3 and b["stash_bytes"] == a["stash_bytes"]
+        assert b["forward_s"] > 0 and b["backward_s"] > 0
+    with pytest.raises(ValueError, match="runs-per-sync"):
+        profile_model(_config(torch.float32), [2], runs_per_sync=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_allocator_peaks_cover_counted_stash():
     prof = profile_model(_config(torch.float32), [2], warmup=1, repeat=2,
