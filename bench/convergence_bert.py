@@ -312,6 +312,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         "(default 3; smoke 1)")
     p.add_argument("--time-iters", type=int, default=None,
                    help="iterations of each per-iteration timing run (default 30; smoke 2)")
+    p.add_argument("--warmup-iters", type=int, default=None,
+                   help="--2bw-flush-warmup-iters of the 2bw+warmup variant (default: the "
+                        "trainer's, 10%% of the run)")
     p.add_argument("--no-finetune-schedules", action="store_true",
                    help="finetune with each pretraining run's own schedule only")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "megatron-bench"
@@ -336,7 +339,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.time_repeats is None:
         args.time_repeats = 1 if args.smoke else 3
     variants = ["flush", "2bw"] + [v for v in args.variants if v not in SCHEDULES]
-    warmup_iters = s["iters"] // 10  # the trainer's default --2bw-flush-warmup-iters
+    # the trainer's default --2bw-flush-warmup-iters is 10% of the run
+    warmup_iters = s["iters"] // 10 if args.warmup_iters is None else args.warmup_iters
+    if not 0 <= warmup_iters <= s["iters"]:
+        p.error(f"--warmup-iters {warmup_iters}: expected 0..{s['iters']} (the run's length)")
+    if args.warmup_iters is not None:
+        VARIANTS["2bw+warmup"] = VARIANTS["2bw+warmup"] + ["--2bw-flush-warmup-iters",
+                                                           str(warmup_iters)]
     time_iters = args.time_iters or (2 if args.smoke else 30)
     t0 = time.perf_counter()
     data = prepare_data(Path(args.work_dir), s["max_chars"] or None)
