@@ -446,6 +446,24 @@ def run_groups(groups: List[Any], world: int, jobs: int, worker: Any = None) -> 
     return merged
 
 
+def add_warmup_iters_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup-iters", type=int, default=None,
+                   help="--2bw-flush-warmup-iters of the 2bw+warmup variant (default: the "
+                        "trainer's, 10%% of the run)")
+
+
+def flush_warmup_iters(p: argparse.ArgumentParser, requested: Optional[int], iters: int) -> int:
+    """The 2bw+warmup variant's warm-up length: ``requested`` (--warmup-iters), else the
+    trainer's default of 10% of the run; a requested length is put on its command line."""
+    warmup = iters // 10 if requested is None else requested
+    if not 0 <= warmup <= iters:
+        p.error(f"--warmup-iters {warmup}: expected 0..{iters} (the run's length)")
+    if requested is not None:
+        VARIANTS["2bw+warmup"] = VARIANTS["2bw+warmup"] + ["--2bw-flush-warmup-iters",
+                                                           str(warmup)]
+    return warmup
+
+
 # ---------------------------------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -469,9 +487,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         "all, smoke: 2bw+predict)")
     p.add_argument("--dc-lambda", type=float, default=None,
                    help="--2bw-dc-lambda of the 2bw+dc variant (default: the trainer's, 1)")
-    p.add_argument("--warmup-iters", type=int, default=None,
-                   help="--2bw-flush-warmup-iters of the 2bw+warmup variant (default: the "
-                        "trainer's, 10%% of the run)")
+    add_warmup_iters_flag(p)
     p.add_argument("--jobs", type=int, default=1,
                    help="learning rates trained at the same time (separate processes)")
     p.add_argument("--lr", type=float, nargs="+", default=None,
@@ -503,10 +519,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.time_repeats is None:
         args.time_repeats = 1 if args.smoke else 3
     variants = ["flush", "2bw"] + [v for v in args.variants if v not in ("flush", "2bw")]
-    # the trainer's default --2bw-flush-warmup-iters is 10% of the run
-    warmup_iters = s["iters"] // 10 if args.warmup_iters is None else args.warmup_iters
-    if not 0 <= warmup_iters <= s["iters"]:
-        p.error(f"--warmup-iters {warmup_iters}: expected 0..{s['iters']} (the run's length)")
+    warmup_iters = flush_warmup_iters(p, args.warmup_iters, s["iters"])
     # d=4 as asked; a model with fewer layers (--quick: 2) is timed at d = its layers
     time_depth = args.time_depth or min(2 if args.smoke else 4, s["layers"])
     time_iters = args.time_iters or (2 if args.smoke else 12 if args.quick else 30)
@@ -516,9 +529,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     lrs = args.lr or ([1e-3] if args.quick else [1e-3, 3e-4])
     if args.dc_lambda is not None:
         VARIANTS["2bw+dc"] = VARIANTS["2bw+dc"] + ["--2bw-dc-lambda", str(args.dc_lambda)]
-    if args.warmup_iters is not None:
-        VARIANTS["2bw+warmup"] = VARIANTS["2bw+warmup"] + ["--2bw-flush-warmup-iters",
-                                                           str(warmup_iters)]
     groups = [[(f"{name}@{lr:g}", gpt_argv(name, s, data, args.depth, args.width, lr))
                for name in variants] for lr in lrs]
     world = args.depth * args.width

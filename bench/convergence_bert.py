@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (REPO_ROOT, format_table, run_tool, write_corpus,  # noqa: E402
                           write_results)
 from bench.convergence import (DEFAULT_VARIANTS, SHARED_DATA, STYLES, VARIANTS,  # noqa: E402
-                               _FirstSamples, _set_flag, elapsed, first_reach, git_revision,
+                               _FirstSamples, _set_flag, add_warmup_iters_flag, elapsed,
+                               flush_warmup_iters, first_reach, git_revision,
                                real_text_documents, run_groups, smooth, variant_summary)
 
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_bert.png"
@@ -312,9 +313,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         "(default 3; smoke 1)")
     p.add_argument("--time-iters", type=int, default=None,
                    help="iterations of each per-iteration timing run (default 30; smoke 2)")
-    p.add_argument("--warmup-iters", type=int, default=None,
-                   help="--2bw-flush-warmup-iters of the 2bw+warmup variant (default: the "
-                        "trainer's, 10%% of the run)")
+    add_warmup_iters_flag(p)
     p.add_argument("--no-finetune-schedules", action="store_true",
                    help="finetune with each pretraining run's own schedule only")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "megatron-bench"
@@ -339,13 +338,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.time_repeats is None:
         args.time_repeats = 1 if args.smoke else 3
     variants = ["flush", "2bw"] + [v for v in args.variants if v not in SCHEDULES]
-    # the trainer's default --2bw-flush-warmup-iters is 10% of the run
-    warmup_iters = s["iters"] // 10 if args.warmup_iters is None else args.warmup_iters
-    if not 0 <= warmup_iters <= s["iters"]:
-        p.error(f"--warmup-iters {warmup_iters}: expected 0..{s['iters']} (the run's length)")
-    if args.warmup_iters is not None:
-        VARIANTS["2bw+warmup"] = VARIANTS["2bw+warmup"] + ["--2bw-flush-warmup-iters",
-                                                           str(warmup_iters)]
+    warmup_iters = flush_warmup_iters(p, args.warmup_iters, s["iters"])
     time_iters = args.time_iters or (2 if args.smoke else 30)
     t0 = time.perf_counter()
     data = prepare_data(Path(args.work_dir), s["max_chars"] or None)

@@ -45,7 +45,7 @@ class CoreAttention(nn.Module):
         # With t > 1 each rank owns different heads, so their dropout masks come from the
         # tensor-parallel RNG stream.  With t = 1 the default stream serves: swapping
         # generator states costs host work per layer and breaks --compile-layers' graph
-        # (dynamo does not trace get/set_rng_state) into three.
+        # (dynamo does not trace get/set_rng_state) into five.
         self.fork_rng = tp.size > 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

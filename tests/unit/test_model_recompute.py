@@ -152,3 +152,27 @@ def test_cuda_dropout_replay_and_sdpa():
                                CoreAttention(cfg, TPInfo.single(), "manual")(q, k, v, None),
                                rtol=1e-4, atol=1e-5)
     model_parallel_seed(0)
+
+
+def test_a_layer_with_dropout_traces_as_one_graph_at_t1():
+    """--compile-layers: at t=1 attention dropout draws from the default stream, so dynamo
+    traces a whole layer without a break (swapping the tracker's generator states split
+    it into five graphs, and made the compiled layers slower than eager on an H100)."""
+    import torch._dynamo
+
+    from megatron.model.transformer import ParallelTransformerLayer
+
+    cfg = make_config(hidden_dropout=0.1, attention_dropout=0.1, params_dtype=torch.float32)
+    model_parallel_seed(3)
+    layer = ParallelTransformerLayer(cfg, TPInfo.single(), 0, seed=3).train()
+    x = torch.randn(cfg.seq_length, 2, cfg.hidden_size)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    # the guard: the tensor-parallel stream (what t > 1 draws from) does break the graph
+    for module in layer.modules():
+        if isinstance(module, transformer_module.CoreAttention):
+            module.fork_rng = True
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(layer)(x).graph_break_count > 0
