@@ -98,23 +98,6 @@ def gpt_config(argv: List[str]) -> Tuple[Any, Any]:
     return cfg, tokenizer
 
 
-def mock_microbatches(cfg: Any, tokenizer: Any, num_samples: int) -> List[Dict[str, Any]]:
-    """The training microbatches pretrain_gpt.py's mock dataset yields with one
-    data-parallel replica, in order: ``{"text": LongTensor[b, s+1]}``."""
-    import torch
-
-    from megatron.data.gpt_dataset import MockGPTDataset
-
-    ds = MockGPTDataset(num_samples, cfg.model.seq_length, tokenizer.vocab_size,
-                        cfg.training.seed)
-    b = cfg.training.micro_batch_size
-    out = []
-    for start in range(0, num_samples - b + 1, b):
-        rows = [torch.from_numpy(ds[i]["text"]) for i in range(start, start + b)]
-        out.append({"text": torch.stack(rows)})
-    return out
-
-
 def first_reach(curve: Dict[Any, float], target: float) -> Optional[float]:
     """First (linearly interpolated) iteration where ``curve`` is at ``target`` or below.
 

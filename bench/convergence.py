@@ -190,28 +190,38 @@ class _FirstSamples:
         return self.ds[i]
 
 
-def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int]):
+def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int],
+                                  train_samples: Optional[int] = None):
+    """pretrain_gpt's datasets, every evaluation on the same first samples.
+    ``train_samples``: build the training set for that many samples whatever the run's
+    length, so runs of different lengths see the same sample order (the index mapping's
+    shuffle depends on the number of samples)."""
     import pretrain_gpt
 
     eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
     n_train, _, n_test = num_samples
+    n_train = max(n_train, train_samples or 0)
     train, valid, test = pretrain_gpt.datasets_provider(cfg, tokenizer,
                                                         (n_train, eval_samples, n_test))
     return train, (_FirstSamples(valid, eval_samples) if valid is not None else None), test
 
 
-def _worker(rank: int, world: int, runs: List[Tuple[str, List[str]]]) -> Dict[str, Any]:
+def _worker(rank: int, world: int, runs: List[Tuple[str, List[str]]],
+            train_samples: Optional[int] = None) -> Dict[str, Any]:
+    import functools
+
     import torch
 
     import pretrain_gpt
     from megatron.training import pretrain
 
     torch.set_num_threads(1)
+    provider = functools.partial(fixed_valid_datasets_provider, train_samples=train_samples)
     out = {}
     for name, argv in runs:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
-            res = pretrain(fixed_valid_datasets_provider, pretrain_gpt.model_provider,
+            res = pretrain(provider, pretrain_gpt.model_provider,
                            pretrain_gpt.forward_step, argv=argv)
         out[name] = {"train": {it: v["lm loss"] for it, v in res.losses.items()},
                      "valid": {it: v["lm loss"] for it, v in res.eval_losses.items()},

@@ -126,19 +126,25 @@ def finetune_argv(schedule: str, s: Dict[str, Any], pretrained: Path) -> List[st
 # ---------------------------------------------------------------------------------------
 # the work on each rank
 # ---------------------------------------------------------------------------------------
-def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int]):
-    """pretrain_bert's datasets, with every evaluation on the same first samples."""
+def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int],
+                                  train_samples: Optional[int] = None):
+    """pretrain_bert's datasets, with every evaluation on the same first samples;
+    ``train_samples`` as in bench/convergence.py (same sample order for any run length)."""
     import pretrain_bert
 
     eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
     n_train, _, n_test = num_samples
+    n_train = max(n_train, train_samples or 0)
     train, valid, test = pretrain_bert.datasets_provider(cfg, tokenizer,
                                                          (n_train, eval_samples, n_test))
     return train, (_FirstSamples(valid, eval_samples) if valid is not None else None), test
 
 
 def _worker(rank: int, world: int, pre: List[Tuple[str, List[str]]],
-            fine: List[Tuple[str, List[str]]] = ()) -> Dict[str, Any]:
+            fine: List[Tuple[str, List[str]]] = (),
+            train_samples: Optional[int] = None) -> Dict[str, Any]:
+    import functools
+
     import torch
 
     import pretrain_bert
@@ -151,7 +157,9 @@ def _worker(rank: int, world: int, pre: List[Tuple[str, List[str]]],
         t0 = time.perf_counter()
         pretrain_bert.TASK.masking = pretrain_bert.masking_from_args(argv)
         with contextlib.redirect_stdout(io.StringIO()):
-            res = pretrain(fixed_valid_datasets_provider, pretrain_bert.model_provider,
+            res = pretrain(functools.partial(fixed_valid_datasets_provider,
+                                             train_samples=train_samples),
+                           pretrain_bert.model_provider,
                            pretrain_bert.forward_step,
                            extra_args_provider=pretrain_bert.add_bert_args, argv=argv)
         out["pretrain"][name] = {"train": res.losses, "valid": res.eval_losses,

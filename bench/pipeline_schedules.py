@@ -18,7 +18,10 @@ Part (b), a real GPT with d=2: this project's flush and 2bw against
 ``torch.distributed.pipelining``'s Schedule1F1B and ScheduleGPipe on the same stages
 (``GPTModel`` halves wrapped as tokens -> hidden and hidden -> logits), same weights,
 same microbatches, same update (tied-embedding gradient sum, global-norm clipping,
-AdamW).  The first-step losses of the four are printed and must agree.  Throughput is
+AdamW).  Both sides read their data inside the timed loop from the same mock dataset:
+our trainer one microbatch at a time, the torch side one DataLoader batch per step (as
+a user of torch.distributed.pipelining would; until 2026-11-22 its batches were built
+before the loop, which left its data loading out of the comparison).  The first-step losses of the four are printed and must agree.  Throughput is
 the batch period on stage 0 (first forward of batch k to that of batch k+1), median
 over the batches after warm-up.  Beside it, the CPU time per batch of each rank's process
 (gloo's threads included): on a machine shared with other work the wall-clock ratio
@@ -295,7 +298,8 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from bench.common import gpt_config, mock_microbatches
+    from bench.common import gpt_config
+    from megatron.data.gpt_dataset import MockGPTDataset
     from bench.trainer_overhead import batch_periods
     from megatron.model import GPTModel
     from megatron.tensor_parallel import TPInfo
@@ -314,14 +318,21 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": oc.weight_decay},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
         lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps)
-    micro = mock_microbatches(cfg, tokenizer, iters * tr.global_batch_size)
+    # The batches are read inside the timed loop, as our trainer reads its microbatches:
+    # one DataLoader batch of the whole global batch per step (what a user of
+    # torch.distributed.pipelining writes; schedule.step splits it into microbatches).
+    # Same dataset class, seed and order as our side's, so the same samples.
+    loader = iter(torch.utils.data.DataLoader(
+        MockGPTDataset(iters * tr.global_batch_size, cfg.model.seq_length,
+                       tokenizer.vocab_size, tr.seed),
+        batch_size=tr.global_batch_size, shuffle=False, num_workers=0))
     starts, losses = [], []
     cpu = _CPU_STAMPS
     cpu.clear()
     for step in range(iters):
         starts.append(time.perf_counter())
         cpu.append(time.process_time())
-        text = torch.cat([mb["text"] for mb in micro[step * m:(step + 1) * m]])
+        text = next(loader)["text"]
         if last:
             mb_losses: List[torch.Tensor] = []
             schedule.step(target=text[:, 1:].contiguous(), losses=mb_losses, return_outputs=False)

@@ -639,12 +639,31 @@ def render_gpu_profile(d: Dict[str, Any]) -> List[str]:
     return out
 
 
+def render_equal_time(d: Dict[str, Any]) -> List[str]:
+    out = [f"Each run's --train-iters is what fits in Flush's time for its iterations "
+           f"(s/iteration measured side by side, fastest of {d['timing']['rounds']} "
+           f"interleaved rounds); the flush warm-up keeps "
+           f"{d['warmup_fraction']:.0%} of its run under Flush."]
+    for r in d["runs"]:
+        sec = ", ".join(f"{k} {v:.4f}" for k, v in r["seconds_per_iteration"].items())
+        out.append(f"**{r['model'].upper()}, peak lr {fmt(r['lr'])}** (s/iteration at "
+                   f"d={r['time_depth']}: {sec}):")
+        out.append(md_table(
+            ["run", "iterations", "of them Flush", "modelled s", "final valid loss",
+             "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it"],
+            [[n, v["train_iters"], v["warmup_iters"], v["modelled_seconds"], v["final_valid"],
+              _pct(v["relative_to_flush"]), _or_not_reached(v["reaches_flush_final_at"]),
+              v["seconds_to_flush_final"], v["speedup_to_flush_final"]]
+             for n, v in r["summary"].items()]))
+    return out
+
+
 RENDERERS: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
     "convergence": render_convergence, "convergence_bert": render_convergence_bert,
     "memory": render_memory, "throughput": render_throughput,
     "convergence_gpu": render_convergence_gpu, "throughput_cuda": render_throughput_cuda,
     "planner_validation_cuda": render_planner_validation_cuda,
-    "gpu_profile": render_gpu_profile}
+    "gpu_profile": render_gpu_profile, "equal_time": render_equal_time}
 
 
 # ---------------------------------------------------------------------------------------

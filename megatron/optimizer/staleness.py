@@ -30,18 +30,85 @@ from torch import nn
 
 MITIGATIONS = ("none", "predict", "dc", "warmup")
 
-# (c, num, denom, coef) of P(W) = c * W + coef * num / denom (denom None: coef * num)
-_Terms = Tuple[float, torch.Tensor, Optional[torch.Tensor], float]
+# (c, num, denom, coef) of P(W) = c * W + coef * num / denom (denom None: coef * num).
+# AdamW's denom is sqrt(k * v) + eps, given as (v, k', eps) with k' = sqrt(k) and made
+# when needed (``_denoms``), so a chunk of parameters makes all of its denoms at once.
+_Denom = Tuple[torch.Tensor, float, float]
+_Terms = Tuple[float, torch.Tensor, Optional[_Denom], float]
 
 
-def _apply(w: torch.Tensor, terms: _Terms) -> None:
-    """w := P(w), in place, in two element-wise passes."""
-    c, num, denom, coef = terms
-    w.mul_(c)
-    if denom is None:
-        w.add_(num, alpha=coef)
-    else:
-        w.addcdiv_(num, denom, value=coef)
+def _denoms(specs: List[_Denom]) -> List[torch.Tensor]:
+    """sqrt(v) * k' + eps of each (v, k', eps), in three multi-tensor passes."""
+    out = torch._foreach_sqrt([v for v, _, _ in specs])
+    torch._foreach_mul_(out, [k for _, k, _ in specs])
+    torch._foreach_add_(out, [eps for _, _, eps in specs])
+    return out
+
+
+CHUNK_BYTES = 256 * 2 ** 20
+"""Weights per multi-tensor pass of ``WeightPrediction.predict_`` (bounds its temporaries)."""
+
+
+def use_foreach(params: Sequence[torch.Tensor]) -> bool:
+    """Chunks of many tensors on accelerators; one tensor per chunk on the CPU."""
+    return len(params) > 0 and params[0].device.type != "cpu"
+
+
+def _predict_chunk(items: List[Tuple[torch.Tensor, torch.Tensor, _Terms]]) -> None:
+    """d := P(s) for each (d, s, terms) of a chunk: c * s, then + coef * num / denom.
+
+    In place where s is d's storage in d's dtype; otherwise P(s) is computed in the
+    state's dtype (s's fp32 master, or a copy of s) and cast into d."""
+    adam = [(d, s, t) for d, s, t in items if t[2] is not None]
+    sgd = [(d, s, t) for d, s, t in items if t[2] is None]
+    for group in (adam, sgd):
+        if not group:
+            continue
+        dsts = [d for d, _, _ in group]
+        nums = [t[1] for _, _, t in group]
+        in_place = [s.data_ptr() == d.data_ptr() and s.dtype == d.dtype for d, s, _ in group]
+        # w: the tensor P is computed in (d itself, or a temporary in the state's dtype)
+        work = [d if ip else (s if s.dtype == n.dtype else s.to(n.dtype))
+                for (d, s, _), n, ip in zip(group, nums, in_place)]
+        cs = [t[0] for _, _, t in group]
+        temps = [i for i, ip in enumerate(in_place) if not ip]
+        if temps:  # c * s into fresh tensors: s (a master, or the source) stays as it is
+            scaled = torch._foreach_mul([work[i] for i in temps], [cs[i] for i in temps])
+            for i, w in zip(temps, scaled):
+                work[i] = w
+        inplace = [i for i, ip in enumerate(in_place) if ip]
+        if inplace:
+            torch._foreach_mul_([work[i] for i in inplace], [cs[i] for i in inplace])
+        coefs = [t[3] for _, _, t in group]
+        if group is adam:
+            torch._foreach_addcdiv_(work, nums, _denoms([t[2] for _, _, t in group]), coefs)
+        else:
+            _add_scaled_(work, nums, coefs)
+        if temps:
+            torch._foreach_copy_([dsts[i] for i in temps], [work[i] for i in temps])
+
+
+def _restore_chunk(items: List[Tuple[torch.Tensor, _Terms]]) -> None:
+    """p := (p - coef * num / denom) / c for each (p, terms), in place."""
+    adam = [(p, t) for p, t in items if t[2] is not None]
+    sgd = [(p, t) for p, t in items if t[2] is None]
+    if adam:
+        ps = [p for p, _ in adam]
+        torch._foreach_addcdiv_(ps, [t[1] for _, t in adam], _denoms([t[2] for _, t in adam]),
+                                [-t[3] for _, t in adam])
+        torch._foreach_div_(ps, [t[0] for _, t in adam])
+    if sgd:
+        ps = [p for p, _ in sgd]
+        _add_scaled_(ps, [t[1] for _, t in sgd], [-t[3] for _, t in sgd])
+        torch._foreach_div_(ps, [t[0] for _, t in sgd])
+
+
+def _add_scaled_(ws: List[torch.Tensor], nums: List[torch.Tensor], coefs: List[float]) -> None:
+    """w += coef * num for each triple, as ``w.add_(num, alpha=coef)`` computes it (one
+    multi-tensor call per distinct coef: a parameter group's)."""
+    for coef in dict.fromkeys(coefs):
+        idx = [i for i, c in enumerate(coefs) if c == coef]
+        torch._foreach_add_([ws[i] for i in idx], [nums[i] for i in idx], alpha=coef)
 
 
 def _groups_by_param(optimizer: torch.optim.Optimizer) -> Dict[int, dict]:
@@ -72,7 +139,7 @@ class WeightPrediction:
             bc1 = 1.0 - beta1 ** step
             bc2 = 1.0 - beta2 ** step
             # sqrt(beta2 * v / bc2) + eps, then the step along beta1 * m / bc1
-            denom = state["exp_avg_sq"].sqrt().mul_(math.sqrt(beta2 / bc2)).add_(group["eps"])
+            denom = (state["exp_avg_sq"], math.sqrt(beta2 / bc2), group["eps"])
             return c, state["exp_avg"], denom, -lr * beta1 / bc1
         buf = state.get("momentum_buffer")  # SGD (L2 decay enters the momentum)
         if buf is None:
@@ -83,33 +150,73 @@ class WeightPrediction:
     def predict_(self, dst: Sequence[nn.Parameter], src: Sequence[torch.Tensor],
                  lr: float) -> None:
         """dst := P(src) with the current state and ``lr`` (dst may be low precision; src
-        may be dst's own tensor, then the prediction is made in place)."""
+        may be dst's own tensor, then the prediction is made in place).
+
+        On an accelerator: multi-tensor (``torch._foreach_*``) passes over chunks of
+        at most ``CHUNK_BYTES`` of weights, a few kernel launches per chunk instead of
+        several per parameter (on an H100 the per-parameter loop took 26 ms of a 66 ms
+        GPT-124M iteration), with temporaries of one chunk's size.  On the CPU, where
+        the multi-tensor ops are a loop too and measured 1.25x slower, one parameter at
+        a time.  Both run the same operations in the same order (c * W, then
+        + coef * num / denom), so they give the same values
+        (tests/unit/test_staleness.py)."""
+        pending: List[Tuple[torch.Tensor, torch.Tensor, _Terms]] = []
+        size = 0
+        foreach = use_foreach(dst)
         for main, d, s in zip(self.main_params, dst, src):
             terms = self._terms(main, lr)
             in_place = s.data_ptr() == d.data.data_ptr() and s.dtype == d.dtype
-            if terms is None:
+            if terms is None:  # no state yet: nothing to predict
                 if not in_place:
                     d.data.copy_(s)
                 continue
-            w = s if in_place else s.to(terms[1].dtype, copy=True)
-            _apply(w, terms)
-            if not in_place:
-                d.data.copy_(w)
+            if not foreach:
+                c, num, spec, coef = terms
+                w = s if in_place else s.to(num.dtype, copy=True)
+                w.mul_(c)
+                if spec is None:
+                    w.add_(num, alpha=coef)
+                else:
+                    w.addcdiv_(num, spec[0].sqrt().mul_(spec[1]).add_(spec[2]), value=coef)
+                if not in_place:
+                    d.data.copy_(w)
+                continue
+            pending.append((d.data, s, terms))
+            size += s.numel() * terms[1].element_size()
+            if size >= CHUNK_BYTES:
+                _predict_chunk(pending)
+                pending, size = [], 0
+        if pending:
+            _predict_chunk(pending)
         self.last_lr = lr
 
     @torch.no_grad()
     def restore_(self, buf: Sequence[nn.Parameter]) -> None:
         """Invert the prediction in place: W = (P(W) - coef * num / denom) / c (same state,
-        ``last_lr``)."""
+        ``last_lr``); multi-tensor passes over chunks, as ``predict_``."""
+        chunk: List[Tuple[torch.Tensor, _Terms]] = []
+        size = 0
+        foreach = use_foreach(buf)
         for main, p in zip(self.main_params, buf):
             terms = self._terms(main, self.last_lr)
-            if terms is not None:
-                c, num, denom, coef = terms
-                if denom is None:
+            if terms is None:
+                continue
+            if not foreach:
+                c, num, spec, coef = terms
+                if spec is None:
                     p.data.add_(num, alpha=-coef)
                 else:
-                    p.data.addcdiv_(num, denom, value=-coef)
+                    p.data.addcdiv_(num, spec[0].sqrt().mul_(spec[1]).add_(spec[2]),
+                                    value=-coef)
                 p.data.div_(c)
+                continue
+            chunk.append((p.data, terms))
+            size += p.numel() * p.element_size()
+            if size >= CHUNK_BYTES:
+                _restore_chunk(chunk)
+                chunk, size = [], 0
+        if chunk:
+            _restore_chunk(chunk)
 
     def state_dict(self) -> dict:
         return {"last_lr": self.last_lr}

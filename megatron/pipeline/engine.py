@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,10 @@ class _Segment:
     stash: Dict[int, tuple] = field(default_factory=dict)
     loss_sums: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)
     reports: List[StepReport] = field(default_factory=list)
+    prefetched: Deque[Any] = field(default_factory=deque)
+    """Microbatches read ahead of their forward while this stage waited (FIFO)."""
+    fetches_left: int = 0
+    """Microbatches this stage's schedule still reads in the segment (prefetched or not)."""
 
 
 class GradientReduction:
@@ -231,6 +236,10 @@ class PipelineEngine:
         shape = model.stage_input_shape(micro_batch_size) if self.num_stages > 1 else (1,)
         self.p2p = P2PCommunicator(groups.prev_rank, groups.next_rank, shape,
                                    activation_dtype, device)
+        # Waits (a receive in flight, the optimizer's agreement) read the segment's next
+        # microbatches, at most one batch ahead: data loading leaves the critical path.
+        self._seg: Optional[_Segment] = None
+        self.p2p.on_idle = self._prefetch_during
         self._handlers = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.SEND_ACT: self._send_act, Op.RECV_ACT: self._recv_act,
@@ -373,6 +382,15 @@ class PipelineEngine:
     # -- the dispatch loop ---------------------------------------------------------------
     def _run(self, actions: List[List[Action]], seg: _Segment) -> None:
         mine = actions[self.stage]
+        seg.fetches_left = sum(1 for a in mine if a.op is Op.FORWARD)
+        self._seg = seg
+        try:
+            self._run_actions(actions, mine, seg)
+        finally:
+            self._seg = None
+
+    def _run_actions(self, actions: List[List[Action]], mine: List[Action],
+                     seg: _Segment) -> None:
         for index, action in enumerate(mine):
             start = time.perf_counter()
             # this thread's CPU time: wall minus CPU of a compute action is time the
@@ -427,6 +445,25 @@ class PipelineEngine:
     def _next_data(self, seg: _Segment) -> Any:
         if seg.data_iterator is None:
             return None
+        seg.fetches_left -= 1
+        if seg.prefetched:
+            return seg.prefetched.popleft()
+        return self._read(seg)
+
+    def _prefetch_during(self, work: Any) -> None:
+        """While ``work`` is in flight, read the segment's upcoming microbatches (at most
+        one batch ahead), so a forward finds its data loaded: on a stage that waits for a
+        neighbour (pipeline fill and drain, the step's agreement) data loading then costs
+        nothing.  Only microbatches the schedule reads anyway are read, in the same order,
+        so the data stream and its position in a checkpoint are unchanged."""
+        seg = self._seg
+        if seg is None or seg.data_iterator is None:
+            return
+        while (len(seg.prefetched) < min(seg.fetches_left, self.num_microbatches)
+               and not work.is_completed()):
+            seg.prefetched.append(self._read(seg))
+
+    def _read(self, seg: _Segment) -> Any:
         try:
             return next(seg.data_iterator)
         except StopIteration:
@@ -570,6 +607,7 @@ class PipelineEngine:
         if t in self._embedding_work:
             work = self._embedding_work.pop(t)
             if work is not None:
+                self._prefetch_during(work)  # the other end may still be in its backward
                 work.wait()
             if self.groups.data is not None and self.groups.dp_size > 1:
                 shared = next(p for p in params if getattr(p, "shared_embedding", False))
@@ -613,6 +651,8 @@ class PipelineEngine:
             if self.is_last:
                 sums = seg.loss_sums.pop(t, {})
                 losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
+            if pending.work is not None:
+                self._prefetch_during(pending.work)
             lr = self._lr_provider()
             # base: the buffer holding W(t) (a flush step, warm-up included, updates in place)
             base = self.buffer_for(t + 1 if self.schedule_at(t) == "2bw" else t)

@@ -9,7 +9,7 @@ validator accepts is deadlock-free on gloo and on NCCL.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ class P2PCommunicator:
         self._pending: List[Tuple[object, torch.Tensor]] = []
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.on_idle: Optional[Callable[[object], None]] = None
+        """Called with a posted receive's work handle before waiting on it (the engine
+        fetches upcoming microbatches there while the work is not completed)."""
 
     # -- sends -------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: Optional[int], what: str) -> None:
@@ -55,7 +58,10 @@ class P2PCommunicator:
         if src is None:
             raise RuntimeError(f"cannot receive {what}: no neighbour on that side of this stage")
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buf, src=src).wait()
+        work = dist.irecv(buf, src=src)
+        if self.on_idle is not None:
+            self.on_idle(work)  # useful work while the message is in flight
+        work.wait()
         self.bytes_received += buf.numel() * buf.element_size()
         return buf
 

@@ -230,3 +230,29 @@ def test_variant_summary_time_to_the_loss_both_reach() -> None:
     assert tbw["seconds_to_common_target"] == pytest.approx(300 * 0.8)
     assert tbw["flush_seconds_to_common_target"] == pytest.approx(200 * 1.0)
     assert tbw["speedup_at_common_target"] == pytest.approx(200 / 240)
+
+
+def test_equal_time_budget_and_summary() -> None:
+    """bench/equal_time.py: a run's iterations fill Flush's time; the warm-up variant's
+    first fraction runs at Flush's speed; the summary finds when Flush's loss is reached."""
+    from bench.equal_time import budget_iterations, modelled_seconds, summarize
+
+    sec = {"flush": 0.2, "2bw": 0.16}
+    assert budget_iterations("flush", 600, sec, 0.5) == (600, 0)
+    assert budget_iterations("2bw", 600, sec, 0.5) == (750, 0)
+    iters, warm = budget_iterations("2bw+warmup", 600, sec, 0.5)
+    assert (iters, warm) == (666, 333)  # 120 s / 0.18 s, half of it under Flush
+    assert modelled_seconds("2bw+warmup", iters, sec, warm) <= 600 * 0.2
+    assert modelled_seconds("2bw+warmup", 100, sec, warm) == pytest.approx(100 * 0.2)
+    with pytest.raises(ValueError, match="no measured time"):
+        budget_iterations("2bw+dc", 600, sec, 0.5)
+    curves = {"flush": {0: 6.0, 300: 5.0, 600: 4.0},
+              "2bw": {0: 6.0, 300: 5.2, 600: 4.2, 750: 3.8}}
+    plan = {"flush": {"train_iters": 600, "warmup_iters": 0},
+            "2bw": {"train_iters": 750, "warmup_iters": 0}}
+    out = summarize(curves, plan, sec)
+    assert out["2bw"]["final_valid"] == 3.8
+    assert out["2bw"]["reaches_flush_final_at"] == pytest.approx(600 + 150 * 0.2 / 0.4)
+    assert out["2bw"]["speedup_to_flush_final"] == pytest.approx(
+        600 * 0.2 / (out["2bw"]["reaches_flush_final_at"] * 0.16))
+    assert out["flush"]["speedup_to_flush_final"] == 1.0

@@ -34,12 +34,15 @@ def set_grads(params, grads, dtype=None) -> None:
         p.grad = gr.to(dtype or p.dtype, copy=True)
 
 
-def reference_optimizer(name: str, params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def reference_optimizer(name: str, params, cfg: OptimizerConfig,
+                        fused: bool = True) -> torch.optim.Optimizer:
+    """torch's own optimizer on plain parameters.  ``fused``: the kernel our Adam uses
+    (bit-identical comparisons); False: torch's default per-tensor loop."""
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     if name == "adam":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 eps=cfg.adam_eps)
+                                 eps=cfg.adam_eps, **({"fused": True} if fused else {}))
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
 
 
@@ -82,6 +85,33 @@ def test_single_buffer_equals_plain_torch_loop(name, dtype):
         assert torch.equal(opt.optimizer.state[m][key], ref_opt.state[r][key])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_adam_agrees_with_torch_default_loop(dtype):
+    """Our Adam runs torch's fused kernel on the CPU too (one call for all tensors); it
+    must give what torch's default per-tensor loop gives, to rounding."""
+    cfg = opt_cfg("adam")
+    ours, ref = make_params(dtype), make_params(dtype)
+    opt = get_megatron_optimizer(cfg, PrecisionConfig(), ours)
+    assert opt.optimizer.defaults.get("fused")
+    ref_opt = reference_optimizer("adam", ref, cfg, fused=False)
+    assert not ref_opt.defaults.get("fused")
+    for step, lr in enumerate(LRS):
+        grads = make_grads(ours, step)
+        set_grads(ours, grads)
+        set_grads(ref, grads)
+        opt.step(ours, ours, ours, lr)
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        ref_opt.step()
+        ref_opt.zero_grad()
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-14, atol=1e-16)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), **tol)
+    for m, r in zip(opt.main_params, ref):
+        torch.testing.assert_close(opt.optimizer.state[m]["exp_avg_sq"],
+                                   ref_opt.state[r]["exp_avg_sq"], **tol)
+
+
 def test_weight_decay_only_on_matrices():
     cfg = opt_cfg("sgd", sgd_momentum=0.0, weight_decay=0.5)
     params = make_params(torch.float64)
@@ -114,8 +144,12 @@ def test_2bw_sgd_writes_latest_minus_stale_gradient_into_x():
         assert px.grad is None
 
 
-def test_2bw_adam_alternating_buffers_match_reference_sequence():
-    """Alternate X/Y like 2BW: weights and moments equal a plain loop fed the same grads."""
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "multi-tensor"])
+def test_2bw_adam_alternating_buffers_match_reference_sequence(foreach, monkeypatch):
+    """Alternate X/Y like 2BW: weights and moments equal a plain loop fed the same grads
+    (with the buffer copy as a loop, the CPU's, and as the accelerators' multi-tensor copy)."""
+    import megatron.optimizer.optimizer as optimizer_mod
+    monkeypatch.setattr(optimizer_mod, "use_foreach", lambda _tensors: foreach)
     cfg = opt_cfg("adam")
     bufs = list(two_buffers(torch.float64))
     for a, b in zip(*bufs):  # both versions start at W(0)
@@ -146,7 +180,12 @@ def test_2bw_adam_alternating_buffers_match_reference_sequence():
     (torch.float16, dict(fp16=True, loss_scale=256.0)),
     (torch.bfloat16, dict(bf16=True)),
 ])
-def test_mixed_precision_masters_are_fp32_and_written_weights_are_their_cast(dtype, prec):
+@pytest.mark.parametrize("foreach", [False, True], ids=["loop", "multi-tensor"])
+def test_mixed_precision_masters_are_fp32_and_written_weights_are_their_cast(
+        dtype, prec, foreach, monkeypatch):
+    # foreach: the multi-tensor cast an accelerator uses, forced onto the CPU
+    import megatron.optimizer.optimizer as optimizer_mod
+    monkeypatch.setattr(optimizer_mod, "use_foreach", lambda _tensors: foreach)
     cfg = opt_cfg("adam", lr=1e-2)
     pcfg = PrecisionConfig(**prec)
     x, y = two_buffers(dtype)

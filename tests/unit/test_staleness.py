@@ -149,3 +149,42 @@ def test_mitigation_flags(capsys):
         parse_and_validate(base + ["--2bw-mitigation", "predict"])
     assert ("--2bw-mitigation predict needs --pipeline-schedule 2bw, got --pipeline-schedule "
             "flush") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("half", [False, True])
+def test_multi_tensor_prediction_equals_the_per_parameter_loop(name, half, monkeypatch):
+    """Accelerators predict (and restore) in multi-tensor chunks, the CPU one parameter
+    at a time; forced onto the CPU, with chunks of a few tensors, the chunked form gives
+    bit for bit what the loop gives: in place (fp32/float64) and into a half-precision
+    buffer from the fp32 masters."""
+    from megatron.optimizer import staleness
+
+    dtype = torch.bfloat16 if half else torch.float64
+    model = _model(dtype)
+    params = list(model.parameters())
+    opt = get_megatron_optimizer(_opt_cfg(name), _prec(half), params)
+    for seed in range(3):
+        _fake_grads(params, seed)
+        opt.step(params, params, params, lr=1e-2)
+    src = ([m.data for m in opt.main_params] if half
+           else [p.detach().clone() for p in params])
+    outs = []
+    for foreach in (False, True):
+        monkeypatch.setattr(staleness, "use_foreach", lambda _params, f=foreach: f)
+        monkeypatch.setattr(staleness, "CHUNK_BYTES", 40)  # a few tensors per chunk
+        wp = WeightPrediction(opt.optimizer, opt.main_params)
+        dst = [nn.Parameter(p.detach().clone()) for p in params]
+        if not half:  # in place: the buffer is its own source
+            for d, s in zip(dst, src):
+                d.data.copy_(s)
+        wp.predict_(dst, [m.data for m in opt.main_params] if half else [d.data for d in dst],
+                    7e-3)
+        predicted = [d.detach().clone() for d in dst]
+        if not half:
+            wp.restore_(dst)
+        outs.append((predicted, [d.detach().clone() for d in dst]))
+    (p_loop, r_loop), (p_chunk, r_chunk) = outs
+    for a, b in zip(p_loop + r_loop, p_chunk + r_chunk):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, s.to(a.dtype)) for a, s in zip(p_loop, src))  # it moved

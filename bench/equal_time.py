@@ -1,0 +1,264 @@
+"""Time to Flush's final loss when each variant trains for Flush's wall-clock budget.
+
+    PYTHONPATH=. python bench/equal_time.py                  # GPT and BERT, ~15 min
+    PYTHONPATH=. python bench/equal_time.py --model gpt --lr 1e-3
+    PYTHONPATH=. python bench/equal_time.py --smoke          # seconds (tests)
+
+bench/convergence.py and bench/convergence_bert.py compare the variants at equal
+iterations: every run gets Flush's ``--train-iters`` and so Flush's learning-rate
+schedule.  A variant that is faster per iteration never uses its speed there; a user
+sizes ``--train-iters`` to a time budget instead.  This bench asks the question that
+way, with the same models, data, seeds and hyperparameters as those two benches:
+
+1. the time per iteration of flush and 2bw, side by side (interleaved rounds, the
+   fastest of each kept): GPT at d=4 (4 CPU ranks), BERT at d=2 (its 2 layers);
+2. each variant's ``--train-iters`` = the iterations that fit in the time Flush needs
+   for its N.  The flush warm-up variant (``--2bw-mitigation warmup``) runs its first
+   ``--warmup-fraction`` at Flush's time and the rest at 2BW's, and keeps that
+   fraction of its longer run; every run's lr schedule (5% warm-up, cosine to lr/10)
+   follows its own length, as Flush's does;
+3. Flush trains N iterations and each variant its own number, d=1 for GPT (the update
+   rules are proven invariant to d), d=2 for BERT;
+4. printed and written to ``bench/results/equal_time.json``: each run's final
+   validation loss (equal time), the iteration and the time at which the variant first
+   reaches Flush's final loss (linear between evaluations) and Flush's time over that.
+
+Figure: docs/figures/equal_time.png (validation loss against modelled time).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import convergence as gpt_bench  # noqa: E402
+from bench import convergence_bert as bert_bench  # noqa: E402
+from bench.common import REPO_ROOT, first_reach, format_table, write_results  # noqa: E402
+
+FIGURE = REPO_ROOT / "docs" / "figures" / "equal_time.png"
+TIMED = ("flush", "2bw")
+
+
+def budget_iterations(variant: str, flush_iters: int, seconds: Dict[str, float],
+                      warmup_fraction: float) -> Tuple[int, int]:
+    """(iterations, flush warm-up iterations) of ``variant`` in Flush's time for
+    ``flush_iters`` iterations; the warm-up is ``warmup_fraction`` of the run."""
+    budget = flush_iters * seconds["flush"]
+    if variant == "flush":
+        return flush_iters, 0
+    if variant == "2bw+warmup":
+        per_iter = warmup_fraction * seconds["flush"] + (1 - warmup_fraction) * seconds["2bw"]
+        iters = int(budget / per_iter)
+        return iters, int(round(warmup_fraction * iters))
+    if variant not in seconds:
+        raise ValueError(f"no measured time per iteration for {variant!r}")
+    return int(budget / seconds[variant]), 0
+
+
+def modelled_seconds(variant: str, iteration: float, seconds: Dict[str, float],
+                     warmup_iters: int) -> float:
+    """Seconds to reach ``iteration``: iterations x measured time per iteration (the
+    warm-up's first ``warmup_iters`` at Flush's time)."""
+    if variant == "2bw+warmup":
+        head = min(iteration, warmup_iters)
+        return head * seconds["flush"] + (iteration - head) * seconds["2bw"]
+    return iteration * seconds[variant]
+
+
+def summarize(curves: Dict[str, Dict[int, float]], plan: Dict[str, Dict[str, int]],
+              seconds: Dict[str, float]) -> Dict[str, Dict[str, Any]]:
+    """Per run: final loss, its gap to Flush's, when it first reaches Flush's final loss
+    and how much sooner than Flush (in modelled seconds)."""
+    flush = curves["flush"]
+    target = flush[max(flush)]
+    flush_s = modelled_seconds("flush", max(flush), seconds, 0)
+    out = {}
+    for name, valid in curves.items():
+        reach = first_reach(valid, target)
+        end = max(valid)
+        warm = plan[name]["warmup_iters"]
+        t = None if reach is None else modelled_seconds(name, reach, seconds, warm)
+        out[name] = {"train_iters": plan[name]["train_iters"], "warmup_iters": warm,
+                     "modelled_seconds": modelled_seconds(name, end, seconds, warm),
+                     "final_valid": valid[end],
+                     "relative_to_flush": (valid[end] - target) / target,
+                     "reaches_flush_final_at": reach, "seconds_to_flush_final": t,
+                     "speedup_to_flush_final": (None if t is None or reach == 0
+                                                else flush_s / t)}
+    return out
+
+
+def time_variants(model: str, s: Dict[str, Any], data: Dict[str, str], lr: float,
+                  rounds: int, iters: int, depth: int, names: List[str]) -> Dict[str, float]:
+    """Fastest measured seconds per iteration of each of ``names`` (interleaved rounds,
+    so a load spike on a shared machine hits every variant)."""
+    runs = []
+    for r in range(rounds):
+        for name in names:
+            short = dict(s, iters=iters)
+            if model == "gpt":
+                a = gpt_bench.gpt_argv(name, short, data, depth, 1, lr)
+            else:
+                a = bert_bench.pretrain_argv(name, short, data["data_path"], None, depth)
+            for flag, value in (("--eval-interval", str(10 * iters)), ("--eval-iters", "1"),
+                                ("--lr-warmup-iters", "1")):
+                a = gpt_bench._set_flag(a, flag, value)
+            runs.append((f"time{r}:{name}", a))
+    if model == "gpt":
+        res = gpt_bench.run_groups([runs], depth, 1)
+    else:
+        res = gpt_bench.run_groups([(runs, [])], depth, 1, worker=bert_bench._worker)["pretrain"]
+    return {name: min(res[f"time{r}:{name}"]["seconds_per_iteration"] for r in range(rounds))
+            for name in names}
+
+
+def train(model: str, s: Dict[str, Any], data: Dict[str, str], lr: float,
+          plan: Dict[str, Dict[str, int]], jobs: int) -> Dict[str, Dict[int, float]]:
+    """Validation curves of every planned run (name -> {iteration: lm loss})."""
+    runs = []
+    for name, p in plan.items():
+        sized = dict(s, iters=p["train_iters"])
+        if model == "gpt":
+            a = gpt_bench.gpt_argv(name, sized, data, 1, 1, lr)
+        else:
+            a = bert_bench.pretrain_argv(name, dict(sized, lr=lr), data["data_path"], None)
+        if name == "2bw+warmup":
+            a = a + ["--2bw-flush-warmup-iters", str(p["warmup_iters"])]
+        runs.append((name, a))
+    # every run's training set is built for the longest run's samples: the index
+    # mapping's shuffle depends on the sample count, and runs of different lengths
+    # must see the same samples in the same order
+    samples = max(p["train_iters"] for p in plan.values()) * s["mbs"] * s["m"]
+    if model == "gpt":
+        res = gpt_bench.run_groups([([r], samples) for r in runs], 1, jobs)
+        return {n: {int(k): v for k, v in res[n]["valid"].items()} for n, _ in runs}
+    res = gpt_bench.run_groups([([r], [], samples) for r in runs], 2, jobs,
+                               worker=bert_bench._worker)["pretrain"]
+    return {n: bert_bench.curve(res[n]["valid"], "lm loss") for n, _ in runs}
+
+
+def plot(results: List[Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        seconds, target = res["seconds_per_iteration"], res["flush_final_valid"]
+        for name, curve in res["curves"].items():
+            label, color, ls = gpt_bench.STYLES.get(name, (name, None, "-"))
+            warm = res["plan"][name]["warmup_iters"]
+            its = sorted(int(k) for k in curve)
+            ax.plot([modelled_seconds(name, i, seconds, warm) for i in its],
+                    [curve[i] for i in its], color=color, ls=ls, marker="o", ms=2.5,
+                    label=f"{label}, {res['plan'][name]['train_iters']} it: "
+                          f"{curve[its[-1]]:.3f}")
+        ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"Flush's final {target:.3f}")
+        lo = min(min(c.values()) for c in res["curves"].values())
+        ax.set_ylim(lo - 0.05, target + 0.6)
+        ax.set_xlabel(f"seconds (iterations x measured s/iteration at d={res['time_depth']})")
+        ax.set_ylabel("validation lm loss (nats/token)")
+        ax.set_title(f"{res['model'].upper()}, peak lr {res['lr']:g}: equal time budget",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Each run trains for Flush's time (--train-iters sized from the measured "
+                 "time per iteration); the tail of each curve", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("gpt", "bert", "both"), default="both")
+    p.add_argument("--smoke", action="store_true", help="tiny models, seconds (tests)")
+    p.add_argument("--variants", nargs="+", default=["2bw+warmup"],
+                   choices=[v for v in gpt_bench.VARIANTS if v != "flush"],
+                   help="what runs against Flush (default: the flush warm-up)")
+    p.add_argument("--warmup-fraction", type=float, default=0.5,
+                   help="share of the 2bw+warmup run under Flush (default 0.5)")
+    p.add_argument("--lr", type=float, nargs="+", default=None,
+                   help="GPT peak learning rates (default 1e-3 3e-4); BERT uses its bench's")
+    p.add_argument("--time-rounds", type=int, default=None, help="default 3 (smoke 1)")
+    p.add_argument("--time-iters", type=int, default=None, help="default 30 (smoke 2)")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at the same time")
+    p.add_argument("--work-dir", default=None, help="data cache (default: the benches')")
+    p.add_argument("--out-dir", default=None, help="where to write equal_time.json")
+    p.add_argument("--figure", default=None, help=f"PNG to write (default {FIGURE})")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.warmup_fraction < 1.0:
+        p.error(f"--warmup-fraction {args.warmup_fraction}: expected 0 <= f < 1")
+    rounds = args.time_rounds or (1 if args.smoke else 3)
+    time_iters = args.time_iters or (2 if args.smoke else 30)
+    models = ["gpt", "bert"] if args.model == "both" else [args.model]
+    t0 = time.perf_counter()
+    results = []
+    for model in models:
+        bench = gpt_bench if model == "gpt" else bert_bench
+        s = bench.model_settings(args.smoke, args.smoke)
+        work = Path(args.work_dir) if args.work_dir else None
+        if model == "gpt":
+            data = gpt_bench.prepare_data(work or Path("/tmp/megatron-bench/convergence"),
+                                          s["vocab"], s["max_chars"] or None)
+            lrs = args.lr or ([1e-3] if args.smoke else [1e-3, 3e-4])
+            depth = min(2 if args.smoke else 4, s["layers"])
+        else:
+            data = bert_bench.prepare_data(work or Path("/tmp/megatron-bench/convergence_bert"),
+                                           s["max_chars"] or None)
+            lrs, depth = [s["lr"]], 2
+        # the warm-up variant is timed as its two parts: Flush and 2BW
+        timed = list(TIMED) + [v for v in args.variants if v not in (*TIMED, "2bw+warmup")]
+        print(f"[equal_time] {model}: timing {', '.join(timed)} at d={depth} ...", flush=True)
+        seconds = time_variants(model, s, data, lrs[0], rounds, time_iters, depth, timed)
+        plan = {}
+        for name in ["flush", *args.variants]:
+            iters, warm = budget_iterations(name, s["iters"], seconds, args.warmup_fraction)
+            plan[name] = {"train_iters": iters, "warmup_iters": warm}
+        for lr in lrs:
+            print(f"[equal_time] {model} lr {lr:g}: "
+                  + ", ".join(f"{n} {p['train_iters']} it" for n, p in plan.items()),
+                  flush=True)
+            curves = train(model, s, data, lr, plan, args.jobs)
+            summary = summarize(curves, plan, seconds)
+            print(format_table(
+                ["run", "iterations", "of them Flush", "modelled s", "final valid loss",
+                 "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it"],
+                [[n, v["train_iters"], v["warmup_iters"], v["modelled_seconds"],
+                  v["final_valid"], f"{v['relative_to_flush'] * 100:+.2f}%",
+                  v["reaches_flush_final_at"], v["seconds_to_flush_final"],
+                  v["speedup_to_flush_final"]] for n, v in summary.items()],
+                title=f"{model.upper()} peak lr {lr:g}: each run sized to Flush's "
+                      f"{s['iters']} iterations of time (s/iteration at d={depth}: "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()) + ")"))
+            results.append({"model": model, "lr": lr, "time_depth": depth,
+                            "seconds_per_iteration": seconds, "plan": plan,
+                            "flush_iters": s["iters"],
+                            "flush_final_valid": summary["flush"]["final_valid"],
+                            "summary": summary, "curves": curves})
+    figure = Path(args.figure) if args.figure else FIGURE
+    plot(results, figure)
+    payload = {
+        "command": ("PYTHONPATH=. python bench/equal_time.py " + " ".join(
+            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))).strip(),
+        "smoke": args.smoke, "variants": args.variants,
+        "warmup_fraction": args.warmup_fraction,
+        "timing": {"rounds": rounds, "iterations": time_iters, "kept": "fastest round"},
+        "runs": results, "git": gpt_bench.git_revision(),
+        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
+                    else str(figure)],
+        "bench_seconds": time.perf_counter() - t0}
+    path = write_results("equal_time", payload, args.out_dir)
+    print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
