@@ -190,20 +190,26 @@ class _FirstSamples:
         return self.ds[i]
 
 
-def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int],
-                                  train_samples: Optional[int] = None):
-    """pretrain_gpt's datasets, every evaluation on the same first samples.
+def fixed_valid_datasets(datasets_provider: Any, cfg: Any, tokenizer: Any,
+                         num_samples: Tuple[int, int, int], train_samples: Optional[int] = None):
+    """``datasets_provider``'s datasets with every evaluation on the same first samples.
     ``train_samples``: build the training set for that many samples whatever the run's
     length, so runs of different lengths see the same sample order (the index mapping's
-    shuffle depends on the number of samples)."""
-    import pretrain_gpt
-
+    shuffle depends on the number of samples).  Shared by the GPT and BERT benches."""
     eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
     n_train, _, n_test = num_samples
     n_train = max(n_train, train_samples or 0)
-    train, valid, test = pretrain_gpt.datasets_provider(cfg, tokenizer,
-                                                        (n_train, eval_samples, n_test))
+    train, valid, test = datasets_provider(cfg, tokenizer, (n_train, eval_samples, n_test))
     return train, (_FirstSamples(valid, eval_samples) if valid is not None else None), test
+
+
+def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int],
+                                  train_samples: Optional[int] = None):
+    """pretrain_gpt's datasets, as ``fixed_valid_datasets``."""
+    import pretrain_gpt
+
+    return fixed_valid_datasets(pretrain_gpt.datasets_provider, cfg, tokenizer, num_samples,
+                                train_samples)
 
 
 def _worker(rank: int, world: int, runs: List[Tuple[str, List[str]]],

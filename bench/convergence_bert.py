@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (REPO_ROOT, format_table, run_tool, write_corpus,  # noqa: E402
                           write_results)
 from bench.convergence import (DEFAULT_VARIANTS, SHARED_DATA, STYLES, VARIANTS,  # noqa: E402
-                               _FirstSamples, _set_flag, add_warmup_iters_flag, elapsed,
-                               flush_warmup_iters, first_reach, git_revision,
+                               _set_flag, add_warmup_iters_flag, elapsed, first_reach,
+                               fixed_valid_datasets, flush_warmup_iters, git_revision,
                                real_text_documents, run_groups, smooth, variant_summary)
 
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_bert.png"
@@ -128,16 +128,11 @@ def finetune_argv(schedule: str, s: Dict[str, Any], pretrained: Path) -> List[st
 # ---------------------------------------------------------------------------------------
 def fixed_valid_datasets_provider(cfg: Any, tokenizer: Any, num_samples: Tuple[int, int, int],
                                   train_samples: Optional[int] = None):
-    """pretrain_bert's datasets, with every evaluation on the same first samples;
-    ``train_samples`` as in bench/convergence.py (same sample order for any run length)."""
+    """pretrain_bert's datasets, as bench/convergence.py's ``fixed_valid_datasets``."""
     import pretrain_bert
 
-    eval_samples = cfg.training.eval_iters * cfg.training.global_batch_size
-    n_train, _, n_test = num_samples
-    n_train = max(n_train, train_samples or 0)
-    train, valid, test = pretrain_bert.datasets_provider(cfg, tokenizer,
-                                                         (n_train, eval_samples, n_test))
-    return train, (_FirstSamples(valid, eval_samples) if valid is not None else None), test
+    return fixed_valid_datasets(pretrain_bert.datasets_provider, cfg, tokenizer, num_samples,
+                                train_samples)
 
 
 def _worker(rank: int, world: int, pre: List[Tuple[str, List[str]]],

@@ -37,6 +37,12 @@ _Denom = Tuple[torch.Tensor, float, float]
 _Terms = Tuple[float, torch.Tensor, Optional[_Denom], float]
 
 
+def _denom(spec: _Denom) -> torch.Tensor:
+    """sqrt(v) * k' + eps of one (v, k', eps): ``_denoms`` for a single tensor."""
+    v, k, eps = spec
+    return v.sqrt().mul_(k).add_(eps)
+
+
 def _denoms(specs: List[_Denom]) -> List[torch.Tensor]:
     """sqrt(v) * k' + eps of each (v, k', eps), in three multi-tensor passes."""
     out = torch._foreach_sqrt([v for v, _, _ in specs])
@@ -156,8 +162,8 @@ class WeightPrediction:
         at most ``CHUNK_BYTES`` of weights, a few kernel launches per chunk instead of
         several per parameter (on an H100 the per-parameter loop took 26 ms of a 66 ms
         GPT-124M iteration), with temporaries of one chunk's size.  On the CPU, where
-        the multi-tensor ops are a loop too and measured 1.25x slower, one parameter at
-        a time.  Both run the same operations in the same order (c * W, then
+        the multi-tensor ops are a loop too (a one-off timing of a small GPT stage had
+        them 1.25x slower; no bench records it), one parameter at a time.  Both run the same operations in the same order (c * W, then
         + coef * num / denom), so they give the same values
         (tests/unit/test_staleness.py)."""
         pending: List[Tuple[torch.Tensor, torch.Tensor, _Terms]] = []
@@ -177,7 +183,7 @@ class WeightPrediction:
                 if spec is None:
                     w.add_(num, alpha=coef)
                 else:
-                    w.addcdiv_(num, spec[0].sqrt().mul_(spec[1]).add_(spec[2]), value=coef)
+                    w.addcdiv_(num, _denom(spec), value=coef)
                 if not in_place:
                     d.data.copy_(w)
                 continue
@@ -206,8 +212,7 @@ class WeightPrediction:
                 if spec is None:
                     p.data.add_(num, alpha=-coef)
                 else:
-                    p.data.addcdiv_(num, spec[0].sqrt().mul_(spec[1]).add_(spec[2]),
-                                    value=-coef)
+                    p.data.addcdiv_(num, _denom(spec), value=-coef)
                 p.data.div_(c)
                 continue
             chunk.append((p.data, terms))
