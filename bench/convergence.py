@@ -465,13 +465,13 @@ def run_groups(groups: List[Any], world: int, jobs: int, worker: Any = None) -> 
 def add_warmup_iters_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-iters", type=int, default=None,
                    help="--2bw-flush-warmup-iters of the 2bw+warmup variant (default: the "
-                        "trainer's, 10%% of the run)")
+                        "trainer's, half of the run)")
 
 
 def flush_warmup_iters(p: argparse.ArgumentParser, requested: Optional[int], iters: int) -> int:
     """The 2bw+warmup variant's warm-up length: ``requested`` (--warmup-iters), else the
-    trainer's default of 10% of the run; a requested length is put on its command line."""
-    warmup = iters // 10 if requested is None else requested
+    trainer's default of half the run; a requested length is put on its command line."""
+    warmup = iters // 2 if requested is None else requested
     if not 0 <= warmup <= iters:
         p.error(f"--warmup-iters {warmup}: expected 0..{iters} (the run's length)")
     if requested is not None:

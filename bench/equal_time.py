@@ -23,6 +23,15 @@ way, with the same models, data, seeds and hyperparameters as those two benches:
    validation loss (equal time), the iteration and the time at which the variant first
    reaches Flush's final loss (linear between evaluations) and Flush's time over that.
 
+``--time-source simulated`` replaces step 1's measured times by a projection: the same
+timing runs write the executor's per-action trace, ``bench/pipeline_breakdown.py``'s
+analysis takes each stage's median CPU time of F and B and its other CPU work per batch,
+and the project's simulator gives flush's and 2bw's period with those costs and one
+core (or GPU) per stage -- what a machine with a processor per stage would do, which
+this 2-core box cannot show at d=4.  A projection, not a measurement: the results say
+so.  Only variants that run the plain flush/2bw schedules (2bw, 2bw+warmup) can be
+projected; predict and dc add optimizer work the traces of flush/2bw do not hold.
+
 Figure: docs/figures/equal_time.png (validation loss against modelled time).
 """
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -94,9 +104,13 @@ def summarize(curves: Dict[str, Dict[int, float]], plan: Dict[str, Dict[str, int
 
 
 def time_variants(model: str, s: Dict[str, Any], data: Dict[str, str], lr: float,
-                  rounds: int, iters: int, depth: int, names: List[str]) -> Dict[str, float]:
+                  rounds: int, iters: int, depth: int, names: List[str],
+                  trace_dir: Optional[str] = None) -> Dict[str, Any]:
     """Fastest measured seconds per iteration of each of ``names`` (interleaved rounds,
-    so a load spike on a shared machine hits every variant)."""
+    so a load spike on a shared machine hits every variant): {"measured": {name: s}}.
+    With ``trace_dir`` the runs also write their traces, and "simulated" holds flush's
+    and 2bw's period from the simulator with one core per stage and the stage costs of
+    the least disturbed round of each, "stage_costs" those costs."""
     runs = []
     for r in range(rounds):
         for name in names:
@@ -108,13 +122,28 @@ def time_variants(model: str, s: Dict[str, Any], data: Dict[str, str], lr: float
             for flag, value in (("--eval-interval", str(10 * iters)), ("--eval-iters", "1"),
                                 ("--lr-warmup-iters", "1")):
                 a = gpt_bench._set_flag(a, flag, value)
+            if trace_dir is not None:
+                a = a + ["--timeline-file", f"{trace_dir}/{name}{r}.json"]
             runs.append((f"time{r}:{name}", a))
     if model == "gpt":
         res = gpt_bench.run_groups([runs], depth, 1)
     else:
         res = gpt_bench.run_groups([(runs, [])], depth, 1, worker=bert_bench._worker)["pretrain"]
-    return {name: min(res[f"time{r}:{name}"]["seconds_per_iteration"] for r in range(rounds))
-            for name in names}
+    out: Dict[str, Any] = {"measured": {
+        name: min(res[f"time{r}:{name}"]["seconds_per_iteration"] for r in range(rounds))
+        for name in names}}
+    if trace_dir is not None:
+        from bench.pipeline_breakdown import analyse, measured_stage_costs, simulated_period
+
+        best = {}
+        for name in TIMED:
+            found = [analyse(f"{trace_dir}/{name}{r}_rank{{rank}}.json", depth, s["m"], 2)
+                     for r in range(rounds)]
+            best[name] = min(found, key=lambda a: a["period_s"])
+        costs = measured_stage_costs(best["flush"], best["2bw"])
+        out["simulated"] = {name: simulated_period(name, costs, s["m"], 8) for name in TIMED}
+        out["stage_costs"] = costs
+    return out
 
 
 def train(model: str, s: Dict[str, Any], data: Dict[str, str], lr: float,
@@ -162,14 +191,20 @@ def plot(results: List[Dict[str, Any]], path: Path) -> None:
         ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"Flush's final {target:.3f}")
         lo = min(min(c.values()) for c in res["curves"].values())
         ax.set_ylim(lo - 0.05, target + 0.6)
-        ax.set_xlabel(f"seconds (iterations x measured s/iteration at d={res['time_depth']})")
+        source = ("simulated s/iteration, a core per stage" if res.get("time_source") == "simulated"
+                  else "measured s/iteration")
+        ax.set_xlabel(f"seconds (iterations x {source} at d={res['time_depth']})")
         ax.set_ylabel("validation lm loss (nats/token)")
-        ax.set_title(f"{res['model'].upper()}, peak lr {res['lr']:g}: equal time budget",
+        ax.set_title(f"{res['model'].upper()}, peak lr {res['lr']:g}: equal time budget"
+                     + (" (projected)" if res.get("time_source") == "simulated" else ""),
                      fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Each run trains for Flush's time (--train-iters sized from the measured "
-                 "time per iteration); the tail of each curve", fontsize=10)
+    projected = any(r.get("time_source") == "simulated" for r in results)
+    fig.suptitle("Each run trains for Flush's time (--train-iters sized from the "
+                 + ("simulated time per iteration with a core per stage, a projection"
+                    if projected else "measured time per iteration")
+                 + "); the tail of each curve", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -187,6 +222,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="share of the 2bw+warmup run under Flush (default 0.5)")
     p.add_argument("--lr", type=float, nargs="+", default=None,
                    help="GPT peak learning rates (default 1e-3 3e-4); BERT uses its bench's")
+    p.add_argument("--time-source", choices=("measured", "simulated"), default="measured",
+                   help="s/iteration measured here (default), or projected by the simulator "
+                        "for a processor per stage from the measured stage costs")
     p.add_argument("--time-rounds", type=int, default=None, help="default 3 (smoke 1)")
     p.add_argument("--time-iters", type=int, default=None, help="default 30 (smoke 2)")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at the same time")
@@ -196,6 +234,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = p.parse_args(argv)
     if not 0.0 <= args.warmup_fraction < 1.0:
         p.error(f"--warmup-fraction {args.warmup_fraction}: expected 0 <= f < 1")
+    simulated = args.time_source == "simulated"
+    if simulated and set(args.variants) - {"2bw", "2bw+warmup"}:
+        p.error(f"--time-source simulated projects the flush and 2bw schedules only: "
+                f"--variants {' '.join(args.variants)} must be among 2bw, 2bw+warmup")
     rounds = args.time_rounds or (1 if args.smoke else 3)
     time_iters = args.time_iters or (2 if args.smoke else 30)
     models = ["gpt", "bert"] if args.model == "both" else [args.model]
@@ -217,7 +259,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         # the warm-up variant is timed as its two parts: Flush and 2BW
         timed = list(TIMED) + [v for v in args.variants if v not in (*TIMED, "2bw+warmup")]
         print(f"[equal_time] {model}: timing {', '.join(timed)} at d={depth} ...", flush=True)
-        seconds = time_variants(model, s, data, lrs[0], rounds, time_iters, depth, timed)
+        with tempfile.TemporaryDirectory() as traces:
+            timing = time_variants(model, s, data, lrs[0], rounds, time_iters, depth, timed,
+                                   traces if simulated else None)
+        seconds = timing["simulated" if simulated else "measured"]
+        if simulated:
+            print(f"[equal_time] {model}: s/iteration measured at d={depth} "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in timing["measured"].items())
+                  + "; projected for a core per stage "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()), flush=True)
         plan = {}
         for name in ["flush", *args.variants]:
             iters, warm = budget_iterations(name, s["iters"], seconds, args.warmup_fraction)
@@ -236,9 +286,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                   v["reaches_flush_final_at"], v["seconds_to_flush_final"],
                   v["speedup_to_flush_final"]] for n, v in summary.items()],
                 title=f"{model.upper()} peak lr {lr:g}: each run sized to Flush's "
-                      f"{s['iters']} iterations of time (s/iteration at d={depth}: "
+                      f"{s['iters']} iterations of time (s/iteration at d={depth}"
+                      + (", PROJECTED for a core per stage" if simulated else "") + ": "
                       + ", ".join(f"{k} {v:.4f}" for k, v in seconds.items()) + ")"))
             results.append({"model": model, "lr": lr, "time_depth": depth,
+                            "time_source": args.time_source,
+                            "measured_seconds_per_iteration": timing["measured"],
+                            "stage_costs": timing.get("stage_costs"),
                             "seconds_per_iteration": seconds, "plan": plan,
                             "flush_iters": s["iters"],
                             "flush_final_valid": summary["flush"]["final_valid"],
@@ -248,7 +302,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     payload = {
         "command": ("PYTHONPATH=. python bench/equal_time.py " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))).strip(),
-        "smoke": args.smoke, "variants": args.variants,
+        "smoke": args.smoke, "variants": args.variants, "time_source": args.time_source,
         "warmup_fraction": args.warmup_fraction,
         "timing": {"rounds": rounds, "iterations": time_iters, "kept": "fastest round"},
         "runs": results, "git": gpt_bench.git_revision(),

@@ -21,7 +21,9 @@ give the uneven split (``--decoder-first/last-pipeline-num-layers``) to measure.
 Physically possible: the machine's core count bounds how many stages compute at once;
 with d ranks on fewer cores the pipeline cannot overlap stages and no schedule can beat
 the serial sum of the stages' work.  The bench prints the core count and the "serial
-bound" (sum over stages of m (F + B) per batch) next to the periods.
+bound" (sum over stages of m (F + B) per batch) next to the periods, and a second
+prediction from the simulator with the stages sharing the machine's cores
+(``simulate(..., cores=c)``, processor sharing; the same as the first when d <= c).
 """
 from __future__ import annotations
 
@@ -124,11 +126,22 @@ def analyse(trace_glob: str, d: int, m: int, warmup: int) -> Dict[str, Any]:
     return {"stages": stages, "period_s": median(periods) if periods else float("nan")}
 
 
+def measured_stage_costs(flush: Dict[str, Any], tbw: Dict[str, Any]) -> List[Dict[str, float]]:
+    """Per stage, what the simulator is fed from a flush and a 2bw run's ``analyse``: the
+    median CPU time of F and B (what a stage costs with a core to itself) and the rest of
+    its CPU work per batch as the STEP's cost, each the mean of the two runs."""
+    return [{"F_ms": (fs["F_cpu_ms"] + bs["F_cpu_ms"]) / 2,
+             "B_ms": (fs["B_cpu_ms"] + bs["B_cpu_ms"]) / 2,
+             "other_ms": max(0.0, (fs["other_cpu_ms"] + bs["other_cpu_ms"]) / 2)}
+            for fs, bs in zip(flush["stages"], tbw["stages"])]
+
+
 def simulated_period(schedule: str, stages: List[Dict[str, Any]], m: int, batches: int,
-                     ) -> float:
+                     cores: Optional[float] = None) -> float:
     """Steady batch period of ``schedule`` under the project's simulator with the
     measured per-stage F and B (communication free; flush: STEP a barrier; 2bw:
-    deferred steps, the executor's rule)."""
+    deferred steps, the executor's rule); ``cores``: the stages share that many
+    processors (None: one each)."""
     from megatron.pipeline.actions import Op
     from megatron.pipeline.schedules import build_schedule
     from megatron.pipeline.simulator import simulate
@@ -146,7 +159,7 @@ def simulated_period(schedule: str, stages: List[Dict[str, Any]], m: int, batche
         return 0.0
 
     sched = build_schedule(schedule, d, m, batches)
-    res = simulate(sched, cost, deferred_steps=schedule == "2bw")
+    res = simulate(sched, cost, deferred_steps=schedule == "2bw", cores=cores)
     starts: Dict[int, float] = {}
     for ev in res.events:
         if ev.stage == 0 and ev.op == "F" and ev.batch is not None:
@@ -177,7 +190,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     m = 4 if args.quick else 8
     command = "PYTHONPATH=. python bench/pipeline_breakdown.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    payload: Dict[str, Any] = {"command": command.strip(), "cores": os.cpu_count(), "threads_per_rank": args.threads,
+    machine_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    machine_cores = max(1, machine_cores // args.threads)  # cores a rank's threads fill
+    payload: Dict[str, Any] = {"command": command.strip(), "cores": os.cpu_count(),
+                               "sim_shared_cores": machine_cores, "threads_per_rank": args.threads,
                                "load_avg": os.getloadavg(), "quick": args.quick, "runs": []}
     t0 = time.perf_counter()
     for d in args.stages:
@@ -206,15 +223,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         # its CPU work per batch as the STEP's cost, averaged over both runs; and, for
         # comparison, the wall-clock medians (inflated by contention)
         both = list(zip(flush["stages"], tbw["stages"]))
-        cpu_costs = [{"F_ms": (fs["F_cpu_ms"] + bs["F_cpu_ms"]) / 2,
-                      "B_ms": (fs["B_cpu_ms"] + bs["B_cpu_ms"]) / 2,
-                      "other_ms": max(0.0, (fs["other_cpu_ms"] + bs["other_cpu_ms"]) / 2)}
-                     for fs, bs in both]
+        cpu_costs = measured_stage_costs(flush, tbw)
         wall_costs = [{"F_ms": (fs["F_ms"] + bs["F_ms"]) / 2, "B_ms": (fs["B_ms"] + bs["B_ms"]) / 2,
                        "other_ms": c["other_ms"]} for (fs, bs), c in zip(both, cpu_costs)]
         sim = {}
-        for label, costs in (("cpu", cpu_costs), ("wall", wall_costs)):
-            sf, sb = simulated_period("flush", costs, m, 8), simulated_period("2bw", costs, m, 8)
+        for label, costs, cores in (("cpu", cpu_costs, None), ("wall", wall_costs, None),
+                                    ("shared", cpu_costs, machine_cores)):
+            sf = simulated_period("flush", costs, m, 8, cores)
+            sb = simulated_period("2bw", costs, m, 8, cores)
             sim[label] = {"flush_s": sf, "2bw_s": sb, "ratio": sf / sb}
         serial = sum(m * (c["F_ms"] + c["B_ms"]) + c["other_ms"] for c in cpu_costs) / 1e3
         row = {"d": d, "m": m, "flush_period_s": flush["period_s"],
@@ -223,6 +239,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                "simulated_2bw_over_flush": sim["cpu"]["ratio"],
                "simulated_2bw_over_flush_wall_costs": sim["wall"]["ratio"],
                "measured_over_simulated_ratio": measured / sim["cpu"]["ratio"],
+               "sim_shared_flush_period_s": sim["shared"]["flush_s"],
+               "sim_shared_2bw_period_s": sim["shared"]["2bw_s"],
+               "simulated_2bw_over_flush_shared_cores": sim["shared"]["ratio"],
+               "measured_over_simulated_shared_cores": measured / sim["shared"]["ratio"],
                "serial_cpu_s": serial,
                "cores_needed_flush": serial / flush["period_s"],
                "cores_needed_2bw": serial / tbw["period_s"],
@@ -240,15 +260,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                       f"steady state; cpu = this rank's thread CPU time"))
     print(format_table(
         ["d", "flush ms/b", "2bw ms/b", "meas 2bw/flush", "sim 2bw/flush (cpu costs)",
-         "sim (wall costs)", "meas/sim", "serial cpu ms/b", "cores used flush", "cores used 2bw"],
+         "sim (wall costs)", "meas/sim", f"sim on {machine_cores} cores", "meas/sim cores",
+         "serial cpu ms/b", "cores used flush", "cores used 2bw"],
         [[r["d"], r["flush_period_s"] * 1e3, r["2bw_period_s"] * 1e3,
           r["measured_2bw_over_flush"], r["simulated_2bw_over_flush"],
           r["simulated_2bw_over_flush_wall_costs"], r["measured_over_simulated_ratio"],
+          r["simulated_2bw_over_flush_shared_cores"], r["measured_over_simulated_shared_cores"],
           r["serial_cpu_s"] * 1e3, r["cores_needed_flush"], r["cores_needed_2bw"]]
          for r in payload["runs"]],
         title=f"2BW vs Flush on the small GPT ({os.cpu_count()} cores, "
               f"{args.threads} thread(s) per rank, load {payload['load_avg'][0]:.1f}); "
-              f"cores used = serial CPU work per batch / measured period"))
+              f"sim = one core per stage, sim on {machine_cores} cores = the stages share "
+              f"them; cores used = serial CPU work per batch / measured period"))
     payload["bench_seconds"] = time.perf_counter() - t0
     path = write_results("pipeline_breakdown", payload,
                          Path(args.out_dir) if args.out_dir else None)

@@ -41,8 +41,10 @@ This machine's cores are shared with other users, and d ranks may outnumber them
 wall-clock speed is not the profile's: a rank that gets a fraction of a core runs its
 actions proportionally slower.  We say it plainly and measure it: ``slowdown`` = wall
 time of the ranks' F/B/STEP actions / their CPU time (1.0 on an idle machine with a core
-per rank).  Two wall-clock predictions are printed: "idle" (profiled costs, times d /
-cores when d > cores, i.e. what an otherwise idle machine would do) and "at slowdown"
+per rank).  Two wall-clock predictions are printed: "idle" (profiled costs with the d
+ranks sharing the machine's cores in the simulator, ``simulate(..., cores=c)``, i.e.
+what an otherwise idle machine would do; the closed form stretches every stage by
+d / cores instead) and "at slowdown"
 (profiled costs x the measured slowdown; this checks the schedule model, fill, drain,
 bubbles, communication and step barriers, under the contention that really happened).
 The 15 % goal for samples/s is judged on the "at slowdown" prediction; the "idle"
@@ -191,10 +193,12 @@ def _worker(rank: int, world: int, runs: Sequence[Tuple[str, List[str], int]],
 # predictions
 # ---------------------------------------------------------------------------------------
 def predict_samples_per_s(cfg: Dict[str, Any], profile, bandwidth: float,
-                          factors: Sequence[float]) -> Tuple[float, float]:
+                          factors: Sequence[float], cores: Optional[float] = None,
+                          closed_factor: Optional[float] = None) -> Tuple[float, float]:
     """(simulator, closed form) samples/s of one configuration from profile costs, with
     stage s's compute times multiplied by ``factors[s]`` (the closed form takes their
-    mean: it has one time per stage kind, not per stage)."""
+    mean, or ``closed_factor``: it has one time per stage kind, not per stage).
+    ``cores``: the simulated stages share that many processors."""
     from dataclasses import replace
 
     from megatron.pipeline.planner import Config, CostModel, CostOptions, get_hardware
@@ -217,9 +221,10 @@ def predict_samples_per_s(cfg: Dict[str, Any], profile, bandwidth: float,
     cost = action_cost(config, stages, est.links, profile.stage_input_bytes(MICRO_BATCH),
                        options)
     # steady state, as planner.simulate.simulated_batch_time: one more batch's makespan
-    span = [simulate(build_schedule(config.schedule, config.d, config.m, n), cost).makespan
-            for n in (3, 4)]
-    closed = CostModel(model, hw, options, profile.scaled(statistics.mean(factors)))
+    span = [simulate(build_schedule(config.schedule, config.d, config.m, n), cost,
+                     cores=cores).makespan for n in (3, 4)]
+    closed = CostModel(model, hw, options, profile.scaled(
+        statistics.mean(factors) if closed_factor is None else closed_factor))
     return config.global_batch / (span[1] - span[0]), closed.estimate(config).samples_per_s
 
 
@@ -315,8 +320,11 @@ def compare(cfgs, measured: Dict[str, Any], bandwidth: float,
         mem = {r["stage"]: r for r in ranks[0]["memory"]}
         stages = predict_stages(c, profile)
         slowdowns = [r["slowdown"] for r in ranks]
+        # an otherwise idle machine: the simulator shares the cores among the ranks that
+        # have work (processor sharing); the closed form can only stretch every stage
         idle = max(1.0, d / cores)
-        sim_idle, closed_idle = predict_samples_per_s(c, profile, bandwidth, [idle] * d)
+        sim_idle, closed_idle = predict_samples_per_s(c, profile, bandwidth, [1.0] * d,
+                                                      cores=cores, closed_factor=idle)
         sim_slow, closed_slow = predict_samples_per_s(c, profile, bandwidth, slowdowns)
         meas = c["m"] * MICRO_BATCH / ranks[0]["seconds_per_batch"]
         work = [r["cpu_per_batch"] for r in ranks]
@@ -523,7 +531,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                "p2p_bandwidth": bandwidth, "profile_drift": drift,
                "load_average_before": load_before,
                "load_average_after": load_after, "profile_clock": "cpu",
-               "idle_rule": "profiled CPU times x d / cores when d > cores",
+               "idle_rule": ("simulator: profiled CPU times, ranks sharing the cores (processor "
+                             "sharing); closed form: times x d / cores when d > cores"),
                "profiles": measured["profiles"], "rows": rows, "bench_seconds": time.perf_counter() - t0}
     path = write_results("planner_validation", payload, args.out_dir)
     print(f"wrote {path} ({payload['bench_seconds']:.0f} s)")

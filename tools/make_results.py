@@ -640,14 +640,31 @@ def render_gpu_profile(d: Dict[str, Any]) -> List[str]:
 
 
 def render_equal_time(d: Dict[str, Any]) -> List[str]:
-    out = [f"Each run's --train-iters is what fits in Flush's time for its iterations "
-           f"(s/iteration measured side by side, fastest of {d['timing']['rounds']} "
-           f"interleaved rounds); the flush warm-up keeps "
-           f"{d['warmup_fraction']:.0%} of its run under Flush."]
+    projected = d.get("time_source") == "simulated"
+    if projected:
+        out = [f"**Projected, not measured:** each run's --train-iters is what fits in "
+               f"Flush's time for its iterations, at the s/iteration the simulator gives "
+               f"for one core (or GPU) per stage, fed with the per-stage CPU costs traced in "
+               f"{d['timing']['rounds']} interleaved timing rounds on this machine (its "
+               f"measured s/iteration are listed beside them); the flush warm-up keeps "
+               f"{d['warmup_fraction']:.0%} of its run under Flush.  The losses are real "
+               f"training runs."]
+    else:
+        out = [f"Each run's --train-iters is what fits in Flush's time for its iterations "
+               f"(s/iteration measured side by side, fastest of {d['timing']['rounds']} "
+               f"interleaved rounds); the flush warm-up keeps "
+               f"{d['warmup_fraction']:.0%} of its run under Flush."]
     for r in d["runs"]:
         sec = ", ".join(f"{k} {v:.4f}" for k, v in r["seconds_per_iteration"].items())
-        out.append(f"**{r['model'].upper()}, peak lr {fmt(r['lr'])}** (s/iteration at "
-                   f"d={r['time_depth']}: {sec}):")
+        if projected:
+            meas = ", ".join(f"{k} {v:.4f}"
+                             for k, v in r.get("measured_seconds_per_iteration", {}).items())
+            out.append(f"**{r['model'].upper()}, peak lr {fmt(r['lr'])}** (s/iteration at "
+                       f"d={r['time_depth']}, projected for a core per stage: {sec}; "
+                       f"measured here: {meas}):")
+        else:
+            out.append(f"**{r['model'].upper()}, peak lr {fmt(r['lr'])}** (s/iteration at "
+                       f"d={r['time_depth']}: {sec}):")
         out.append(md_table(
             ["run", "iterations", "of them Flush", "modelled s", "final valid loss",
              "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it"],

@@ -11,7 +11,11 @@ trainer runs them (``pretrain_gpt.get_batch`` and ``pretrain_gpt.loss_func``, th
 model's own modules, the executor's ``StashTracker`` counting saved tensors), with
 warm-up runs first and the median of the timed runs kept:
 
-* ``block``: one ``ParallelTransformerLayer`` on an [s, b, h] input;
+* ``block``: a ``ParallelTransformerLayer`` on an [s, b, h] input, timed as a chain of
+  ``--chain-blocks`` distinct layers (default min(num_layers, 4)) run back to back as a
+  stage runs them, divided by their number: one layer timed alone on an [s, b, h] input
+  it has just seen ran 10-15% faster per layer on a CPU than the same layers inside a
+  stage (bench/planner_validation.py), so the planner under-predicted every stage;
 * ``embedding`` (first stage): word + position embeddings, tokens -> [s, b, h];
 * ``head`` (last stage): final LayerNorm, logits against the word embedding, the
   vocab-parallel cross-entropy and the masked mean loss.
@@ -31,7 +35,8 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
 
     {"schema": "megatron-pipedream-profile/1",
      "device": {"type": "cpu"|"cuda", "name": str, "torch": str, "threads": int},
-     "settings": {"warmup": int, "repeat": int, "statistic": "median", "seed": int},
+     "settings": {"warmup": int, "repeat": int, "statistic": "median", "seed": int,
+                  "runs_per_sync": int, "chain_blocks": int},
      "model": {"kind": "gpt", "num_layers", "hidden_size", "num_attention_heads",
                "seq_length", "ffn_hidden_size", "vocab_size" (padded), "dtype",
                "dtype_bytes", "hidden_dropout", "attention_dropout", "optimizer"},
@@ -154,9 +159,11 @@ def make_batch(config: ModelConfig, b: int, device: torch.device,
 
 def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
              module: nn.Module, weight_ptrs: set, device: torch.device, warmup: int,
-             repeat: int, per_sync: int = 1) -> Dict[str, Any]:
+             repeat: int, per_sync: int = 1, units: int = 1) -> Dict[str, Any]:
     """Median forward/backward time, counted stash bytes (identical every run) and,
-    on CUDA, the allocator's view of the forward.
+    on CUDA, the allocator's view of the forward.  ``units``: ``forward`` runs that many
+    identical pieces in a chain; times, stash bytes and allocator bytes are per piece
+    (the chain's divided by ``units``).
 
     The stash is counted in passes of its own, before the timed runs: the saved-tensor
     hooks do Python work per saved tensor, which inside the timed region swamped the
@@ -214,11 +221,21 @@ def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tens
         del outs
     if len(counts) != 1:
         raise RuntimeError(f"saved-activation bytes changed between runs: {sorted(counts)}")
-    return {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-            "forward_cpu_s": statistics.median(fwd_cpu),
-            "backward_cpu_s": statistics.median(bwd_cpu),
-            "stash_bytes": counts.pop(), "forward_samples_s": fwd, "backward_samples_s": bwd,
-            "runs_per_sync": per_sync, **cuda_stats}
+    stash = counts.pop()
+    if stash % units:
+        raise RuntimeError(f"a chain of {units} identical pieces saved {stash} bytes, not a "
+                           f"multiple of {units}")
+    per = lambda xs: [x / units for x in xs]  # noqa: E731
+    fwd, bwd, fwd_cpu, bwd_cpu = per(fwd), per(bwd), per(fwd_cpu), per(bwd_cpu)
+    cuda_stats = {k: v // units for k, v in cuda_stats.items()}
+    out = {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+           "forward_cpu_s": statistics.median(fwd_cpu),
+           "backward_cpu_s": statistics.median(bwd_cpu),
+           "stash_bytes": stash // units, "forward_samples_s": fwd, "backward_samples_s": bwd,
+           "runs_per_sync": per_sync, **cuda_stats}
+    if units > 1:
+        out["chained"] = units
+    return out
 
 
 def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
@@ -249,11 +266,14 @@ def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
 def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   device: Optional[torch.device] = None, warmup: int = 2, repeat: int = 5,
                   seed: int = 1234, optimizer: str = "adam",
-                  runs_per_sync: Optional[int] = None) -> Dict[str, Any]:
+                  runs_per_sync: Optional[int] = None,
+                  chain_blocks: Optional[int] = None) -> Dict[str, Any]:
     """The profile (schema in the module docstring) of ``config`` on ``device``.
 
     ``runs_per_sync``: forwards (then backwards) queued per synchronisation in a timed
-    sample (default 8 on CUDA, where the host runs ahead of the GPU, 1 on the CPU)."""
+    sample (default 8 on CUDA, where the host runs ahead of the GPU, 1 on the CPU).
+    ``chain_blocks``: distinct transformer layers timed back to back for the per-block
+    cost (default min(num_layers, 4))."""
     from megatron.model.transformer import ParallelTransformerLayer
     from megatron.tensor_parallel import TPInfo, model_parallel_seed
 
@@ -266,12 +286,23 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         raise ValueError(f"--micro-batch-sizes {list(micro_batch_sizes)}: expected positive sizes")
     if warmup < 0 or repeat < 1:
         raise ValueError(f"--warmup {warmup} / --repeat {repeat}: need warmup >= 0, repeat >= 1")
+    chain = min(config.num_layers, 4) if chain_blocks is None else chain_blocks
+    if chain < 1:
+        raise ValueError(f"--chain-blocks {chain}: expected at least 1")
     model_parallel_seed(seed, 0, device)
-    block = ParallelTransformerLayer(config, TPInfo.single(), 0, seed=seed).to(device)
+    blocks = nn.ModuleList(ParallelTransformerLayer(config, TPInfo.single(), i, seed=seed)
+                           for i in range(chain)).to(device)
+    block = blocks[0]
     embedding = EmbeddingPiece(config, seed).to(device)
     head = HeadPiece(config).to(device)
-    for m in (block, embedding, head):
+    for m in (blocks, embedding, head):
         m.train()
+
+    def run_blocks(x: torch.Tensor) -> torch.Tensor:
+        for layer in blocks:
+            x = layer(x)
+        return x
+
     dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(seed)
@@ -289,8 +320,8 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
 
         row: Dict[str, Any] = {"micro_batch_size": b, "stage_input_bytes": s * b * h * dtype_bytes,
                                "data_bytes": b * (s + 1) * 8}
-        row["block"] = _measure(lambda: block(x), push, block, weight_storage_ptrs(block),
-                                device, warmup, repeat, per_sync)
+        row["block"] = _measure(lambda: run_blocks(x), push, blocks, weight_storage_ptrs(blocks),
+                                device, warmup, repeat, per_sync, units=chain)
         row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
                                     weight_storage_ptrs(embedding), device, warmup, repeat,
                                     per_sync)
@@ -312,7 +343,7 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         "device": {"type": device.type, "name": device_name(device), "torch": torch.__version__,
                    "threads": torch.get_num_threads()},
         "settings": {"warmup": warmup, "repeat": repeat, "statistic": "median", "seed": seed,
-                     "runs_per_sync": per_sync},
+                     "runs_per_sync": per_sync, "chain_blocks": chain},
         "model": {"kind": "gpt", "num_layers": config.num_layers, "hidden_size": h,
                   "num_attention_heads": config.num_attention_heads, "seq_length": s,
                   "ffn_hidden_size": config.ffn_hidden_size,
@@ -340,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (Megatron's flags)")
     g.add_argument("--num-layers", type=int, required=True,
-                   help="recorded only: the profile is per block")
+                   help="recorded; the profile is per block (sets --chain-blocks' default)")
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--num-attention-heads", type=int, required=True)
     g.add_argument("--seq-length", type=int, required=True)
@@ -361,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--runs-per-sync", type=int, default=None,
                    help="forwards (then backwards) queued per synchronisation in a timed "
                         "sample, as the trainer queues layers (default 8 on CUDA, 1 on CPU)")
+    m.add_argument("--chain-blocks", type=int, default=None,
+                   help="distinct transformer layers timed back to back for the per-block "
+                        "cost, as a stage runs them (default min(--num-layers, 4))")
     m.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (match the threads of one training rank)")
     m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
@@ -412,7 +446,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         profile = profile_model(config, args.micro_batch_sizes, device=device,
                                 warmup=args.warmup, repeat=args.repeat,
                                 runs_per_sync=args.runs_per_sync, seed=args.seed,
-                                optimizer=args.optimizer)
+                                optimizer=args.optimizer, chain_blocks=args.chain_blocks)
     except ValueError as exc:
         print(f"profile_model.py: error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,12 @@ blocking rules as the real executor:
 If no stage can move and some are not finished, ``DeadlockError`` is raised with the
 stage-by-step grid of what ran and where each stage is stuck.
 
+By default every stage has a processor of its own (a GPU per stage).  ``cores=c`` with
+``c < d`` models d stages sharing c processors (CPU ranks on a smaller machine): at every
+instant the k stages that have work to do share the c cores equally (processor sharing,
+speed min(1, c / k) each), while a stage waiting in a receive, at the step barrier or
+for a deferred step uses none.  ``cost`` is then the work of an action at full speed.
+
 Usage by the planner::
 
     result = simulate(build_schedule("2bw", d, m, num_batches=8),
@@ -78,7 +84,8 @@ def _channel(action: Action) -> Tuple[int, int]:
 
 
 def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, float] = 0.0,
-                 step_barrier: bool = True, deferred_steps: bool = False) -> _RunState:
+                 step_barrier: bool = True, deferred_steps: bool = False,
+                 cores: Optional[float] = None) -> _RunState:
     """Simulate as far as possible; reports instead of raising (``simulate`` raises).
 
     ``deferred_steps`` models the executor under 2BW: STEP(b) does not block, but a
@@ -88,6 +95,9 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
     A stage stops where it is stuck (``blocked``) or where a receive would be matched
     with a message meant for another microbatch (``mismatch``: the real executor would
     silently use the wrong tensor).
+
+    ``cores`` (fewer than the stages): the stages share that many processors (see the
+    module docstring).
     """
     if callable(comm_latency):
         latency = lambda a: float(comm_latency(a))  # noqa: E731
@@ -102,11 +112,15 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
                     a.peer is None or not 0 <= a.peer < d):
                 raise ScheduleError(f"action {a} on stage {s} has peer {a.peer}, "
                                     f"expected a stage in 0..{d - 1}")
+    if cores is not None and not cores > 0:
+        raise ValueError(f"cores must be a positive number, got {cores}")
+    barrier = step_barrier and d > 1 and not deferred_steps
+    if cores is not None and cores < d:
+        return _run_shared(schedule, cost, latency, barrier, deferred_steps, float(cores))
     ptr = [0] * d
     free = [0.0] * d
     channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
     state = _RunState(executed=[[] for _ in range(d)])
-    barrier = step_barrier and d > 1 and not deferred_steps
     step_ends: Dict[int, List[float]] = {}
 
     recv_act, recv_grad, send_act, send_grad = (Op.RECV_ACT, Op.RECV_GRAD, Op.SEND_ACT,
@@ -168,6 +182,93 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
         if ptr[s] < len(schedule[s]):
             state.blocked[s] = state.mismatch.get(s) or _why_blocked(
                 schedule, ptr, s, step_barrier)
+    return state
+
+
+def _run_shared(schedule: Schedule, cost: CostFn, latency: Callable[[Action], float],
+                barrier: bool, deferred_steps: bool, cores: float) -> _RunState:
+    """``run_schedule`` for d stages on ``cores`` < d processors (processor sharing).
+
+    Time advances from event to event: an action's completion or a message's arrival.
+    Between two events the set of running stages is fixed and each runs at
+    min(1, cores / running); the same readiness rules as the one-processor-per-stage
+    loop decide when an action may start."""
+    d = len(schedule)
+    ptr = [0] * d
+    running: Dict[int, List] = {}  # stage -> [action, start, remaining work]
+    channels: Dict[Tuple[int, int], Deque[Tuple[Action, float]]] = {}
+    state = _RunState(executed=[[] for _ in range(d)])
+    step_ends: Dict[int, List[float]] = {}
+    now = 0.0
+
+    def finish(s: int, a: Action, start: float, end: float) -> None:
+        state.executed[s].append(_Executed(ptr[s], a, start, end))
+        if a.op is Op.STEP and deferred_steps:
+            step_ends.setdefault(a.batch, []).append(end)
+        if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+            channels.setdefault((s, a.peer), deque()).append((a, end + latency(a)))
+        ptr[s] += 1
+
+    def start(s: int, a: Action) -> None:
+        work = float(cost(a))
+        if work > 0:
+            running[s] = [a, now, work]
+        else:
+            finish(s, a, now, now)
+
+    def ready(s: int) -> bool:
+        """Whether stage ``s``'s next action may start at ``now``."""
+        a = schedule[s][ptr[s]]
+        if a.op in RECV_OPS:
+            queue = channels.get((a.peer, s))
+            if not queue or queue[0][1] > now:
+                return False
+            sent = queue[0][0]
+            if sent.microbatch != a.microbatch or (sent.op is Op.SEND_ACT) != (
+                    a.op is Op.RECV_ACT):
+                state.mismatch.setdefault(s, (
+                    f"message mismatch: {a} (index {ptr[s]}) on stage {s} would receive "
+                    f"the message of {sent} (messages on a channel are matched in send "
+                    f"order)"))
+                return False
+            queue.popleft()
+            return True
+        if a.op is Op.STEP and barrier:
+            return False
+        if deferred_steps and a.op is Op.FORWARD and a.batch is not None and a.batch >= 2:
+            return len(step_ends.get(a.batch - 2, ())) >= d
+        return True
+
+    while True:
+        moved = True
+        while moved:  # start all that can start now (zero-cost actions finish at once)
+            moved = False
+            for s in range(d):
+                while (s not in running and s not in state.mismatch
+                       and ptr[s] < len(schedule[s]) and ready(s)):
+                    start(s, schedule[s][ptr[s]])
+                    moved = True
+            if barrier and not running and _barrier_ready(schedule, ptr):
+                for s in range(d):
+                    start(s, schedule[s][ptr[s]])
+                moved = True
+        arrivals = [t for q in channels.values() for _, t in q if t > now]
+        if not running and not arrivals:
+            break
+        speed = min(1.0, cores / len(running)) if running else 0.0
+        step = min((r[2] / speed for r in running.values()), default=float("inf"))
+        if arrivals:
+            step = min(step, min(arrivals) - now)
+        now += step
+        for s in sorted(running):
+            r = running[s]
+            r[2] -= step * speed
+            if r[2] <= 1e-12 * max(1.0, step):
+                del running[s]
+                finish(s, r[0], r[1], now)
+    for s in range(d):
+        if ptr[s] < len(schedule[s]):
+            state.blocked[s] = state.mismatch.get(s) or _why_blocked(schedule, ptr, s, barrier)
     return state
 
 
@@ -239,14 +340,16 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, cost: CostFn, *, comm_latency: Union[CostFn, float] = 0.0,
-             step_barrier: bool = True, deferred_steps: bool = False) -> SimResult:
+             step_barrier: bool = True, deferred_steps: bool = False,
+             cores: Optional[float] = None) -> SimResult:
     """Run all stages' action lists against ``cost`` (see the module docstring).
 
     ``cost(action)`` is the time the stage is occupied by the action; ``comm_latency`` (a
     number, or a function of the send action) the delay between a send being posted and
-    the message being available to the receiver.  Raises ``DeadlockError`` when stuck.
+    the message being available to the receiver.  ``cores`` (fewer than the stages):
+    the stages share that many processors.  Raises ``DeadlockError`` when stuck.
     """
-    state = run_schedule(schedule, cost, comm_latency, step_barrier, deferred_steps)
+    state = run_schedule(schedule, cost, comm_latency, step_barrier, deferred_steps, cores)
     if state.mismatch:
         lines = [why for _, why in sorted(state.mismatch.items())]
         raise ScheduleError("\n".join(lines) + "\n" + render_grid(state, len(schedule)))

@@ -22,3 +22,17 @@ def test_a_heavy_last_stage_sets_the_2bw_period_and_step_cost_counts():
     tbw = simulated_period("2bw", stages, m, 8) * 1e3
     assert tbw == pytest.approx(m * 3.0 + 4.0)
     assert simulated_period("flush", stages, m, 8) > simulated_period("2bw", stages, m, 8)
+
+
+def test_on_half_the_cores_2bw_runs_at_the_serial_work_over_the_cores():
+    # d = 4 equal stages on 2 cores: 2BW keeps all four busy, so a batch takes its whole
+    # work over 2; flush's bubble is filled by the other stages' work, so it gains little
+    # on this machine and the predicted 2BW/Flush ratio falls well below a core per stage's.
+    m, d = 8, 4
+    stages = [{"F_ms": 1.0, "B_ms": 2.0}] * d
+    tbw = simulated_period("2bw", stages, m, 8, cores=2) * 1e3
+    assert tbw == pytest.approx(d * m * 3.0 / 2)
+    flush = simulated_period("flush", stages, m, 8, cores=2) * 1e3
+    assert d * m * 3.0 / 2 <= flush + 1e-9
+    own = simulated_period("flush", stages, m, 8) / simulated_period("2bw", stages, m, 8)
+    assert flush / tbw < own

@@ -59,3 +59,26 @@ def test_layer_level_recompute_is_planned_with_megatron_flags():
             "--recompute-num-layers 1") in res.stdout
     assert "uni1" in res.stdout
 
+
+
+def test_a_2bw_plan_reports_the_warm_up_half_of_its_run(tmp_path):
+    """The command of a 2BW plan runs the recommended Flush warm-up for half the run: the
+    planner prints that half's rate (the same configuration under Flush) and the rate
+    over the whole run, samples over time, and stores them in the JSON."""
+    from megatron.pipeline.planner import CostModel, CostOptions, get_hardware, get_model
+    from megatron.pipeline.planner.cost_model import Config
+
+    out = tmp_path / "plan.json"
+    res = _plan("--model", "gpt-2.2b", "--cluster", "p3.16xlarge", "--num-gpus", "64",
+                "--max-batch-size", "512", "--schedules", "2bw,flush", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    cfg, warm = data["best"]["config"], data["warmup"]
+    assert cfg["schedule"] == "2bw" and "--2bw-mitigation warmup" in data["command"]
+    flush = CostModel(get_model("gpt-2.2b"), get_hardware("p3.16xlarge"), CostOptions()
+                      ).estimate(Config(**dict(cfg, schedule="flush"))).samples_per_s
+    assert warm["flush_samples_per_s"] == flush
+    tbw = data["best"]["predicted_samples_per_s"]
+    assert warm["run_samples_per_s"] == 1 / (0.5 / flush + 0.5 / tbw)
+    assert flush < warm["run_samples_per_s"] < tbw
+    assert f"{warm['run_samples_per_s']:.2f} samples/s over the whole run" in res.stdout

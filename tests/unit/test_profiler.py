@@ -174,3 +174,21 @@ def test_cuda_allocator_peaks_cover_counted_stash():
         piece = row[name]
         assert piece["cuda_retained_bytes"] >= piece["stash_bytes"] - before
         assert piece["cuda_forward_peak_bytes"] >= piece["cuda_retained_bytes"] > 0
+
+
+def test_block_is_timed_as_a_chain_of_distinct_layers():
+    """The per-block cost comes from min(num_layers, 4) distinct layers run back to back
+    (a stage's layers do not see an input they have just seen); stash bytes and weight
+    bytes stay per block, the chain length is recorded, and 0 is an error."""
+    cfg = _config(torch.float32)  # 2 layers -> a chain of 2
+    default = profile_model(cfg, [2], warmup=0, repeat=1)
+    one = profile_model(cfg, [2], warmup=0, repeat=1, chain_blocks=1)
+    three = profile_model(cfg, [2], warmup=0, repeat=1, chain_blocks=3)
+    assert default["settings"]["chain_blocks"] == 2
+    assert one["settings"]["chain_blocks"] == 1 and three["settings"]["chain_blocks"] == 3
+    a, b, c = (p["microbatches"][0]["block"] for p in (one, default, three))
+    assert a["stash_bytes"] == b["stash_bytes"] == c["stash_bytes"]
+    assert "chained" not in a and b["chained"] == 2 and c["chained"] == 3
+    assert one["weights"] == three["weights"]
+    with pytest.raises(ValueError, match="--chain-blocks 0"):
+        profile_model(cfg, [2], chain_blocks=0)

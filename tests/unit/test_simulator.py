@@ -181,3 +181,90 @@ def test_deferred_steps_remove_the_barrier_stall_of_2bw() -> None:
     for e in res.events:
         if e.op == "F" and e.batch >= 2:
             assert e.start >= step_end[e.batch - 2]
+
+
+# --- stages sharing fewer processors (``cores``) ---------------------------------------
+def _uneven_cost(a: Action) -> float:
+    """Per-stage costs that differ, and sends/STEP that take time, so no tie hides a bug."""
+    if a.op is Op.FORWARD:
+        return 1.0 + 0.25 * a.stage
+    if a.op is Op.BACKWARD:
+        return 2.0 + 0.5 * (a.stage % 2)
+    if a.op is Op.STEP:
+        return 0.75
+    if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+        return 0.125
+    return 0.0
+
+
+@pytest.mark.parametrize("name,deferred", [("none", False), ("gpipe", False), ("flush", False),
+                                           ("2bw", False), ("2bw", True)])
+def test_shared_processor_loop_with_a_core_per_stage_equals_the_default(
+        name: str, deferred: bool) -> None:
+    """The processor-sharing loop, given as many cores as stages, must reproduce every
+    start and end of the one-processor-per-stage loop (it never runs slower than 1)."""
+    from megatron.pipeline.simulator import _run_shared, run_schedule
+
+    for d, m, nb in ((2, 3, 2), (4, 4, 3), (3, 5, 2)):
+        sched = build_schedule(name, d, m, nb)
+        for lat in (0.0, 0.3):
+            ref = run_schedule(sched, _uneven_cost, lat, deferred_steps=deferred)
+            shared = _run_shared(sched, _uneven_cost, lambda _a, c=lat: c,
+                                 d > 1 and not deferred, deferred, float(d))
+            assert not ref.blocked and not shared.blocked
+            for s in range(d):
+                want = [(e.index, e.start, e.end) for e in ref.executed[s]]
+                got = [(e.index, e.start, e.end) for e in shared.executed[s]]
+                assert [g[0] for g in got] == [w[0] for w in want], (name, d, s)
+                for (_, a0, a1), (_, b0, b1) in zip(want, got):
+                    assert b0 == pytest.approx(a0) and b1 == pytest.approx(a1), (name, d, m, s)
+
+
+@pytest.mark.parametrize("name", ["none", "gpipe", "flush", "2bw"])
+def test_one_core_runs_all_the_work_back_to_back(name: str) -> None:
+    # With one core and free messages some stage always has work, so the makespan is the
+    # serial sum of every action's cost.
+    for d, m, nb in ((2, 4, 2), (4, 5, 3)):
+        sched = build_schedule(name, d, m, nb)
+        total = sum(_uneven_cost(a) for actions in sched for a in actions)
+        res = simulate(sched, _uneven_cost, cores=1, deferred_steps=name == "2bw")
+        assert res.makespan == pytest.approx(total), (name, d, m)
+
+
+def test_no_pipelining_needs_one_core() -> None:
+    # One microbatch at a time on one stage at a time: a single core changes nothing.
+    sched = build_schedule("none", 4, 3, 2)
+    assert simulate(sched, unit_cost(F, B), cores=1).makespan == \
+        simulate(sched, unit_cost(F, B)).makespan
+
+
+def test_saturated_2bw_on_half_the_cores_takes_twice_as_long_per_batch() -> None:
+    # In 2BW's steady state all d stages have work, so they run at cores / d each: a batch
+    # takes its total work d m (F + B) / cores = 2 m (F + B) for d = 4 on 2 cores.
+    d, m = 4, 4
+    span = [simulate(build_schedule("2bw", d, m, nb), unit_cost(F, B), cores=2,
+                     deferred_steps=True).makespan for nb in (8, 9)]
+    assert span[1] - span[0] == pytest.approx(d * m * (F + B) / 2)
+
+
+def test_shared_cores_bound_flush_between_the_serial_and_the_parallel_timing() -> None:
+    d, m = 4, 8
+    sched = build_schedule("flush", d, m, 2)
+    own = simulate(sched, unit_cost(F, B)).makespan
+    total = 2 * d * m * (F + B)
+    for cores in (1, 1.5, 2, 3):
+        got = simulate(sched, unit_cost(F, B), cores=cores).makespan
+        assert max(own, total / cores) - 1e-9 <= got <= own * d / cores + 1e-9, cores
+    # the bubble a core per stage would waste is used by the other stages' work
+    assert simulate(sched, unit_cost(F, B), cores=2).makespan < own * 2
+
+
+def test_shared_cores_report_deadlocks_and_bad_core_counts() -> None:
+    stuck = [list(x) for x in build_schedule("flush", 2, 2)]
+    rg0 = stuck[0].pop([str(a) for a in stuck[0]].index("0RG0"))
+    stuck[0].insert(1, rg0)
+    with pytest.raises(DeadlockError, match="0RG0 .index 1. waits for a message from stage 1"):
+        simulate(stuck, unit_cost(), cores=1)
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="cores must be a positive number"):
+            simulate(build_schedule("flush", 2, 2), unit_cost(), cores=bad)

@@ -144,7 +144,7 @@ def test_mitigation_flags(capsys):
     _, cfg = parse_and_validate(base + ["--pipeline-schedule", "2bw",
                                         "--2bw-mitigation", "warmup"])
     assert cfg.parallel.tbw_mitigation == "warmup"
-    assert cfg.parallel.tbw_flush_warmup_iters == 5  # default: 10% of --train-iters
+    assert cfg.parallel.tbw_flush_warmup_iters == 25  # default: half of --train-iters
     with pytest.raises(SystemExit):
         parse_and_validate(base + ["--2bw-mitigation", "predict"])
     assert ("--2bw-mitigation predict needs --pipeline-schedule 2bw, got --pipeline-schedule "

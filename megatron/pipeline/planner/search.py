@@ -23,8 +23,13 @@ from .model_spec import ModelSpec
 
 # The 2BW staleness mitigation the convergence benches recommend (docs/pipeline.md,
 # "Staleness mitigations"; one of megatron.optimizer.staleness.MITIGATIONS).  A planned
-# 2BW command line passes it, so a user who copies the command gets it.
-RECOMMENDED_2BW_MITIGATION = "predict"
+# 2BW command line passes it, so a user who copies the command gets it.  The Flush
+# warm-up over half the run (the trainer's default length) is the one variant within 1%
+# of Flush's loss at equal iterations on every CPU bench, and, at the per-iteration
+# times the simulator projects for a processor per stage, it reaches Flush's final GPT
+# loss 1.27-1.32x sooner (bench/results/projected/equal_time.json); prediction is
+# +8.4% at GPT lr 1e-3.
+RECOMMENDED_2BW_MITIGATION = "warmup"
 
 if TYPE_CHECKING:
     from .profile import Profile
