@@ -265,6 +265,25 @@ def _load_model_states(engine: PipelineEngine, latest: Dict[str, Any],
             w.sync_all_from(engine.latest_buffer)
 
 
+def warmup_switch_note(cfg: MegatronConfig, saved_parallel: Dict[str, Any],
+                       iteration: int) -> Optional[str]:
+    """A warning when a resumed ``--2bw-mitigation warmup`` run switches from Flush to 2BW
+    at another iteration than the checkpoint's run (the default length is half of
+    --train-iters, so a resume with a longer --train-iters moves it); else None."""
+    par = cfg.parallel
+    if par.tbw_mitigation != "warmup" or saved_parallel.get("tbw_mitigation") != "warmup":
+        return None
+    old, new = saved_parallel.get("tbw_flush_warmup_iters"), par.tbw_flush_warmup_iters
+    if old is None or old == new:
+        return None
+    again = (f"; iterations {iteration} to {new - 1} run under Flush again"
+             if old <= iteration < new else "")
+    return (f"warning: the checkpoint's run switches from Flush to 2BW at iteration {old}, "
+            f"this one at {new} (--2bw-flush-warmup-iters; by default half of "
+            f"--train-iters){again}; pass --2bw-flush-warmup-iters {old} to keep the "
+            f"checkpoint's switch")
+
+
 def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
                optimizer, scheduler) -> TrainState:
     from megatron.tensor_parallel.random import set_rng_state
@@ -286,6 +305,10 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
         print_rank_last(f"loaded weights of iteration {payload['iteration']} from {tr.load} "
                         "for finetuning (iteration, optimizer and data position reset)")
         return state
+    note = warmup_switch_note(cfg, (payload.get("config") or {}).get("parallel") or {},
+                              payload["iteration"])
+    if note:
+        print_rank_last(note)
     state = TrainState(iteration=payload["iteration"],
                        consumed_train_samples=payload["consumed_train_samples"],
                        consumed_valid_samples=payload["consumed_valid_samples"])

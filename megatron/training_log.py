@@ -63,8 +63,14 @@ class TrainingLogger:
         tr, par = self.cfg.training, self.cfg.parallel
         m = tr.num_microbatches(self.groups.dp_size)
         n_params = sum(p.numel() for p in model.parameters())
+        schedule = par.pipeline_schedule
+        if schedule == "2bw" and par.tbw_mitigation == "warmup":
+            schedule += (f" (--2bw-mitigation warmup: flush semantics before iteration "
+                         f"{par.tbw_flush_warmup_iters})")
+        elif schedule == "2bw" and par.tbw_mitigation != "none":
+            schedule += f" (--2bw-mitigation {par.tbw_mitigation})"
         print_rank_last(
-            f"pipeline schedule: {par.pipeline_schedule} | microbatches per batch m={m} | "
+            f"pipeline schedule: {schedule} | microbatches per batch m={m} | "
             f"pipeline depth d={self.groups.pp_size} | parallel pipelines w={self.groups.dp_size} | "
             f"tensor parallel t={self.groups.tp_size} | micro batch {tr.micro_batch_size} | "
             f"global batch {tr.global_batch_size} | stage recompute "

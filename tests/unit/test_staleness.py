@@ -188,3 +188,32 @@ def test_multi_tensor_prediction_equals_the_per_parameter_loop(name, half, monke
     for a, b in zip(p_loop + r_loop, p_chunk + r_chunk):
         assert torch.equal(a, b)
     assert not all(torch.equal(a, s.to(a.dtype)) for a, s in zip(p_loop, src))  # it moved
+
+
+def test_resume_warns_when_the_warm_up_switch_moves():
+    """--2bw-flush-warmup-iters defaults to half of --train-iters, so resuming with a longer
+    run moves the Flush -> 2BW switch: the resume says so, names the iterations that run
+    under Flush again and the flag that keeps the checkpoint's switch."""
+    from megatron.arguments import parse_and_validate
+    from megatron.training import warmup_switch_note
+
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1",
+            "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "32", "--pipeline-schedule", "2bw", "--2bw-mitigation", "warmup"]
+    _, first = parse_and_validate(base + ["--train-iters", "1000"])
+    _, longer = parse_and_validate(base + ["--train-iters", "2000"])
+    _, kept = parse_and_validate(base + ["--train-iters", "2000",
+                                         "--2bw-flush-warmup-iters", "500"])
+    saved = first.to_dict()["parallel"]
+    assert saved["tbw_flush_warmup_iters"] == 500
+    note = warmup_switch_note(longer, saved, 700)
+    assert note.startswith("warning: the checkpoint's run switches from Flush to 2BW at "
+                           "iteration 500, this one at 1000")
+    assert "iterations 700 to 999 run under Flush again" in note
+    assert "pass --2bw-flush-warmup-iters 500" in note
+    assert "again" not in warmup_switch_note(longer, saved, 300)  # still before both
+    assert warmup_switch_note(kept, saved, 700) is None
+    assert warmup_switch_note(first, saved, 700) is None
+    _, plain = parse_and_validate(base[:-2] + ["--train-iters", "2000"])
+    assert warmup_switch_note(plain, saved, 700) is None
