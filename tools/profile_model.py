@@ -263,6 +263,23 @@ def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
     return statistics.median(times), statistics.median(cpu)
 
 
+def default_chain_blocks(config: ModelConfig, device: torch.device,
+                         free_bytes: Optional[int] = None) -> int:
+    """min(num_layers, 4) distinct layers, fewer on a GPU whose free memory (``free_bytes``,
+    default: the device's) could not hold four layers' weights in a quarter of it: a
+    model whose one layer barely fits on a small card still profiles."""
+    chain = max(1, min(config.num_layers, 4))
+    if device.type == "cuda" or free_bytes is not None:
+        if free_bytes is None:
+            free_bytes, _ = torch.cuda.mem_get_info(device)
+        h = config.hidden_size
+        ffn = config.ffn_hidden_size or 4 * h
+        dtype_bytes = torch.empty((), dtype=config.params_dtype).element_size()
+        layer_bytes = (4 * h * h + 2 * h * ffn + 9 * h + ffn) * dtype_bytes
+        chain = max(1, min(chain, int(0.25 * free_bytes) // max(1, layer_bytes)))
+    return chain
+
+
 def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   device: Optional[torch.device] = None, warmup: int = 2, repeat: int = 5,
                   seed: int = 1234, optimizer: str = "adam",
@@ -286,7 +303,7 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         raise ValueError(f"--micro-batch-sizes {list(micro_batch_sizes)}: expected positive sizes")
     if warmup < 0 or repeat < 1:
         raise ValueError(f"--warmup {warmup} / --repeat {repeat}: need warmup >= 0, repeat >= 1")
-    chain = min(config.num_layers, 4) if chain_blocks is None else chain_blocks
+    chain = default_chain_blocks(config, device) if chain_blocks is None else chain_blocks
     if chain < 1:
         raise ValueError(f"--chain-blocks {chain}: expected at least 1")
     model_parallel_seed(seed, 0, device)

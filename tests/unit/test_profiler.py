@@ -192,3 +192,17 @@ def test_block_is_timed_as_a_chain_of_distinct_layers():
     assert one["weights"] == three["weights"]
     with pytest.raises(ValueError, match="--chain-blocks 0"):
         profile_model(cfg, [2], chain_blocks=0)
+
+
+def test_default_chain_fits_a_small_gpu():
+    """Four layers by default, fewer where a quarter of the free memory cannot hold four
+    layers' weights (a model whose one layer barely fits still profiles), never zero."""
+    from tools.profile_model import default_chain_blocks
+
+    cfg = _config(torch.float32)  # 2 layers of h=32: 12h^2 + 13h params, fp32
+    layer = (12 * H * H + 13 * H) * 4
+    cpu = torch.device("cpu")
+    assert default_chain_blocks(cfg, cpu) == 2
+    assert default_chain_blocks(cfg, cpu, free_bytes=4 * 2 * layer) == 2
+    assert default_chain_blocks(cfg, cpu, free_bytes=4 * layer) == 1
+    assert default_chain_blocks(cfg, cpu, free_bytes=10) == 1
