@@ -107,3 +107,27 @@ def test_convergence_gpu_smoke_and_page(gpu_results: Path, tmp_path: Path):
     for section in ("gpu_convergence_gpu", "gpu_throughput_cuda", "gpu_gpu_profile"):
         assert f"## {section}" in page, section
     assert "does not have the fields" not in page
+
+
+def test_gpu_session_script_dry_run_and_bad_arguments(tmp_path: Path):
+    """bench/gpu_session.sh: part 1 on a CPU (GPU_SESSION_DRY=1) runs the three GPU benches'
+    dry runs into OUT, at most 8 files (what the device tool returns); bad arguments stop
+    with one line and exit 2."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, GPU_SESSION_DRY="1", OMP_NUM_THREADS="1")
+    run = lambda *a: subprocess.run(["bash", str(repo / "bench" / "gpu_session.sh"), *a],  # noqa: E731
+                                    cwd=repo, env=env, capture_output=True, text=True,
+                                    timeout=600)
+    res = run("1", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["gpu_profile.json", "planner_validation_cuda.json", "session.log",
+                     "throughput_cuda.json"]
+    assert res.stdout.count(": exit 0 after") == 3
+    bad = run("3", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "part must be 1 or 2, got '3'" in bad.stderr
+    nodata = run("2", str(tmp_path / "y"))
+    assert nodata.returncode == 2 and "--prepare-data wrote" in nodata.stderr
