@@ -13,9 +13,10 @@ warm-up runs first and the median of the timed runs kept:
 
 * ``block``: a ``ParallelTransformerLayer`` on an [s, b, h] input, timed as a chain of
   ``--chain-blocks`` distinct layers (default min(num_layers, 4)) run back to back as a
-  stage runs them, divided by their number: one layer timed alone on an [s, b, h] input
-  it has just seen ran 10-15% faster per layer on a CPU than the same layers inside a
-  stage (bench/planner_validation.py), so the planner under-predicted every stage;
+  stage runs them, divided by their number.  On this project's 2-core CPU one layer
+  timed alone on an input it had just seen ran 4% (the profiler's own runs) to 11% (a
+  separate experiment) faster per layer than four chained ones, and the trainer's stages
+  were slower still (bench/planner_validation.py);
 * ``embedding`` (first stage): word + position embeddings, tokens -> [s, b, h];
 * ``head`` (last stage): final LayerNorm, logits against the word embedding, the
   vocab-parallel cross-entropy and the masked mean loss.
