@@ -37,23 +37,39 @@ from megatron.pipeline.planner.search import RECOMMENDED_2BW_MITIGATION  # noqa:
 WARMUP_SHARE = 0.5
 
 
-def warmup_throughput(best, model: ModelSpec, hw: HardwareSpec, options: CostOptions,
-                      profile: Optional[Profile]) -> Optional[dict]:
-    """When the plan runs 2BW behind the recommended Flush warm-up: the same configuration's
-    predicted samples/s under Flush (the first half of the run) and over the whole run
-    (samples / time: the harmonic mean of the two halves' rates); else None."""
+def run_rate(row, model: ModelSpec, hw: HardwareSpec, options: CostOptions,
+             profile: Optional[Profile]) -> Optional[dict]:
+    """For a 2BW row whose command runs the recommended Flush warm-up: the same
+    configuration's predicted samples/s under Flush (the first half of the run) and over
+    the whole run (samples / time: the harmonic mean of the two halves' rates); else None."""
     from dataclasses import replace
 
     from megatron.pipeline.planner import CostModel
 
-    c = best.config
+    c = row.config
     if c.schedule != "2bw" or RECOMMENDED_2BW_MITIGATION != "warmup":
         return None
     flush = CostModel(model, hw, options, profile).estimate(replace(c, schedule="flush"))
-    tbw = best.predicted_samples_per_s
+    tbw = row.predicted_samples_per_s
     run = 1.0 / (WARMUP_SHARE / flush.samples_per_s + (1.0 - WARMUP_SHARE) / tbw)
     return {"warmup_share": WARMUP_SHARE, "flush_samples_per_s": flush.samples_per_s,
             "2bw_samples_per_s": tbw, "run_samples_per_s": run}
+
+
+def choose_for_run(rows, model: ModelSpec, hw: HardwareSpec, options: CostOptions,
+                   profile: Optional[Profile]):
+    """(row, its run_rate or None): the fitting configuration with the most samples/s over
+    the whole run its command starts -- 2BW rows at their rate with the Flush warm-up the
+    command adds, the others at their predicted rate (search() ranks by steady rates)."""
+    best, best_rate, best_info = None, -1.0, None
+    for r in rows:
+        if not r.fits:
+            continue
+        info = run_rate(r, model, hw, options, profile)
+        rate = info["run_samples_per_s"] if info is not None else r.predicted_samples_per_s
+        if rate > best_rate:
+            best, best_rate, best_info = r, rate, info
+    return best, best_info
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,7 +192,8 @@ def run(argv: Optional[List[str]] = None) -> int:
                       max_microbatch_size=args.max_microbatch_size, recompute=recompute,
                       options=CostOptions(c_extra=args.c_extra), profile=profile)
         rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
-        best = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
+        fastest = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
+        best, warmup = choose_for_run(rows, model, hw, kwargs["options"], profile)
         cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server)
     except (PlanningError, ValueError) as exc:
         print(f"plan.py: error: {exc}", file=sys.stderr)
@@ -199,26 +216,22 @@ def run(argv: Optional[List[str]] = None) -> int:
           f"{best.predicted_samples_per_s:.2f} samples/s, "
           f"{best.memory_per_gpu_bytes / GiB:.2f} GiB/GPU, bubble {100 * best.bubble_fraction:.1f}%")
     print(f"links: {describe_links(links_for(hw, c.t, c.w, c.d), c.t, c.w, c.d)}")
-    warmup = warmup_throughput(best, model, hw, kwargs["options"], profile)
     if warmup is not None:
         print(f"warm-up: the command adds --2bw-mitigation {RECOMMENDED_2BW_MITIGATION}: Flush "
               f"semantics for the first half of --train-iters ({warmup['flush_samples_per_s']:.2f} "
               f"samples/s), then 2BW; {warmup['run_samples_per_s']:.2f} samples/s over the "
               f"whole run (docs/pipeline.md, \"Staleness mitigations\")")
-        flush_rows = [r for r in rows if r.fits and r.config.schedule == "flush"]
-        top = max(flush_rows, key=lambda r: r.predicted_samples_per_s, default=None)
-        if top is not None and top.predicted_samples_per_s > warmup["run_samples_per_s"]:
-            warmup["best_flush_samples_per_s"] = top.predicted_samples_per_s
-            print(f"note:    over the whole run that is below the best Flush configuration "
-                  f"({top.config.describe()}: {top.predicted_samples_per_s:.2f} samples/s); "
-                  f"plan with --schedules flush for it, or drop the warm-up "
-                  f"(--2bw-mitigation none) once the learning rate has decayed")
+    if best.config != fastest.config:
+        print(f"note:    chosen for the whole run's rate: the fastest steady state, "
+              f"{fastest.config.describe()} at {fastest.predicted_samples_per_s:.2f} samples/s, "
+              f"gives less over a run that starts with the Flush warm-up")
     print(cmd)
     if args.json:
         out = {"model": model.__dict__, "hardware": hw.__dict__, "num_gpus": args.num_gpus,
                "max_batch_size": args.max_batch_size, "best": best.to_dict(),
                "command": cmd, "rows": [r.to_dict() for r in rows],
-               "profile": args.profile, "warmup": warmup}
+               "profile": args.profile, "warmup": warmup,
+               "fastest_steady_state": fastest.to_dict()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")

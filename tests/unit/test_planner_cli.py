@@ -25,8 +25,15 @@ def test_preset_model_and_cluster_prints_table_command_and_json(tmp_path):
     assert data["best"]["fits"] and data["best"]["config"]["schedule"] in ("2bw", "flush")
     assert data["command"] in res.stdout
     assert {r["config"]["schedule"] for r in data["rows"]} == {"2bw", "flush"}
-    best = data["best"]
-    assert best["predicted_samples_per_s"] == max(r["predicted_samples_per_s"] for r in data["rows"])
+    fastest = data["fastest_steady_state"]
+    assert fastest["predicted_samples_per_s"] == max(r["predicted_samples_per_s"]
+                                                     for r in data["rows"])
+    # the command's configuration: the most samples/s over the run it starts (a 2BW row
+    # at its rate with the Flush warm-up the command adds)
+    run = (data["warmup"]["run_samples_per_s"] if data["warmup"]
+           else data["best"]["predicted_samples_per_s"])
+    assert all(run >= r["predicted_samples_per_s"] for r in data["rows"]
+               if r["fits"] and r["config"]["schedule"] != "2bw")
 
 
 def test_megatron_flags_and_custom_cluster_with_tensor_parallel():
@@ -82,3 +89,21 @@ def test_a_2bw_plan_reports_the_warm_up_half_of_its_run(tmp_path):
     assert warm["run_samples_per_s"] == 1 / (0.5 / flush + 0.5 / tbw)
     assert flush < warm["run_samples_per_s"] < tbw
     assert f"{warm['run_samples_per_s']:.2f} samples/s over the whole run" in res.stdout
+    # search() ranks by steady rate; the fastest 2BW steady state (w=16 d=4 here) has a
+    # slow Flush half (its data-parallel all-reduce is no longer hidden), so the command
+    # runs another configuration, and says why
+    fastest = data["fastest_steady_state"]
+    assert fastest["config"] != cfg and fastest["predicted_samples_per_s"] > tbw
+    fast_flush = CostModel(get_model("gpt-2.2b"), get_hardware("p3.16xlarge"), CostOptions()
+                           ).estimate(Config(**dict(fastest["config"], schedule="flush")))
+    fast_run = 1 / (0.5 / fast_flush.samples_per_s + 0.5 / fastest["predicted_samples_per_s"])
+    assert warm["run_samples_per_s"] > fast_run
+    assert "chosen for the whole run's rate" in res.stdout
+
+
+def test_no_note_when_the_fastest_steady_state_is_also_best_over_the_run():
+    res = _plan("--model", "gpt-3.8b", "--cluster", "p3.16xlarge", "--num-gpus", "64",
+                "--max-batch-size", "512", "--schedules", "2bw,flush")
+    assert res.returncode == 0, res.stderr
+    assert "samples/s over the whole run" in res.stdout
+    assert "chosen for the whole run's rate" not in res.stdout
