@@ -27,8 +27,8 @@ from .model_spec import ModelSpec
 # warm-up over half the run (the trainer's default length) is the one variant within 1%
 # of Flush's loss at equal iterations on every CPU bench, and, at the per-iteration
 # times the simulator projects for a processor per stage, it reaches Flush's final GPT
-# loss 1.27-1.32x sooner (bench/results/projected/equal_time.json); prediction is
-# +8.4% at GPT lr 1e-3.
+# loss 1.28-1.32x sooner at both learning rates (bench/results/projected/equal_time.json);
+# prediction is faster at lr 3e-4 (1.77x) but never reaches it at 1e-3 (+2.6%).
 RECOMMENDED_2BW_MITIGATION = "warmup"
 
 if TYPE_CHECKING:
