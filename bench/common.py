@@ -75,6 +75,14 @@ def write_results(name: str, payload: Dict[str, Any], out_dir: Optional[Path] = 
     return path
 
 
+def figure_entry(figure: Path) -> str:
+    """How a bench's JSON names a figure it wrote: relative to the repository when inside
+    it (so docs/RESULTS.md can link it), else the path as given."""
+    figure = Path(figure)
+    return str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT) \
+        else str(figure)
+
+
 def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()

@@ -45,8 +45,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO_ROOT, RESULTS_DIR, first_reach, format_table,  # noqa: E402
-                          run_tool, write_corpus, write_results)
+from bench.common import (REPO_ROOT, figure_entry, RESULTS_DIR,  # noqa: E402
+                          first_reach, format_table, run_tool, write_corpus, write_results)
 
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 FIGURE = REPO_ROOT / "docs" / "figures" / "convergence_gpt.png"
@@ -587,8 +587,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    "seconds_per_iteration": seconds},
         "data_source": data["source"], "argv": {name: a for group in groups for name, a in group},
         "runs": out_runs,
-        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                    else str(figure)],
+        "figures": [figure_entry(figure)],
         "bert_mnli": bert_status(), "git": git_revision(),
         "bench_seconds": time.perf_counter() - t0}
     path = write_results("convergence", payload, args.out_dir)

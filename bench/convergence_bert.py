@@ -36,8 +36,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO_ROOT, format_table, run_tool, write_corpus,  # noqa: E402
-                          write_results)
+from bench.common import (REPO_ROOT, figure_entry, format_table,  # noqa: E402
+                          run_tool, write_corpus, write_results)
 from bench.convergence import (DEFAULT_VARIANTS, SHARED_DATA, STYLES, VARIANTS,  # noqa: E402
                                _set_flag, add_warmup_iters_flag, elapsed, first_reach,
                                fixed_valid_datasets, flush_warmup_iters, git_revision,
@@ -406,8 +406,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    for n in variants},
         "finetuning": fine_res,
         "argv": {"pretrain": dict(pre + extra), "finetune": dict(fine)},
-        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                    else str(figure)],
+        "figures": [figure_entry(figure)],
         "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     path = write_results("convergence_bert", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")

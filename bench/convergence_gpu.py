@@ -40,7 +40,8 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, format_table, median, run_tool, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, figure_entry, format_table, median,  # noqa: E402
+                          run_tool, write_results)
 from bench.convergence import (STYLES, VARIANTS, fixed_valid_datasets_provider,  # noqa: E402
                                git_revision, smooth, variant_summary)
 
@@ -319,8 +320,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "precision": args.precision, "corpus": info, "warmup_iters": warmup_iters,
             "argv": argvs, "runs": runs, "seconds_per_iteration": seconds,
             "summary": summary, "git": git_revision(),
-            "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                        else str(figure)],
+            "figures": [figure_entry(figure)],
             "bench_seconds": time.perf_counter() - t0}
         write_results("convergence_gpu", payload, out_dir)
     summary = payload.get("summary", {})

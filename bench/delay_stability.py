@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, format_table, write_results  # noqa: E402
+from bench.common import REPO_ROOT, figure_entry, format_table, write_results  # noqa: E402
 
 FIGURE = REPO_ROOT / "docs" / "figures" / "delay_stability.png"
 RULES = ("flush", "2bw", "2bw+predict")
@@ -149,8 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     figure = Path(args.figure) if args.figure else FIGURE
     plot(rows, figure)
     payload = {"command": "PYTHONPATH=. python bench/delay_stability.py", "rows": rows,
-               "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                           else str(figure)]}
+               "figures": [figure_entry(figure)]}
     path = write_results("delay_stability", payload,
                          Path(args.out_dir) if args.out_dir else None)
     print(f"wrote {path} and {figure}")

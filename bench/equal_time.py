@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import convergence as gpt_bench  # noqa: E402
 from bench import convergence_bert as bert_bench  # noqa: E402
-from bench.common import REPO_ROOT, first_reach, format_table, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, figure_entry, first_reach, format_table,  # noqa: E402
+                          write_results)
 
 FIGURE = REPO_ROOT / "docs" / "figures" / "equal_time.png"
 TIMED = ("flush", "2bw")
@@ -312,8 +313,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "warmup_fraction": args.warmup_fraction,
         "timing": {"rounds": rounds, "iterations": time_iters, "kept": "fastest round"},
         "runs": results, "git": gpt_bench.git_revision(),
-        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                    else str(figure)],
+        "figures": [figure_entry(figure)],
         "bench_seconds": time.perf_counter() - t0}
     path = write_results("equal_time", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")

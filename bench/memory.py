@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, format_table, write_results  # noqa: E402
+from bench.common import REPO_ROOT, figure_entry, format_table, write_results  # noqa: E402
 from bench.convergence import git_revision  # noqa: E402
 
 SCHEDULES = ("none", "gpipe", "flush", "2bw")
@@ -407,8 +407,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    ).strip(),
         "quick": args.quick, "smoke": args.smoke, "model_argv": base, "iters": args.iters,
         "configs": cfgs, "rows": rows, "formula_mismatches": mismatches,
-        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                    else str(figure)],
+        "figures": [figure_entry(figure)],
         "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     path = write_results("memory", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")

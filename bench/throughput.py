@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (REPO_ROOT, RESULTS_DIR, format_table, median,  # noqa: E402
+from bench.common import (REPO_ROOT, figure_entry, RESULTS_DIR, format_table, median,  # noqa: E402
                           write_results)
 from bench.convergence import git_revision  # noqa: E402
 
@@ -483,8 +483,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "synthetic": synthetic, "gpt": gpt, "gpt_argv_example": gpt_argv("2bw", gpt_ms[0], 2,
                                                                           gpt_batches, args.smoke),
         "cuda_gpt_345m": cuda,
-        "figures": [str(figure.relative_to(REPO_ROOT)) if figure.is_relative_to(REPO_ROOT)
-                    else str(figure)],
+        "figures": [figure_entry(figure)],
         "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     path = write_results("throughput", payload, args.out_dir)
     print(f"wrote {path} and {figure} ({payload['bench_seconds']:.0f} s)")

@@ -141,12 +141,9 @@ def run_schedule(schedule: Schedule, cost: CostFn, comm_latency: Union[CostFn, f
                     if not queue:
                         break
                     sent, arrival = queue[0]
-                    if sent.microbatch != a.microbatch or (sent.op is send_act) != (
-                            op is recv_act):
-                        state.mismatch.setdefault(s, (
-                            f"message mismatch: {a} (index {i}) on stage {s} would receive "
-                            f"the message of {sent} (messages on a channel are matched in "
-                            f"send order)"))
+                    why = _mismatch(a, i, sent)
+                    if why:
+                        state.mismatch.setdefault(s, why)
                         break
                     queue.popleft()
                     start = arrival if arrival > t else t
@@ -223,13 +220,9 @@ def _run_shared(schedule: Schedule, cost: CostFn, latency: Callable[[Action], fl
             queue = channels.get((a.peer, s))
             if not queue or queue[0][1] > now:
                 return False
-            sent = queue[0][0]
-            if sent.microbatch != a.microbatch or (sent.op is Op.SEND_ACT) != (
-                    a.op is Op.RECV_ACT):
-                state.mismatch.setdefault(s, (
-                    f"message mismatch: {a} (index {ptr[s]}) on stage {s} would receive "
-                    f"the message of {sent} (messages on a channel are matched in send "
-                    f"order)"))
+            why = _mismatch(a, ptr[s], queue[0][0])
+            if why:
+                state.mismatch.setdefault(s, why)
                 return False
             queue.popleft()
             return True
@@ -270,6 +263,16 @@ def _run_shared(schedule: Schedule, cost: CostFn, latency: Callable[[Action], fl
         if ptr[s] < len(schedule[s]):
             state.blocked[s] = state.mismatch.get(s) or _why_blocked(schedule, ptr, s, barrier)
     return state
+
+
+def _mismatch(recv: Action, index: int, sent: Action) -> Optional[str]:
+    """Why receive ``recv`` (at ``index`` in its stage's list) must not take the message
+    of ``sent``, the oldest on its channel; None when they match."""
+    if sent.microbatch == recv.microbatch and (sent.op is Op.SEND_ACT) == (
+            recv.op is Op.RECV_ACT):
+        return None
+    return (f"message mismatch: {recv} (index {index}) on stage {recv.stage} would receive "
+            f"the message of {sent} (messages on a channel are matched in send order)")
 
 
 def _barrier_ready(schedule: Schedule, ptr: List[int]) -> bool:
