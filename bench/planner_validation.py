@@ -267,6 +267,10 @@ def average_profiles(first: Dict[str, Any], second: Dict[str, Any]) -> Dict[str,
                 a[key] = (a[key] + b[key]) / 2
             for key in ("forward_samples_s", "backward_samples_s"):
                 a[key] = a[key] + b[key]
+        for kind, a in row.get("stages", {}).items():
+            b = other["stages"][kind]
+            for key in ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s"):
+                a[key] = (a[key] + b[key]) / 2
     for key in ("optimizer_step_s", "optimizer_step_cpu_s"):
         out[key] = {k: (v + second[key][k]) / 2 for k, v in out[key].items()}
     return out

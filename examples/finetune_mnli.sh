@@ -10,7 +10,7 @@
 #              or 355m (the paper's BERT-355M on one p3.16xlarge: 8 GPUs, fp16)
 #
 #   VOCAB=../shared/data/bert/vocab.txt MNLI_DIR=../shared/data/glue/MNLI \
-#       EPOCHS=1 GLOBAL_BATCH=2 bash examples/finetune_mnli.sh
+#       EPOCHS=1 GLOBAL_BATCH=4 bash examples/finetune_mnli.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

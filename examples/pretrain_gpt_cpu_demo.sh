@@ -3,7 +3,7 @@
 # then pretrain a small GPT with PipeDream-2BW on 4 CPU ranks (gloo):
 # 2 pipeline stages (d=2) x 2 parallel pipelines (w=2), m=4 microbatches per batch.
 #
-#   bash examples/pretrain_gpt_cpu_demo.sh            # everything, ~6 minutes on 2 cores
+#   bash examples/pretrain_gpt_cpu_demo.sh            # everything, about 2 minutes on 2 cores
 #   TRAIN_ITERS=50 bash examples/pretrain_gpt_cpu_demo.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -166,6 +166,14 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warmup as a fraction of the LR decay iterations.")
     g.add_argument("--lr-warmup-samples", type=int, default=None, help="Linear warmup in samples.")
+    sched = g.add_mutually_exclusive_group()
+    sched.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="On --load, keep this run's learning-rate schedule (--lr, --min-lr, "
+                            "warmup, decay length and style) where it differs from the "
+                            "checkpoint's.  Without this or the next flag a difference is an "
+                            "error (as in Megatron-LM).")
+    sched.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                       help="On --load, take the checkpoint's learning-rate schedule.")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="Clip the global gradient norm to this value (0 disables).")
@@ -206,6 +214,11 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="Count stashed activations with saved-tensor hooks on every batch "
                         "divisible by this (1: every batch); default 0: only the first batch "
                         "the run trains, later batches reuse its exact counts.")
+    g.add_argument("--no-host-malloc-tuning", dest="host_malloc_tuning", action="store_false",
+                   help="Leave glibc's malloc settings alone on CPU ranks.  By default a CPU "
+                        "rank keeps freed memory for the next microbatch (mallopt: trim "
+                        "threshold 1 GiB, mmap threshold 32 MiB) instead of faulting it in "
+                        "again every step, about 10%% of a small model's forward.")
     g.add_argument("--skip-train", action="store_true", help="Only evaluate; do not train.")
     g.add_argument("--debug", action="store_true",
                    help="Show the traceback of user errors (bad flag, data, checkpoint) too; "
@@ -700,7 +713,9 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
         lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum)
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
     data = DataConfig(
         data_path=list(args.data_path or []), split=args.split,
         data_cache_path=args.data_cache_path, num_workers=args.num_workers,
@@ -720,7 +735,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         skip_train=args.skip_train, timeline_file=args.timeline_file,
         max_consecutive_skipped_steps=args.max_consecutive_skipped_steps,
         exit_signal_handler=args.exit_signal_handler,
-        measure_memory_interval=args.measure_memory_interval)
+        measure_memory_interval=args.measure_memory_interval,
+        host_malloc_tuning=args.host_malloc_tuning)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
                           optimizer=optimizer, data=data, training=training)
 

@@ -68,8 +68,9 @@ def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: i
             shape[0] = padded_vocab
         if dim is not None:
             if shape[dim] % tp:
-                raise CheckpointError(f"{gname}: dim {dim} of size {shape[dim]} does not divide "
-                                      f"by --target-tensor-parallel-size {tp}")
+                raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the "
+                                      f"checkpoint's {_split_size_name(gname)} ({shape[dim]}; "
+                                      f"dim {dim} of {gname})")
             shape[dim] //= tp
         targets[to_local(gname, offset)] = (torch.Size(shape), dim)
     tied = "output_layer.weight" not in full and WORD_EMBEDDING in full
@@ -78,6 +79,38 @@ def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: i
         shape[0] = (padded_vocab or shape[0]) // tp
         targets[OUTPUT_EMBEDDING_COPY] = (torch.Size(shape), 0)
     return targets, offset
+
+
+def _split_size_name(gname: str) -> str:
+    """What the tensor-parallel dim of ``gname`` measures: a model size the user knows,
+    for an error they can act on."""
+    if is_vocab(gname):
+        return "padded vocabulary size"
+    if "query_key_value" in gname:
+        return "query/key/value rows (3 x hidden size)"
+    if "self_attention.dense" in gname:
+        return "hidden size"
+    if "dense_h_to_4h" in gname or "dense_4h_to_h" in gname:
+        return "ffn hidden size"
+    return "tensor-parallel dimension"
+
+
+# (config["model"] key, name): the sizes t must divide, as the trainer requires of
+# --tensor-model-parallel-size (megatron/arguments.py).
+_TP_SPLIT_SIZES = (("num_attention_heads", "number of attention heads"),
+                   ("ffn_hidden_size", "ffn hidden size"))
+
+
+def _check_tensor_split(config: dict, tp: int) -> None:
+    """Refuse a t the checkpoint's model cannot be split by before anything is written,
+    naming the model size (a head must not be cut between ranks: the weight shapes alone
+    can divide when the heads do not)."""
+    model = config.get("model") or {}
+    for key, name in _TP_SPLIT_SIZES:
+        size = model.get(key)
+        if isinstance(size, int) and size % tp:
+            raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the "
+                                  f"checkpoint's {name} ({size})")
 
 
 def is_vocab(gname: str) -> bool:
@@ -402,9 +435,12 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     config = _config_copy(state.common.get("config"))
     if divisible_by:  # the resumed run's --make-vocab-size-divisible-by
         config["data"] = dict(config.get("data") or {}, make_vocab_size_divisible_by=divisible_by)
+    _check_tensor_split(config, tp)
     real = true_vocab_size(config, true_vocab)
     rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
             if WORD_EMBEDDING in state.model else None)
+    for stage in range(pp):  # every weight splits by tp: fail before any note or file
+        _name_targets(state.model, num_layers, tp, pp, stage, rows)
     if rows is not None and rows != state.model[WORD_EMBEDDING].shape[0]:
         have = state.model[WORD_EMBEDDING].shape[0]
         keep = _divisor_keeping(have, real, config, src_t, tp)

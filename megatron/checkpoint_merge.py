@@ -300,16 +300,47 @@ class LoadReport:
     iteration: int
 
 
+def check_same_vocabulary(ckpt: CheckpointShards, vocab_size: int, flag: str) -> None:
+    """Refuse a checkpoint whose padded vocabulary is not this run's vocabulary padded
+    the checkpoint's way: its rows are then other tokens, not padding.  ``vocab_size``
+    is this run's tokenizer vocabulary (unpadded).  Checkpoints without their config
+    (converted ones) cannot be checked; their rows are fitted with a warning."""
+    from megatron.tokenizer import vocab_size_with_padding
+
+    config = ckpt.config or {}
+    padded = (config.get("model") or {}).get("padded_vocab_size")
+    divisible = (config.get("data") or {}).get("make_vocab_size_divisible_by")
+    tensor = (config.get("parallel") or {}).get("tensor_model_parallel_size")
+    if not (padded and divisible and tensor):
+        return
+    if vocab_size_with_padding(vocab_size, divisible, tensor) != padded:
+        raise CheckpointError(
+            f"{flag} {ckpt.root}: vocabulary of {padded} rows (padded to a multiple of "
+            f"{divisible} x {tensor}) does not come from this run's {vocab_size}-token "
+            f"vocabulary (--vocab-file/--vocab-size): the checkpoint was trained with another "
+            f"tokenizer; use the vocabulary it was pretrained with")
+
+
 def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp_rank: int,
                     tp_size: int, allow_missing: Sequence[str] = (),
-                    iteration: Optional[int] = None) -> LoadReport:
+                    iteration: Optional[int] = None, vocab_size: Optional[int] = None,
+                    flag: str = "checkpoint") -> LoadReport:
     """Load checkpoint ``root`` (any layout) into this stage's ``module`` in place.
 
     Parameters the checkpoint lacks must start with one of ``allow_missing`` (e.g. a
     new task head); anything else missing is an error.  Checkpoint entries this stage
-    does not hold (other stages, pretraining heads) are ignored.
+    does not hold (other stages, pretraining heads) are ignored.  ``vocab_size`` (this
+    run's unpadded vocabulary): refuse a checkpoint of another vocabulary
+    (``check_same_vocabulary``); ``flag`` names the option ``root`` came from.
     """
-    ckpt = read_checkpoint(root, iteration)
+    try:
+        ckpt = read_checkpoint(root, iteration)
+    except CheckpointError as exc:
+        if flag == "checkpoint":
+            raise
+        raise CheckpointError(f"{flag}: {exc}") from None
+    if vocab_size is not None:
+        check_same_vocabulary(ckpt, vocab_size, flag)
     targets = module_targets(module)
     full = merge_checkpoint(ckpt)
     state, missing = split_for_stage(full, targets, layer_offset=layer_offset,

@@ -170,6 +170,10 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
+    override_opt_param_scheduler: bool = False
+    """On resume keep this run's LR schedule where the checkpoint's differs."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume adopt the checkpoint's LR schedule (neither flag: a difference is an error)."""
 
 
 @dataclass(kw_only=True)
@@ -226,6 +230,9 @@ class TrainingConfig:
     measure_memory_interval: int = 0
     """Saved-tensor hooks count the stash on batches divisible by this (0: only the first
     batch of each training segment; the counts of later batches are replayed, exactly)."""
+    host_malloc_tuning: bool = True
+    """CPU ranks: glibc's malloc keeps freed memory for reuse (megatron.initialize.
+    tune_host_malloc); False leaves glibc's defaults."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)

@@ -61,23 +61,78 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
     try:
         code = main() if argv is None else main(argv)
     except UserError as err:
-        if debug:
-            traceback.print_exc()
-        _print_error(f"error: {_one_line(err)}")
-        sys.exit(getattr(err, "exit_code", EXIT_USER_ERROR))
+        _user_error(err, debug)
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
         _print_error("interrupted")
-        sys.exit(EXIT_INTERRUPTED)
+        _exit(EXIT_INTERRUPTED)
     except Exception as exc:  # noqa: BLE001 - only a lost peer is shortened, the rest re-raised
+        cause = _user_error_cause(exc)
+        if cause is not None:  # wrapped on its way out (e.g. by a worker or a callback)
+            _user_error(cause, debug)
         if debug or not _lost_peer(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _print_error(f"error: [rank {os.environ.get('RANK', '?')}] a peer rank exited (it "
                      f"probably failed: see its own error line); here: {first}")
-        sys.exit(1)
+        _exit(1)
+    _shutdown_process_group()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _process_group_alive() -> bool:
+    """A torch.distributed process group exists in this process (without importing torch)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 - a half-imported torch: nothing to shut down
+        return False
+
+
+def _shutdown_process_group() -> None:
+    """Success: tear the process group down before the interpreter does.  Left to the
+    interpreter's exit, gloo's threads were sometimes destroyed while joinable and the
+    rank died with 'terminate called without an active exception' (SIGABRT) after a
+    run that had finished and saved."""
+    if _process_group_alive():
+        try:
+            sys.modules["torch.distributed"].destroy_process_group()
+        except Exception:  # noqa: BLE001 - the run is over; exiting matters more
+            pass
+
+
+def _exit(code: int) -> None:
+    """Exit after an error.  With a process group alive, skip the interpreter's teardown
+    (``os._exit`` after flushing): a peer may still be blocked in a send or receive with
+    this rank, and destroying the group would wait for it, or abort in gloo's threads.
+    Checkpoints are complete files or absent (atomic renames), so nothing is lost."""
+    if _process_group_alive():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
+def _user_error(err: UserError, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    _print_error(f"error: {_one_line(err)}")
+    _exit(getattr(err, "exit_code", EXIT_USER_ERROR))
+
+
+def _user_error_cause(exc: BaseException) -> Optional[UserError]:
+    """A UserError this exception was raised from (``raise ... from err``), if any."""
+    seen = 0
+    exc = exc.__cause__
+    while exc is not None and seen < 20:
+        if isinstance(exc, UserError):
+            return exc
+        exc, seen = exc.__cause__, seen + 1
+    return None
 
 
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
@@ -102,4 +157,6 @@ def _print_error(line: str) -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - a closed stdout must not hide the error line
         pass
-    print(line, file=sys.stderr, flush=True)
+    # one write of the whole line: ranks sharing torchrun's stderr do not interleave
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

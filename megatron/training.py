@@ -28,9 +28,9 @@ import torch.distributed as dist
 from megatron.checkpointing import TrainState, load_for_run, save_checkpoint
 from megatron.config import MegatronConfig
 from megatron.entry import run_entry_point  # noqa: F401 - entry points import it from here
-from megatron.errors import DataError, UserError
+from megatron.errors import CheckpointError, DataError, UserError
 from megatron.initialize import (barrier_with_message, exit_when_parent_dies,
-                                 initialize_distributed, set_random_seed)
+                                 initialize_distributed, set_random_seed, tune_host_malloc)
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.engine import PipelineEngine, StepReport
 from megatron.training_log import TrainingLogger, print_rank_last
@@ -322,7 +322,15 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
         engine.set_iteration(state.iteration)
     if payload.get("lr_scheduler") is not None:
-        scheduler.load_state_dict(payload["lr_scheduler"], override=True)
+        oc = cfg.optimizer
+        try:
+            scheduler.load_state_dict(payload["lr_scheduler"],
+                                      override=oc.override_opt_param_scheduler,
+                                      # evaluation only: no step, nothing to disagree on
+                                      use_checkpoint=(oc.use_checkpoint_opt_param_scheduler
+                                                      or tr.skip_train))
+        except ValueError as exc:
+            raise CheckpointError(f"--load {tr.load}: {exc}") from None
     if not tr.no_load_rng and payload.get("rng_state") is not None:
         set_rng_state(payload["rng_state"])
     print_rank_last(f"resumed from {tr.load} at iteration {state.iteration}")
@@ -527,6 +535,8 @@ def initialize_megatron(args, cfg: MegatronConfig):
             vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
     exit_when_parent_dies()
     groups, device = initialize_distributed(cfg.parallel)
+    if device.type == "cpu" and cfg.training.host_malloc_tuning:
+        tune_host_malloc()
     _warn_precision(cfg, groups, device)
     set_random_seed(cfg.training.seed, groups, device)
     return tokenizer, groups, device

@@ -165,8 +165,11 @@ def _iterations_argv(argv: List[str], raw, n_train: int) -> Tuple[List[str], int
     return argv, per_epoch
 
 
-def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequence[str]) -> None:
-    """Initialise the stage from any-layout checkpoint ``path`` (weights only)."""
+def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequence[str], *,
+                    vocab_size: Optional[int] = None,
+                    flag: str = "--pretrained-checkpoint") -> None:
+    """Initialise the stage from any-layout checkpoint ``path`` (weights only).
+    ``vocab_size``: this run's tokenizer vocabulary; a checkpoint of another one is refused."""
     from megatron.training_log import print_rank_last
     from tools.checkpoint_util import load_into_stage
 
@@ -174,7 +177,7 @@ def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequenc
     model = engine.model
     report = load_into_stage(model, path, layer_offset=model.layer_numbers.start,
                              tp_rank=groups.tp_rank, tp_size=groups.tp_size,
-                             allow_missing=head_prefixes)
+                             allow_missing=head_prefixes, vocab_size=vocab_size, flag=flag)
     engine.weights.sync_all_from(engine.latest_buffer)
     optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
     print_rank_last(f"loaded pretrained weights of iteration {report.iteration} from {path} "
@@ -200,7 +203,7 @@ def _setup(task: FinetuneTask, argv: List[str]):
     seq = cfg.model.seq_length
     train_ds = task.build("train", train, tokenizer, seq) if train else None
     valid_ds = [(path, task.build(path, ex, tokenizer, seq)) for path, ex in valid]
-    return args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch
+    return args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch, tokenizer
 
 
 def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> FinetuneResult:
@@ -212,7 +215,8 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
     from megatron.training_log import TrainingLogger, print_rank_last
 
     argv = list(argv if argv is not None else sys.argv[1:])
-    args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch = _setup(task, argv)
+    args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch, tokenizer = _setup(
+        task, argv)
     model, optimizer, scheduler, engine = setup_model_and_optimizer(
         cfg, groups, device, task.model_provider, forward_step)
     tr = cfg.training
@@ -225,7 +229,7 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
         state = TrainState()
         if args.pretrained_checkpoint:
             load_pretrained(engine, optimizer, args.pretrained_checkpoint, groups,
-                            task.head_prefixes)
+                            task.head_prefixes, vocab_size=tokenizer.vocab_size)
         else:
             print_rank_last(f"WARNING: no --pretrained-checkpoint: finetuning {task.name} from "
                             f"randomly initialised weights")

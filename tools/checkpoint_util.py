@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -44,6 +45,7 @@ from megatron.checkpoint_merge import (CheckpointShards, LoadReport,  # noqa: E4
                                        load_into_stage, merge_checkpoint, merge_shards,
                                        module_targets, partition_dim_by_name, rank_dirs,
                                        read_checkpoint, split_for_stage, to_global, to_local)
+from megatron.entry import EXIT_USER_ERROR, debug_requested  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
 
 
@@ -132,8 +134,12 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                                allow_unsafe=args.allow_unsafe_checkpoint,
                                divisible_by=args.make_vocab_size_divisible_by)
     except UserError as exc:
-        print(f"checkpoint_util.py: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        # Reported here as megatron.entry.run_entry_point would (one line, exit 2, the
+        # traceback with --debug / MEGATRON_DEBUG=1) so that callers of main() exit too.
+        if debug_requested([]):  # run_entry_point turns --debug into MEGATRON_DEBUG=1
+            traceback.print_exc()
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
+        sys.exit(getattr(exc, "exit_code", EXIT_USER_ERROR))
     print(f"wrote {out}")
     return out
 

@@ -13,9 +13,10 @@ From the per-rank files a traced training run wrote::
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Union
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
@@ -64,6 +65,25 @@ def _batch_range(text: str) -> List[int]:
     return [first, stop]
 
 
+def _load_trace_flag(trace: str):
+    """load_traces for --trace, with a missing or unreadable file a one-line UserError
+    naming the flag and the pattern rather than a traceback."""
+    expected = f"--trace {trace!r}: expected timeline_rank*.json files written by a traced run"
+    if any(c in trace for c in "*?["):
+        paths: Union[str, List[str]] = trace
+        if not glob.glob(trace):
+            raise UserError(f"{expected}, no file matches it")
+    else:
+        paths = [p for p in trace.split(",") if p]
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing or not paths:
+            raise UserError(f"{expected}, found no file {', '.join(missing)}".rstrip())
+    try:
+        return load_traces(paths)
+    except (OSError, ValueError) as exc:  # unreadable, not JSON, not a trace file
+        raise UserError(f"{expected}; cannot read them: {exc}") from exc
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.schedule:
@@ -87,8 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"in-flight {result.peak_in_flight}, weight versions "
               f"{result.peak_weight_versions}")
     else:
-        paths = args.trace if any(c in args.trace for c in "*?[") else args.trace.split(",")
-        events, meta = load_traces(paths)
+        events, meta = _load_trace_flag(args.trace)
         if args.trace_batches:
             try:
                 events = window_events(events, *_batch_range(args.trace_batches))

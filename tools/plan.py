@@ -31,6 +31,7 @@ from megatron.pipeline.planner import (CostOptions, HardwareSpec, ModelSpec,  # 
 from megatron.pipeline.planner.hardware import GB, GiB, describe_links, links_for  # noqa: E402
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
 from megatron.pipeline.planner.profile import Profile  # noqa: E402
+from megatron.pipeline.planner.search import planned_precision  # noqa: E402
 from megatron.pipeline.planner.search import RECOMMENDED_2BW_MITIGATION  # noqa: E402
 
 # share of --train-iters the trainer's default --2bw-flush-warmup-iters runs under Flush
@@ -56,20 +57,34 @@ def run_rate(row, model: ModelSpec, hw: HardwareSpec, options: CostOptions,
             "2bw_samples_per_s": tbw, "run_samples_per_s": run}
 
 
+STALENESS_MARGIN = 0.02
+"""2BW is chosen only when its rate over the run beats the best schedule without weight
+staleness by more than this: with the Flush warm-up its validation loss still ended
+0.1-0.6% above Flush's at equal iterations (docs/pipeline.md), which a gain of a fraction
+of a percent (e.g. at d = 1, where there is no bubble to remove) does not buy back."""
+
+
 def choose_for_run(rows, model: ModelSpec, hw: HardwareSpec, options: CostOptions,
                    profile: Optional[Profile]):
-    """(row, its run_rate or None): the fitting configuration with the most samples/s over
-    the whole run its command starts -- 2BW rows at their rate with the Flush warm-up the
-    command adds, the others at their predicted rate (search() ranks by steady rates)."""
-    best, best_rate, best_info = None, -1.0, None
+    """(row, its run_rate or None, the faster 2BW row passed over or None): the fitting
+    configuration with the most samples/s over the whole run its command starts -- 2BW
+    rows at their rate with the Flush warm-up the command adds, the others at their
+    predicted rate (search() ranks by steady rates) -- where 2BW must win by more than
+    ``STALENESS_MARGIN``."""
+    best = {True: (None, -1.0, None), False: (None, -1.0, None)}  # keyed by "is 2BW"
     for r in rows:
         if not r.fits:
             continue
         info = run_rate(r, model, hw, options, profile)
         rate = info["run_samples_per_s"] if info is not None else r.predicted_samples_per_s
-        if rate > best_rate:
-            best, best_rate, best_info = r, rate, info
-    return best, best_info
+        stale = r.config.schedule == "2bw"
+        if rate > best[stale][1]:
+            best[stale] = (r, rate, info)
+    tbw, fresh = best[True], best[False]
+    if tbw[0] is not None and (fresh[0] is None or tbw[1] > (1 + STALENESS_MARGIN) * fresh[1]):
+        return tbw[0], tbw[2], None
+    passed = tbw[0] if tbw[0] is not None and tbw[1] > fresh[1] else None
+    return fresh[0], fresh[2], passed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +208,10 @@ def run(argv: Optional[List[str]] = None) -> int:
                       options=CostOptions(c_extra=args.c_extra), profile=profile)
         rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         fastest = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
-        best, warmup = choose_for_run(rows, model, hw, kwargs["options"], profile)
-        cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server)
+        best, warmup, passed = choose_for_run(rows, model, hw, kwargs["options"], profile)
+        cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server,
+                           precision=planned_precision(
+                               hw.name, profile.model.get("dtype") if profile else None))
     except (PlanningError, ValueError) as exc:
         print(f"plan.py: error: {exc}", file=sys.stderr)
         return 2
@@ -221,7 +238,13 @@ def run(argv: Optional[List[str]] = None) -> int:
               f"semantics for the first half of --train-iters ({warmup['flush_samples_per_s']:.2f} "
               f"samples/s), then 2BW; {warmup['run_samples_per_s']:.2f} samples/s over the "
               f"whole run (docs/pipeline.md, \"Staleness mitigations\")")
-    if best.config != fastest.config:
+    if passed is not None:
+        info = run_rate(passed, model, hw, kwargs["options"], profile)
+        rate = info["run_samples_per_s"] if info else passed.predicted_samples_per_s
+        print(f"note:    {passed.config.describe()} would run {rate:.2f} samples/s over the run, "
+              f"{100 * (rate / best.predicted_samples_per_s - 1):.1f}% more, but 2BW must "
+              f"gain more than {100 * STALENESS_MARGIN:.0f}% to pay for its stale weights")
+    elif best.config != fastest.config:
         print(f"note:    chosen for the whole run's rate: the fastest steady state, "
               f"{fastest.config.describe()} at {fastest.predicted_samples_per_s:.2f} samples/s, "
               f"gives less over a run that starts with the Flush warm-up")
@@ -231,7 +254,8 @@ def run(argv: Optional[List[str]] = None) -> int:
                "max_batch_size": args.max_batch_size, "best": best.to_dict(),
                "command": cmd, "rows": [r.to_dict() for r in rows],
                "profile": args.profile, "warmup": warmup,
-               "fastest_steady_state": fastest.to_dict()}
+               "fastest_steady_state": fastest.to_dict(),
+               "passed_over_2bw": passed.to_dict() if passed is not None else None}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import sys
 import time
+import traceback
 from itertools import chain, islice
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
+from megatron.entry import EXIT_USER_ERROR, debug_requested  # noqa: E402
 from megatron.errors import DataError, UserError  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
@@ -83,8 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not os.path.isfile(args.input):
-        parser.error(f"--input {args.input}: file not found")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.chunk_size < 1:
@@ -188,10 +188,22 @@ def _progress(n_docs: int, n_tokens: int, n_bytes: int, elapsed: float) -> str:
 
 def preprocess(args: argparse.Namespace) -> Dict[str, float]:
     """Run the whole conversion; returns counts and rates (also printed)."""
-    _init_worker(args)  # the main process needs the dtype and validates the tokenizer
-    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    builders = {k: IndexedDatasetBuilder(output_prefix(args, k) + ".bin", _dtype)
-                for k in args.json_keys}
+    if not os.path.isfile(args.input):
+        raise DataError(f"--input {args.input}: no such file (expected a JSON-lines corpus)")
+    try:  # the main process needs the dtype and validates the tokenizer
+        _init_worker(args)
+    except (ValueError, OSError) as exc:  # check_file names the flag (--vocab-file, ...)
+        raise UserError(str(exc)) from exc
+    builders: Dict[str, IndexedDatasetBuilder] = {}
+    try:
+        Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+        for k in args.json_keys:
+            builders[k] = IndexedDatasetBuilder(output_prefix(args, k) + ".bin", _dtype)
+    except OSError as exc:
+        for builder in builders.values():
+            builder.abort()
+        what = f"{exc.filename} ({exc.strerror})" if exc.filename else f"there ({exc})"
+        raise UserError(f"--output-prefix {args.output_prefix}: cannot write {what}") from exc
     n_docs = n_tokens = n_bytes = n_empty = 0
     next_log = args.log_interval
     start = time.perf_counter()
@@ -253,8 +265,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     try:
         return preprocess(args)
     except (UserError, ValueError, FileNotFoundError) as exc:
-        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        # Reported here as megatron.entry.run_entry_point would (one line, exit 2, the
+        # traceback with --debug / MEGATRON_DEBUG=1) so that callers of main() exit too.
+        if debug_requested([]):  # run_entry_point turns --debug into MEGATRON_DEBUG=1
+            traceback.print_exc()
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
+        sys.exit(getattr(exc, "exit_code", EXIT_USER_ERROR))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ warm-up runs first and the median of the timed runs kept:
 * ``head`` (last stage): final LayerNorm, logits against the word embedding, the
   vocab-parallel cross-entropy and the masked mean loss.
 
+Then, per stage kind (``whole``: embedding and head, d = 1; ``first``; ``middle``;
+``last``), a ``GPTModel`` stage of ``--chain-blocks`` layers is run through
+``pretrain_gpt.forward_step`` and its loss function, as the executor runs a microbatch
+(``stages``; ``--no-stages`` skips it).  What it takes beyond the pieces it is made of
+(``Profile`` subtracts them) is the trainer's own work per microbatch: building the
+batch, the model's wrappers and transposes, the loss mask.  On this project's 2-core CPU
+the pieces alone under-predicted a trainer's forward by about 12% at d = 1
+(bench/planner_validation.py); on a GPU at b = 1 it is the host's launch work.
+
 Measured per component: forward and backward seconds, as wall-clock time and as the
 CPU time of the profiling thread (on a CPU shared with other processes the CPU time is
 what the work costs when it has a core to itself; on CUDA use the wall clock, the CPU
@@ -55,11 +64,14 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                            "forward_cpu_s", "backward_cpu_s",    # this thread's CPU time
                            "stash_bytes",
                            "forward_samples_s": [...], "backward_samples_s": [...],
-                           "cuda_forward_peak_bytes"?, "cuda_retained_bytes"?}}, ...]}
+                           "cuda_forward_peak_bytes"?, "cuda_retained_bytes"?},
+                       "stages"?: {"whole" | "first" | "middle" | "last": {
+                           "layers": int, ...the same timing and byte fields}}}, ...]}
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -80,6 +92,9 @@ SCHEMA = "megatron-pipedream-profile/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "fp64": torch.float64}
 COMPONENTS = ("block", "embedding", "head")
+# stage kind -> (pre_process, post_process) of the GPTModel stage timed whole
+STAGE_KINDS = {"whole": (True, True), "first": (True, False), "middle": (False, False),
+               "last": (False, True)}
 
 
 def _sync(device: torch.device) -> None:
@@ -264,6 +279,51 @@ def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
     return statistics.median(times), statistics.median(cpu)
 
 
+def _profile_stages(config: ModelConfig, rows: List[Dict[str, Any]], chain: int,
+                    device: torch.device, warmup: int, repeat: int, per_sync: int,
+                    seed: int) -> None:
+    """Time a ``GPTModel`` stage of ``chain`` layers of each kind through the trainer's
+    ``forward_step`` and loss function; adds ``row["stages"][kind]`` to every row.  One
+    stage model lives at a time (a GPU that holds the pieces holds it)."""
+    from megatron.model import GPTModel
+    from megatron.tensor_parallel import TPInfo
+    from pretrain_gpt import forward_step
+
+    s, h = config.seq_length, config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    for row in rows:
+        row["stages"] = {}
+    for kind, (pre, post) in STAGE_KINDS.items():
+        # layer numbers as in a pipeline of 3 such stages (one for the whole model)
+        start = 0 if pre else chain if not post else 2 * chain
+        stage_config = dataclasses.replace(config, num_layers=chain if pre and post else 3 * chain)
+        model = GPTModel(stage_config, TPInfo.single(), pre_process=pre, post_process=post,
+                         layer_numbers=range(start, start + chain), seed=seed).to(device)
+        model.train()
+        for row in rows:
+            b = row["micro_batch_size"]
+            # what the data loader hands the executor: token ids on the host
+            data = {"text": torch.randint(0, config.padded_vocab_size, (b, s + 1),
+                                          generator=gen)}
+            x = torch.randn(s, b, h, dtype=config.params_dtype, device=device,
+                            requires_grad=True)
+            grad = torch.randn(s, b, h, dtype=config.params_dtype, device=device)
+
+            def run(model=model, data=data, x=x, pre=pre, post=post) -> torch.Tensor:
+                if not pre:
+                    model.set_input_tensor(x)
+                out, loss_fn = forward_step(iter([data]), model)
+                return loss_fn(out)[0] if post else out
+
+            def push(out: torch.Tensor, post=post, grad=grad) -> None:
+                torch.autograd.backward(out, grad_tensors=None if post else grad)
+
+            row["stages"][kind] = {"layers": chain, **_measure(
+                run, push, model, weight_storage_ptrs(model), device, warmup, repeat,
+                per_sync)}
+        del model
+
+
 def default_chain_blocks(config: ModelConfig, device: torch.device,
                          free_bytes: Optional[int] = None) -> int:
     """min(num_layers, 4) distinct layers, fewer on a GPU whose free memory (``free_bytes``,
@@ -285,13 +345,14 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   device: Optional[torch.device] = None, warmup: int = 2, repeat: int = 5,
                   seed: int = 1234, optimizer: str = "adam",
                   runs_per_sync: Optional[int] = None,
-                  chain_blocks: Optional[int] = None) -> Dict[str, Any]:
+                  chain_blocks: Optional[int] = None, stages: bool = True) -> Dict[str, Any]:
     """The profile (schema in the module docstring) of ``config`` on ``device``.
 
     ``runs_per_sync``: forwards (then backwards) queued per synchronisation in a timed
     sample (default 8 on CUDA, where the host runs ahead of the GPU, 1 on the CPU).
     ``chain_blocks``: distinct transformer layers timed back to back for the per-block
-    cost (default min(num_layers, 4))."""
+    cost (default min(num_layers, 4)).  ``stages``: also time whole stages of that many
+    layers (the trainer's per-microbatch work beyond the pieces)."""
     from megatron.model.transformer import ParallelTransformerLayer
     from megatron.tensor_parallel import TPInfo, model_parallel_seed
 
@@ -307,6 +368,9 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     chain = default_chain_blocks(config, device) if chain_blocks is None else chain_blocks
     if chain < 1:
         raise ValueError(f"--chain-blocks {chain}: expected at least 1")
+    if device.type == "cpu":
+        from megatron.initialize import tune_host_malloc
+        tune_host_malloc()  # as the trainer's CPU ranks run (process-wide)
     model_parallel_seed(seed, 0, device)
     blocks = nn.ModuleList(ParallelTransformerLayer(config, TPInfo.single(), i, seed=seed)
                            for i in range(chain)).to(device)
@@ -346,6 +410,8 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         row["head"] = _measure(lambda: head(x, batch), push_loss, head,
                                weight_storage_ptrs(head), device, warmup, repeat, per_sync)
         rows.append(row)
+    if stages:
+        _profile_stages(config, rows, chain, device, warmup, repeat, per_sync, seed)
     bp, bb = param_count(block)
     ep, eb = param_count(embedding)
     head_own = head.own_parameters()
@@ -413,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--chain-blocks", type=int, default=None,
                    help="distinct transformer layers timed back to back for the per-block "
                         "cost, as a stage runs them (default min(--num-layers, 4))")
+    m.add_argument("--no-stages", dest="stages", action="store_false",
+                   help="skip timing whole GPTModel stages (the trainer's per-microbatch "
+                        "work beyond the pieces is then taken as zero)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (match the threads of one training rank)")
     m.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
@@ -446,6 +515,16 @@ def summary(profile: Dict[str, Any]) -> str:
             c = row[name]
             lines.append(f"{row['micro_batch_size']:>4} {name:10} {1e3 * c['forward_s']:9.3f} "
                          f"{1e3 * c['backward_s']:9.3f} {c['stash_bytes'] / 2 ** 20:10.3f}")
+    from megatron.pipeline.planner.profile import Profile
+    prof = Profile(profile)
+    if prof.has_overhead:
+        lines.append(f"trainer work per microbatch beyond the pieces (stage timed through "
+                     f"forward_step, {profile['settings']['chain_blocks']} layers):")
+        for b in prof.micro_batch_sizes:
+            parts = [f"{kind} {1e3 * f:+.3f}/{1e3 * bw:+.3f}"
+                     for kind, (first, last) in STAGE_KINDS.items()
+                     for f, bw in [prof.overhead(first, last, b)]]
+            lines.append(f"{b:>4} fwd/bwd ms: " + ", ".join(parts))
     w = profile["weights"]
     lines.append(f"weights: block {w['block_bytes']} B, embedding {w['embedding_bytes']} B, "
                  f"head {w['head_bytes']} B")
@@ -464,7 +543,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         profile = profile_model(config, args.micro_batch_sizes, device=device,
                                 warmup=args.warmup, repeat=args.repeat,
                                 runs_per_sync=args.runs_per_sync, seed=args.seed,
-                                optimizer=args.optimizer, chain_blocks=args.chain_blocks)
+                                optimizer=args.optimizer, chain_blocks=args.chain_blocks,
+                                stages=args.stages)
     except ValueError as exc:
         print(f"profile_model.py: error: {exc}", file=sys.stderr)
         return 2

@@ -94,11 +94,13 @@ class OptimizerParamScheduler:
         missing = [k for k in _HPARAMS + ("num_steps",) if k not in sd]
         if missing:
             raise ValueError(f"lr scheduler checkpoint state lacks {missing}")
+        # decay length means nothing to a constant schedule on both sides
+        constant = self.decay_style == sd["decay_style"] == "constant"
         for name in _HPARAMS:
             ours, theirs = getattr(self, name), sd[name]
             if use_checkpoint:
                 setattr(self, name, theirs)
-            elif not override and ours != theirs:
+            elif not override and ours != theirs and not (constant and name == "decay_steps"):
                 raise ValueError(
                     f"lr scheduler: checkpoint has {name}={theirs!r} but this run has "
                     f"{name}={ours!r}; pass --override-opt_param-scheduler to keep this run's "

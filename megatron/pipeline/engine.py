@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.errors import UserError
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
@@ -402,8 +403,8 @@ class PipelineEngine:
                 raise RuntimeError(f"stage {self.stage}: unknown pipeline action {action}") from None
             try:
                 handler(action, seg)
-            except PipelineError:
-                raise
+            except (PipelineError, UserError):
+                raise  # a bad token id or file is the user's to fix: no schedule grid
             except Exception as exc:
                 raise PipelineError(self._report_failure(actions, index, action, exc)) from exc
             if self.trace_enabled:

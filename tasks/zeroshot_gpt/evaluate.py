@@ -100,7 +100,9 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> Optional[PerplexityResult]
     tokenizer, groups, device = initialize_megatron(args, cfg)
     _, optimizer, _, engine = setup_model_and_optimizer(
         cfg, groups, device, pretrain_gpt.model_provider, forward_step)
-    load_pretrained(engine, optimizer, args.load or args.pretrained_checkpoint, groups, ())
+    load_pretrained(engine, optimizer, args.load or args.pretrained_checkpoint, groups, (),
+                    vocab_size=tokenizer.vocab_size,
+                    flag="--load" if args.load else "--pretrained-checkpoint")
 
     original = read_wikitext(args.valid_data)
     tokens = tokenizer.tokenize(wikitext_detokenize(original))

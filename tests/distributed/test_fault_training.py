@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -281,6 +282,51 @@ def test_entry_point_lost_peer_is_one_line_other_errors_keep_their_traceback(cap
         run_entry_point(bug, [])
 
 
+def test_entry_point_unwraps_a_user_error_raised_inside_another(capsys, monkeypatch):
+    from megatron.errors import DataError
+
+    def wrapped(argv):
+        try:
+            raise DataError("c.bin: token id 15000 is outside the vocabulary [0, 4096)")
+        except DataError as exc:
+            raise RuntimeError("[rank 0] pipeline stage 0 failed\ngrid") from exc
+
+    assert _entry(wrapped, [], monkeypatch) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: c.bin: token id 15000 is outside the vocabulary [0, 4096)"
+
+
+def test_token_id_outside_the_vocabulary_is_one_error_line_at_d2(tmp_path):
+    """Data made with another tokenizer, found inside the pipeline's forward on both
+    stages: one error line per rank naming the file and the id, exit 2, no schedule grid."""
+    from megatron.data.indexed_dataset import IndexedDatasetBuilder
+    import numpy as np
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "c.bin"), np.int32)
+    for d in range(40):
+        builder.add_item(np.arange(30) + (5000 if d == 3 else 0))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "c.idx"))
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "20", "--lr", "1e-3",
+            "--data-path", str(tmp_path / "c"), "--split", "1,0,0", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "64", "--pipeline-model-parallel-size", "2",
+            "--distributed-backend", "gloo", "--eval-iters", "0", "--num-workers", "0"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(REPO / "pretrain_gpt.py"), *argv],
+                          capture_output=True, text=True, timeout=300, env=_env())
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    # one line per rank that got there first (torchrun stops the other at once)
+    assert proc.returncode != 0 and 1 <= len(lines) <= 2, proc.stderr[-3000:]
+    assert all(re.search(r"c\.bin: token id 50\d\d .* outside the vocabulary \[0, 64\)", x)
+               for x in lines), proc.stderr[-3000:]
+    # torchrun's agent prints its own summary; the workers print no traceback, no grid
+    assert "exitcode  : 2" in proc.stderr and "terminate called" not in proc.stderr
+    assert "DataError" not in proc.stderr and "pipeline stage" not in proc.stderr, \
+        proc.stderr[-3000:]
+
+
 def test_nan_run_exits_1_with_one_line_and_saves_nothing(tmp_path):
     """--lr huge through the real entry point: NaN after one step, stop, exit 1."""
     argv = _argv("--lr", "1e30", "--max-consecutive-skipped-steps", "3", "--eval-iters", "0",
@@ -463,3 +509,28 @@ def test_fault_checks_drain_2bw_rarely_and_flush_every_batch():
     assert _check_every(sig, 0.0) == 1          # nothing measured yet
     assert _check_every(sig, 1.0) == 20         # about every 20 s
     assert _check_every(sig, 0.01) == 100       # never rarer than the NaN check
+
+
+def test_resume_with_another_lr_schedule_needs_megatrons_flag(tmp_path):
+    """Raising --train-iters on resume moves a linear decay's length: an error naming both
+    of Megatron's flags, unless one of them says which schedule to follow.  A constant
+    schedule has no decay length to disagree on."""
+    import pretrain_gpt
+    from megatron.errors import CheckpointError
+
+    linear = ["--lr-decay-style", "linear", "--eval-iters", "0"]
+    ckpt = str(tmp_path / "ck")
+    _train(_argv("--save", ckpt, *linear, iters=2), pretrain_gpt.forward_step)
+    with pytest.raises(CheckpointError, match=r"--load .*decay_steps=2 but this run has "
+                                              r"decay_steps=4; pass --override-opt_param-"
+                                              r"scheduler .* --use-checkpoint-opt_param-scheduler"):
+        _train(_argv("--load", ckpt, *linear, iters=4), pretrain_gpt.forward_step)
+    kept = _train(_argv("--load", ckpt, *linear, "--override-opt_param-scheduler", iters=4),
+                  pretrain_gpt.forward_step)
+    taken = _train(_argv("--load", ckpt, *linear, "--use-checkpoint-opt_param-scheduler",
+                         iters=4), pretrain_gpt.forward_step)
+    assert kept.iteration == taken.iteration == 4
+    constant = str(tmp_path / "const")
+    _train(_argv("--save", constant, "--eval-iters", "0", iters=2), pretrain_gpt.forward_step)
+    assert _train(_argv("--load", constant, "--eval-iters", "0", iters=4),
+                  pretrain_gpt.forward_step).iteration == 4

@@ -88,3 +88,19 @@ def test_equal_time_projection_smoke(tmp_path: Path) -> None:
     # a processor per stage: 2BW's projected period is no longer than Flush's
     assert run["seconds_per_iteration"]["2bw"] <= run["seconds_per_iteration"]["flush"]
     assert "PROJECTED" in proc.stdout and (tmp_path / "f.png").exists()
+
+
+def test_host_malloc_quick(tmp_path: Path) -> None:
+    """Both variants of every configuration ran in their own processes; the tuned row
+    carries the speedup over the default row.  (The allocator's behaviour itself is
+    tested without timing in tests/unit/test_device_selection.py.)"""
+    data = _run_bench("host_malloc.py", tmp_path, timeout=300)
+    rows = data["rows"]
+    assert [(r["configuration"], r["variant"]) for r in rows] == [
+        (c, v) for c in ("d=1 flush", "d=2 flush", "d=2 2bw") for v in ("tuned", "glibc default")]
+    for tuned, default in zip(rows[::2], rows[1::2]):
+        d = 1 if tuned["configuration"].startswith("d=1") else 2
+        assert len(tuned["minor_faults_per_batch"]) == len(default["sys_ms_per_batch"]) == d
+        assert tuned["speedup"] == pytest.approx(default["seconds_per_batch"]
+                                                 / tuned["seconds_per_batch"])
+        assert "speedup" not in default

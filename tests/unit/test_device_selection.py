@@ -2,6 +2,10 @@
 warning (megatron/initialize.py), all without a GPU: torch.cuda is monkeypatched."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +13,7 @@ from megatron.arguments import ArgumentError, parse_and_validate
 from megatron.initialize import (check_gpus_for_local_ranks, half_matmul_slowdown,
                                  precision_warning, resolve_backend, select_device)
 
+REPO = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10",
         "--lr", "1e-3", "--mock-data", "--vocab-size", "128",
@@ -144,3 +149,53 @@ def test_trainer_prints_the_fp16_warning_once_on_rank_0(monkeypatch, capsys):
     training._warn_precision(cfg, SimpleNamespace(rank=1), torch.device("cpu"))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--fp16 on a CPU device" in err[0] and "12.5x" in err[0]
+
+
+_MALLINFO = r'''
+import ctypes, sys
+from megatron.initialize import tune_host_malloc
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+tuned = sys.argv[1] == "tuned" and tune_host_malloc()
+blocks = [libc.malloc(1 << 20) for _ in range(64)]   # a microbatch's activations
+during = libc.mallinfo2()
+for b in blocks:
+    libc.free(b)
+after = libc.mallinfo2()
+print(int(tuned), during.hblkhd >> 20, after.fordblks >> 20)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("mode", ["tuned", "default"])
+def test_host_malloc_tuning_keeps_freed_memory_for_the_next_microbatch(mode):
+    """With the tuning, 64 MiB of 1 MiB blocks come from the heap and stay there after
+    free (the next microbatch reuses them without page faults); with glibc's defaults
+    they are mmapped and handed back to the OS.  A fresh process for each: mallopt is
+    process-wide."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        pytest.skip("not glibc >= 2.33 (no mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", _MALLINFO, mode], capture_output=True,
+                         text=True, cwd=REPO, timeout=120, check=True).stdout.split()
+    tuned, mmapped_mib, kept_free_mib = (int(x) for x in out)
+    if mode == "tuned":
+        assert tuned == 1
+        assert mmapped_mib < 64 and kept_free_mib >= 64
+    else:
+        assert mmapped_mib >= 64 and kept_free_mib < 64
+
+
+def test_no_host_malloc_tuning_flag_reaches_the_config():
+    assert parse_and_validate(BASE, world_size=2)[1].training.host_malloc_tuning is True
+    off = parse_and_validate(BASE + ["--no-host-malloc-tuning"], world_size=2)[1]
+    assert off.training.host_malloc_tuning is False

@@ -107,3 +107,25 @@ def test_no_note_when_the_fastest_steady_state_is_also_best_over_the_run():
     assert res.returncode == 0, res.stderr
     assert "samples/s over the whole run" in res.stdout
     assert "chosen for the whole run's rate" not in res.stdout
+
+
+def test_cpu_plans_run_in_fp32_and_2bw_must_pay_for_its_staleness(tmp_path):
+    """On a CPU cluster the command has no --fp16 (emulated half precision is ~400x
+    slower there); at d = 1, where 2BW removes no bubble, a 0.3% faster 2BW plan is
+    passed over, with a note saying so, for a schedule without stale weights."""
+    out = tmp_path / "plan.json"
+    res = _plan("--num-gpus", "2", "--cluster", "cpu", "--max-batch-size", "16",
+                "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+                "--seq-length", "64", "--vocab-size", "512", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    cmd = res.stdout.strip().splitlines()[-2]
+    assert cmd.startswith("torchrun") and "--fp16" not in cmd and "--bf16" not in cmd
+    data = json.loads(out.read_text())
+    assert data["best"]["config"]["schedule"] != "2bw"
+    passed = data["passed_over_2bw"]
+    assert passed is not None and passed["config"]["schedule"] == "2bw"
+    assert "but 2BW must gain more than 2%" in res.stdout
+    # the paper's GPU cluster keeps fp16
+    gpu = _plan("--model", "gpt-2.2b", "--cluster", "p3.16xlarge", "--num-gpus", "16",
+                "--max-batch-size", "128")
+    assert gpu.returncode == 0 and "--fp16" in gpu.stdout.strip().splitlines()[-1]

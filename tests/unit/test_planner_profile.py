@@ -98,6 +98,53 @@ def test_stage_sums_layers_embedding_head_and_step():
     assert prof.stage_stash_bytes(2, False, True, 4, recompute=True) == last.recompute_stash_bytes
 
 
+def with_stages(data: dict, extra_f, extra_b, layers: int = 2) -> dict:
+    """``data`` with timed stages of ``layers`` blocks costing the pieces plus
+    ``extra_f[kind] * b`` / ``extra_b[kind] * b`` seconds (both clocks)."""
+    data = copy.deepcopy(data)
+    for row in data["microbatches"]:
+        b = row["micro_batch_size"]
+        row["stages"] = {}
+        for kind in ("whole", "first", "middle", "last"):
+            pre, post = kind in ("whole", "first"), kind in ("whole", "last")
+            parts = [("block", layers)] + [("embedding", 1)] * pre + [("head", 1)] * post
+            st = {"layers": layers, "stash_bytes": 0}
+            for key, extra in (("forward", extra_f), ("backward", extra_b)):
+                for suffix, k in (("_s", 1.0), ("_cpu_s", 0.5)):
+                    st[key + suffix] = (sum(row[n][key + suffix] * c for n, c in parts)
+                                        + extra[kind] * b * k)
+            row["stages"][kind] = st
+    return data
+
+
+def test_stage_overhead_is_the_timed_stage_minus_its_pieces():
+    """A profile that timed whole stages adds, per stage kind, what the stage took beyond
+    its pieces, interpolated in b, whatever the stage's layer count; scaled with the
+    rest; the CPU clock reads its own fields; without stages it is zero."""
+    f = {"whole": 3e-4, "first": 2e-4, "middle": 5e-5, "last": 1.5e-4}
+    bw = {"whole": 1e-4, "first": 5e-5, "middle": -2e-5, "last": 8e-5}
+    plain = Profile(make_profile((2, 4)))
+    prof = Profile(with_stages(make_profile((2, 4)), f, bw))
+    assert not plain.has_overhead and plain.overhead(True, False, 4) == (0.0, 0.0)
+    assert prof.has_overhead and "no stage overhead" in plain.describe()
+    for kind, first, last in (("whole", True, True), ("first", True, False),
+                              ("middle", False, False), ("last", False, True)):
+        assert prof.overhead(first, last, 3) == pytest.approx((3 * f[kind], 3 * bw[kind]))
+        for layers in (1, 5):
+            base, st = plain.stage(layers, first, last, 3), prof.stage(layers, first, last, 3)
+            assert st.forward_s == pytest.approx(base.forward_s + 3 * f[kind])
+            assert st.backward_s == pytest.approx(base.backward_s + 3 * bw[kind])
+            assert st.recompute_s == st.forward_s
+            assert st.stash_bytes == base.stash_bytes and st.step_s == base.step_s
+    cpu = Profile(with_stages(make_profile((2, 4)), f, bw), clock="cpu")
+    assert cpu.overhead(False, True, 4) == pytest.approx((2 * f["last"], 2 * bw["last"]))
+    slow = prof.scaled(2.0)
+    assert slow.overhead(True, False, 4) == pytest.approx((8 * f["first"], 8 * bw["first"]))
+    # tensor parallelism divides the pieces, not the trainer's own work
+    assert prof.stage(2, False, False, 4, t=2).forward_s == pytest.approx(
+        plain.stage(2, False, False, 4, t=2).forward_s + 4 * f["middle"])
+
+
 def test_bad_profiles_are_rejected_with_the_flag_named(tmp_path):
     with pytest.raises(ValueError, match="schema"):
         Profile({**make_profile(), "schema": "other"})

@@ -133,9 +133,9 @@ def test_empty_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, cont
     with pytest.raises(SystemExit) as info:
         module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type",
                      "CharTokenizer", "--output-prefix", str(tmp_path / "empty")])
-    assert info.value.code == 1
+    assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("preprocess_data.py: error: --input")
+    assert "\n" not in err and err.startswith("error: --input")
     assert "no tokens to write" in err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 

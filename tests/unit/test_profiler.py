@@ -137,6 +137,36 @@ def test_times_are_positive_and_json_round_trips(tmp_path):
     assert prof.model_spec().hidden_size == 32
 
 
+def test_whole_stages_are_timed_and_their_stash_is_the_sum_of_the_pieces(profiled):
+    """Each stage kind is a GPTModel stage run through pretrain_gpt.forward_step: the
+    bytes it saves are exactly its pieces' (so the pieces compose into stages), and
+    Profile reads the difference in time as the trainer's own work per microbatch."""
+    dtype, prof = profiled
+    chain = prof["settings"]["chain_blocks"]
+    for row in prof["microbatches"]:
+        assert set(row["stages"]) == {"whole", "first", "middle", "last"}
+        for kind, st in row["stages"].items():
+            pre, post = kind in ("whole", "first"), kind in ("whole", "last")
+            assert st["layers"] == chain
+            assert st["stash_bytes"] == (chain * row["block"]["stash_bytes"]
+                                         + pre * row["embedding"]["stash_bytes"]
+                                         + post * row["head"]["stash_bytes"])
+            assert st["forward_s"] > 0 and st["backward_s"] > 0
+    loaded = Profile(prof)
+    assert loaded.has_overhead
+    row = prof["microbatches"][1]
+    pieces = (chain * row["block"]["forward_s"] + row["embedding"]["forward_s"]
+              + row["head"]["forward_s"])
+    assert loaded.overhead(True, True, row["micro_batch_size"])[0] == pytest.approx(
+        row["stages"]["whole"]["forward_s"] - pieces)
+
+
+def test_no_stages_skips_the_stage_timing():
+    prof = profile_model(_config(torch.float32), [2], warmup=0, repeat=1, stages=False)
+    assert "stages" not in prof["microbatches"][0]
+    assert not Profile(prof).has_overhead
+
+
 def test_bad_flags_give_one_clear_error(tmp_path, capsys):
     rc = main(["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
                "--seq-length", "16", "--vocab-size", "64", "--output", str(tmp_path / "x")])

@@ -317,9 +317,9 @@ def test_script_refuses_save_inside_load(tmp_path, capsys, where):
     save = src if where == "same" else os.path.join(src, "sub", "out")
     with pytest.raises(SystemExit) as exc:
         main(["--load", src, "--save", save, "--target-tensor-parallel-size", "2"])
-    assert exc.value.code == 1
+    assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--save" in err[0] and "--load" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: --save") and "--load" in err[0], err
     assert sorted(os.listdir(os.path.join(src, "iter_0000007", "mp_rank_00"))) == before
     assert not os.path.exists(os.path.join(src, "sub"))
 
@@ -376,3 +376,37 @@ def test_merge_reads_an_uneven_stage_split(tmp_path):
     assert set(merged) == set(ref)
     for name, value in ref.items():
         assert torch.equal(merged[name], value), name
+
+
+def test_pretrained_checkpoint_of_another_vocabulary_is_refused():
+    """Finetuning may pad or trim vocabulary rows only when they are padding: the same
+    tokenizer padded another way (another tensor size or --make-vocab-size-divisible-by).
+    A checkpoint of another vocabulary is one error naming the flag, not 10,000 real
+    token rows dropped with a warning about padding."""
+    from megatron.checkpoint_merge import CheckpointShards, check_same_vocabulary
+    from megatron.errors import CheckpointError
+
+    def ckpt(padded, divisible=128, tensor=1):
+        return CheckpointShards(root="ck", iteration=1, tensor=tensor, pipeline=1, num_layers=2,
+                                config={"model": {"padded_vocab_size": padded},
+                                        "data": {"make_vocab_size_divisible_by": divisible},
+                                        "parallel": {"tensor_model_parallel_size": tensor}})
+
+    check_same_vocabulary(ckpt(30592), 30522, "--pretrained-checkpoint")  # BERT, t=1
+    check_same_vocabulary(ckpt(30720, tensor=2), 30522, "--pretrained-checkpoint")  # t=2
+    with pytest.raises(CheckpointError, match=r"--pretrained-checkpoint ck: vocabulary of "
+                                              r"30592 rows .* this run's 20000-token"):
+        check_same_vocabulary(ckpt(30592), 20000, "--pretrained-checkpoint")
+    with pytest.raises(CheckpointError, match="--load ck"):
+        check_same_vocabulary(ckpt(4096), 30522, "--load")
+    # converted checkpoints carry no config: nothing to check against
+    check_same_vocabulary(CheckpointShards(root="ck", iteration=1, tensor=1, pipeline=1,
+                                           num_layers=2), 20000, "--pretrained-checkpoint")
+
+
+def test_a_missing_pretrained_checkpoint_names_the_flag(tmp_path):
+    model = GPTModel(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                 seq_length=16, padded_vocab_size=64), TPInfo.single())
+    with pytest.raises(CheckpointError, match=r"^--pretrained-checkpoint: .*nockpt"):
+        load_into_stage(model, str(tmp_path / "nockpt"), layer_offset=0, tp_rank=0, tp_size=1,
+                        flag="--pretrained-checkpoint")

@@ -12,7 +12,13 @@ and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
   saves (layers x block + embedding + head); with recomputation the stage input
   (s b h values, none on the first stage) plus the microbatch's token ids;
 * optimizer step seconds of the stage's parameters (the last stage of a pipeline also
-  updates its copy of the tied word embedding).
+  updates its copy of the tied word embedding);
+* the trainer's own work per microbatch beyond the pieces (``overhead``): a profile with
+  ``stages`` timed a whole ``GPTModel`` stage of each kind (whole, first, middle, last)
+  through ``pretrain_gpt.forward_step``; the overhead of a kind is that time minus the
+  pieces the stage is made of, per microbatch size, and is added to every stage of that
+  kind whatever its layer count (building the batch and the model's wrappers do not grow
+  with layers).  Profiles without ``stages`` give zero.
 
 Sizes the profile did not measure are interpolated linearly between the two nearest
 measured sizes and extrapolated linearly from the two nearest ends.  Byte counts are
@@ -37,6 +43,7 @@ from .model_spec import ModelSpec
 
 SCHEMA = "megatron-pipedream-profile/1"
 PIECES = ("block", "embedding", "head")
+STAGE_KINDS = ("whole", "first", "middle", "last")
 CLOCKS = ("wall", "cpu")
 _SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
                  "vocab_size")
@@ -111,6 +118,7 @@ class Profile:
                                              r[name]["stash_bytes"]) for r in rows]
                             for name in PIECES}
             self._input = [r["stage_input_bytes"] for r in rows]
+            self._overhead = self._stage_overheads(rows, suffix)
             self._data = [r["data_bytes"] for r in rows]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"--profile {source}: malformed profile, missing {exc}") from None
@@ -119,6 +127,27 @@ class Profile:
             raise ValueError(f"--profile {source}: needs distinct positive microbatch sizes, "
                              f"got {list(self.micro_batch_sizes)}")
         self.raw = data
+
+    @staticmethod
+    def _stage_overheads(rows: List[Dict[str, Any]], suffix: str
+                         ) -> Optional[Dict[str, List[Tuple[float, float]]]]:
+        """Per stage kind, per row: (forward, backward) seconds of the timed stage minus
+        its pieces; None when the profile timed no stages (or not at every size)."""
+        if not rows or not all(set(STAGE_KINDS) <= set(r.get("stages", {})) for r in rows):
+            return None
+        out: Dict[str, List[Tuple[float, float]]] = {}
+        for kind in STAGE_KINDS:
+            pre, post = kind in ("whole", "first"), kind in ("whole", "last")
+            out[kind] = []
+            for r in rows:
+                st = r["stages"][kind]
+                parts = [("block", int(st["layers"]))] + [("embedding", 1)] * pre \
+                    + [("head", 1)] * post
+                out[kind].append(tuple(
+                    float(st[f"{key}{suffix}"]) - sum(float(r[name][f"{key}{suffix}"]) * n
+                                                      for name, n in parts)
+                    for key in ("forward", "backward")))
+        return out
 
     @classmethod
     def load(cls, path: Union[str, Path], clock: str = "wall") -> "Profile":
@@ -143,6 +172,9 @@ class Profile:
             for name in PIECES:
                 for key in ("forward", "backward"):
                     row[name][key + suffix] *= time_factor
+            for stage in row.get("stages", {}).values():
+                for key in ("forward", "backward"):
+                    stage[key + suffix] *= time_factor
         key = f"optimizer_step{suffix}"
         data[key] = {k: v * time_factor for k, v in data[key].items()}
         data.setdefault("settings", {})["time_factor"] = time_factor
@@ -158,6 +190,21 @@ class Profile:
         bw = interpolate(xs, [r.backward_s for r in rows], b)
         st = interpolate(xs, [r.stash_bytes for r in rows], b)
         return PieceCost(max(f, 0.0), max(bw, 0.0), max(round(st), 0))
+
+    def overhead(self, first: bool, last: bool, b: int) -> Tuple[float, float]:
+        """(forward, backward) seconds per microbatch the trainer spends on a stage of
+        this kind beyond its pieces (zero for a profile without ``stages``)."""
+        if self._overhead is None:
+            return 0.0, 0.0
+        kind = ("whole" if last else "first") if first else ("last" if last else "middle")
+        rows = self._overhead[kind]
+        xs = self.micro_batch_sizes
+        return (interpolate(xs, [r[0] for r in rows], b),
+                interpolate(xs, [r[1] for r in rows], b))
+
+    @property
+    def has_overhead(self) -> bool:
+        return self._overhead is not None
 
     def stage_input_bytes(self, b: int) -> int:
         """[s, b, h] activation received by a non-first stage."""
@@ -176,8 +223,10 @@ class Profile:
             parts.append((self.piece("embedding", b), 1))
         if last:
             parts.append((self.piece("head", b), 1))
-        fwd = sum(p.forward_s * n for p, n in parts) / t
-        bwd = sum(p.backward_s * n for p, n in parts) / t
+        extra_f, extra_b = self.overhead(first, last, b)
+        # not divided by t: every tensor rank builds its batch and calls its wrappers
+        fwd = max(sum(p.forward_s * n for p, n in parts) / t + extra_f, 0.0)
+        bwd = max(sum(p.backward_s * n for p, n in parts) / t + extra_b, 0.0)
         stash = sum(p.stash_bytes * n for p, n in parts)
         inp = 0 if first else self.stage_input_bytes(b)
         if t > 1:
@@ -222,4 +271,5 @@ class Profile:
         d, m = self.device, self.model
         return (f"profile {self.source}: {d.get('name')} ({d.get('type')}, "
                 f"{d.get('threads')} threads, torch {d.get('torch')}), {m.get('dtype')}, "
-                f"b in {list(self.micro_batch_sizes)}, {self.clock} clock")
+                f"b in {list(self.micro_batch_sizes)}, {self.clock} clock"
+                + ("" if self.has_overhead else ", no stage overhead"))

@@ -263,8 +263,11 @@ def best_plan(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch
 
 def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
                  base_script: Optional[str] = None, gpus_per_server: int = 8,
-                 extra_args: Sequence[str] = ()) -> str:
-    """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags)."""
+                 extra_args: Sequence[str] = (), precision: str = "fp16") -> str:
+    """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags).
+    ``precision``: fp16 (the paper's V100 runs), bf16, or fp32/fp64 (no flag, e.g. a CPU)."""
+    if precision not in PRECISIONS:
+        raise PlanningError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     cfg = plan.config if isinstance(plan, PlanRow) else plan
     script = base_script or f"pretrain_{model.kind}.py"
     n = cfg.num_gpus
@@ -294,10 +297,23 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
     elif cfg.recompute_method is not None:
         args += ["--recompute-granularity", "full", "--recompute-method", cfg.recompute_method,
                  "--recompute-num-layers", cfg.recompute_num_layers]
-    args.append("--fp16")
+    if precision in ("fp16", "bf16", "fp64"):
+        args.append(f"--{precision}")
     args += list(extra_args)
     # $VARS stay unquoted so the shell expands them on each node.
     return " ".join(launch + [script] + [shlex.quote(str(a)) for a in args])
+
+
+PRECISIONS = ("fp16", "bf16", "fp32", "fp64")
+
+
+def planned_precision(hardware_name: str, profile_dtype: Optional[str] = None) -> str:
+    """The precision a planned command runs in: a profile's own dtype, else fp32 on a CPU
+    (half precision is emulated there, 4.4 s against 10 ms an iteration on a small GPT:
+    bench/cpu_precision.py), else fp16 as the paper's GPU runs."""
+    if profile_dtype:
+        return profile_dtype
+    return "fp32" if hardware_name == "cpu" else "fp16"
 
 
 def _recompute_label(c: Config) -> str:

@@ -1,0 +1,119 @@
+"""User errors of tools/checkpoint_util.py, tools/preprocess_data.py and
+tools/draw_timeline.py: one ``error:`` line naming the flag or file, exit code 2
+(docs/failure_behaviour.md), no traceback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from megatron.entry import run_entry_point
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str, args: List[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MEGATRON_DEBUG", None)
+    return subprocess.run([sys.executable, str(ROOT / "tools" / name)] + [str(a) for a in args],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+# ----------------------------------------------------------------------- checkpoint_util.py
+def test_checkpoint_util_user_error_exits_2_with_one_line(tmp_path):
+    proc = _tool("checkpoint_util.py", ["--load", tmp_path / "missing", "--save", tmp_path / "o"])
+    assert proc.returncode == 2, proc.stderr
+    assert "missing" in _one_error_line(proc.stderr)
+
+
+def test_checkpoint_util_main_exits_2_when_called_from_python(tmp_path, capsys):
+    from tools.checkpoint_util import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--load", str(tmp_path / "missing"), "--save", str(tmp_path / "o")])
+    assert info.value.code == 2
+    _one_error_line(capsys.readouterr().err)
+
+
+def test_reshard_to_t3_names_the_model_size_and_writes_nothing(tmp_path, capsys):
+    from megatron.checkpoint_convert import read_full_state, write_layout
+    from megatron.errors import CheckpointError
+    from tests.unit.test_tasks_checkpoint_util import _trained_full_state_checkpoint
+    from tools.checkpoint_util import main
+
+    src, _, _ = _trained_full_state_checkpoint(str(tmp_path / "src"))
+    # The config records no model sizes: the message names the weight's dimension.
+    with pytest.raises(SystemExit) as info:
+        main(["--load", src, "--save", str(tmp_path / "t3"), "--target-tensor-parallel-size",
+              "3"])
+    assert info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--target-tensor-parallel-size 3 does not divide the checkpoint's hidden size (32;" \
+        in line, line
+    # With the sizes recorded (as training saves them) the heads are checked before
+    # anything is written: 4 heads do not divide by 3 though 3 x hidden size does.
+    state = read_full_state(src)
+    state.common["config"]["model"].update(num_attention_heads=4, hidden_size=32,
+                                           ffn_hidden_size=128)
+    with pytest.raises(CheckpointError, match=r"--target-tensor-parallel-size 3 does not "
+                       r"divide the checkpoint's number of attention heads \(4\)$"):
+        write_layout(state, str(tmp_path / "t3b"), 3, 1)
+    assert not os.path.exists(tmp_path / "t3b")
+
+
+# ----------------------------------------------------------------------- preprocess_data.py
+def _jsonl(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "in.jsonl"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", ["vocab-file", "json-keys", "not-json", "input",
+                                  "output-prefix"])
+def test_preprocess_user_errors_exit_2_naming_the_flag(tmp_path, case):
+    good = _jsonl(tmp_path, json.dumps({"text": "hello"}) + "\n")
+    args = ["--input", good, "--tokenizer-type", "CharTokenizer",
+            "--output-prefix", tmp_path / "out" / "p"]
+    expect = "--" + case
+    if case == "vocab-file":
+        args[3] = "BertWordPieceLowerCase"
+        args += ["--vocab-file", tmp_path / "no_vocab.txt"]
+    elif case == "json-keys":
+        args += ["--json-keys", "body"]
+    elif case == "not-json":
+        _jsonl(tmp_path, "this is not json\n")
+        expect = "--input"
+    elif case == "input":
+        args[1] = tmp_path / "missing.jsonl"
+    else:  # a directory that cannot be created: its parent is a regular file
+        (tmp_path / "afile").write_text("")
+        args[-1] = tmp_path / "afile" / "sub" / "p"
+    proc = _tool("preprocess_data.py", args)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr)
+    assert expect in line, line
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+# ------------------------------------------------------------------------- draw_timeline.py
+@pytest.mark.parametrize("pattern", ["none*.json", "none.json"])
+def test_draw_timeline_missing_trace_is_one_line(tmp_path, capsys, pattern):
+    from tools.draw_timeline import main
+
+    trace = str(tmp_path / pattern)
+    with pytest.raises(SystemExit) as info:
+        run_entry_point(main, ["--trace", trace, "--output", str(tmp_path / "t.png")])
+    assert info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--trace" in line and trace in line, line
