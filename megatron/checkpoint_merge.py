@@ -339,6 +339,13 @@ def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp
         if flag == "checkpoint":
             raise
         raise CheckpointError(f"{flag}: {exc}") from None
+    config = getattr(module, "config", None)
+    if flag != "checkpoint" and config is not None:
+        from megatron.checkpointing import check_model_shape
+        # a GPT checkpoint for a BERT task, another --hidden-size...: one line, not one
+        # size mismatch per tensor (the vocabulary is checked below, padding allowed)
+        check_model_shape(root, ckpt.config, config, source_flag=flag,
+                          skip=("padded_vocab_size",))
     if vocab_size is not None:
         check_same_vocabulary(ckpt, vocab_size, flag)
     targets = module_targets(module)

@@ -657,14 +657,18 @@ _SHAPE_FLAGS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size")
                 ("num_tokentypes", "token types (GPT vs BERT)"))
 
 
-def check_model_shape(root: str, saved_config: Optional[dict], model: Any) -> None:
+def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
+                      source_flag: str = "--load", skip: Sequence[str] = ()) -> None:
     """One line naming every flag whose value differs between the checkpoint and this run,
-    raised before any ``load_state_dict`` prints dozens of size mismatches."""
+    raised before any ``load_state_dict`` prints dozens of size mismatches.  ``skip``:
+    fields the caller checks its own way."""
     saved = (saved_config or {}).get("model")
     if not isinstance(saved, dict):
         return  # a checkpoint without its config (converted, old): load_state_dict checks
     diffs = []
     for name, flag in _SHAPE_FLAGS:
+        if name in skip:
+            continue
         ours, theirs = getattr(model, name, None), saved.get(name)
         if theirs is None or ours is None or ours == theirs:
             continue
@@ -674,7 +678,7 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any) -> No
             flag = "--seq-length/--max-position-embeddings"
         diffs.append(f"{flag} {theirs} in the checkpoint, {ours} in this run")
     if diffs:
-        raise CheckpointError(f"--load {root}: the checkpoint is of another model shape: "
+        raise CheckpointError(f"{source_flag} {root}: the checkpoint is of another model shape: "
                               + "; ".join(diffs))
 
 

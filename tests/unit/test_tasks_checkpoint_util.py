@@ -410,3 +410,25 @@ def test_a_missing_pretrained_checkpoint_names_the_flag(tmp_path):
     with pytest.raises(CheckpointError, match=r"^--pretrained-checkpoint: .*nockpt"):
         load_into_stage(model, str(tmp_path / "nockpt"), layer_offset=0, tp_rank=0, tp_size=1,
                         flag="--pretrained-checkpoint")
+
+
+def test_a_checkpoint_of_another_model_kind_is_one_line_naming_the_flag(tmp_path):
+    """A GPT checkpoint (no token types) given to BERT finetuning: one error naming
+    --pretrained-checkpoint and the differing setting, not one size mismatch per tensor."""
+    cfg = _cfg()
+    root = str(tmp_path / "gpt")
+    path = os.path.join(root, "iter_0000005", "mp_rank_00")
+    os.makedirs(path)
+    save_payload({"model": BertModel(cfg, TP, seed=2).state_dict(),
+                  "layout": {"tensor": 1, "pipeline": 1}, "iteration": 5,
+                  "config": {"model": {"num_layers": LAYERS, "hidden_size": 32,
+                                       "num_tokentypes": 0}}},
+                 os.path.join(path, "model_optim_rng"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("5")
+    with pytest.raises(CheckpointError, match=r"^--pretrained-checkpoint .*another model shape: "
+                                              r"token types \(GPT vs BERT\) 0 in the checkpoint, "
+                                              r"2 in this run$"):
+        load_into_stage(Classification(cfg, TP, num_classes=3, seed=5), root, layer_offset=0,
+                        tp_rank=0, tp_size=1, allow_missing=("classification_head.",),
+                        flag="--pretrained-checkpoint")
