@@ -61,7 +61,7 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
     try:
         code = main() if argv is None else main(argv)
     except UserError as err:
-        _user_error(err, debug)
+        exit_with_user_error(err, debug)
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
@@ -70,7 +70,7 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
     except Exception as exc:  # noqa: BLE001 - only a lost peer is shortened, the rest re-raised
         cause = _user_error_cause(exc)
         if cause is not None:  # wrapped on its way out (e.g. by a worker or a callback)
-            _user_error(cause, debug)
+            exit_with_user_error(cause, debug)
         if debug or not _lost_peer(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -117,8 +117,12 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
-def _user_error(err: UserError, debug: bool) -> None:
-    if debug:
+def exit_with_user_error(err: BaseException, debug: Optional[bool] = None) -> None:
+    """Report ``err`` as this module reports a UserError and exit: one ``error:`` line
+    (the traceback first with --debug / MEGATRON_DEBUG=1), exit code ``err.exit_code``
+    (2 by default).  For tools whose ``main()`` must exit by itself when called from
+    Python."""
+    if debug if debug is not None else debug_requested([]):
         traceback.print_exc()
     _print_error(f"error: {_one_line(err)}")
     _exit(getattr(err, "exit_code", EXIT_USER_ERROR))

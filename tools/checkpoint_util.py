@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -45,7 +44,7 @@ from megatron.checkpoint_merge import (CheckpointShards, LoadReport,  # noqa: E4
                                        load_into_stage, merge_checkpoint, merge_shards,
                                        module_targets, partition_dim_by_name, rank_dirs,
                                        read_checkpoint, split_for_stage, to_global, to_local)
-from megatron.entry import EXIT_USER_ERROR, debug_requested  # noqa: E402
+from megatron.entry import exit_with_user_error  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
 
 
@@ -134,12 +133,7 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                                allow_unsafe=args.allow_unsafe_checkpoint,
                                divisible_by=args.make_vocab_size_divisible_by)
     except UserError as exc:
-        # Reported here as megatron.entry.run_entry_point would (one line, exit 2, the
-        # traceback with --debug / MEGATRON_DEBUG=1) so that callers of main() exit too.
-        if debug_requested([]):  # run_entry_point turns --debug into MEGATRON_DEBUG=1
-            traceback.print_exc()
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
-        sys.exit(getattr(exc, "exit_code", EXIT_USER_ERROR))
+        exit_with_user_error(exc)  # as run_entry_point would: callers of main() exit too
     print(f"wrote {out}")
     return out
 

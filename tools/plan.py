@@ -66,11 +66,11 @@ of a percent (e.g. at d = 1, where there is no bubble to remove) does not buy ba
 
 def choose_for_run(rows, model: ModelSpec, hw: HardwareSpec, options: CostOptions,
                    profile: Optional[Profile]):
-    """(row, its run_rate or None, the faster 2BW row passed over or None): the fitting
-    configuration with the most samples/s over the whole run its command starts -- 2BW
-    rows at their rate with the Flush warm-up the command adds, the others at their
-    predicted rate (search() ranks by steady rates) -- where 2BW must win by more than
-    ``STALENESS_MARGIN``."""
+    """(row, its run_rate or None, (2BW row, its rate over the run) passed over or None):
+    the fitting configuration with the most samples/s over the whole run its command
+    starts -- 2BW rows at their rate with the Flush warm-up the command adds, the others
+    at their predicted rate (search() ranks by steady rates) -- where 2BW must win by
+    more than ``STALENESS_MARGIN``."""
     best = {True: (None, -1.0, None), False: (None, -1.0, None)}  # keyed by "is 2BW"
     for r in rows:
         if not r.fits:
@@ -83,7 +83,7 @@ def choose_for_run(rows, model: ModelSpec, hw: HardwareSpec, options: CostOption
     tbw, fresh = best[True], best[False]
     if tbw[0] is not None and (fresh[0] is None or tbw[1] > (1 + STALENESS_MARGIN) * fresh[1]):
         return tbw[0], tbw[2], None
-    passed = tbw[0] if tbw[0] is not None and tbw[1] > fresh[1] else None
+    passed = (tbw[0], tbw[1]) if tbw[0] is not None and tbw[1] > fresh[1] else None
     return fresh[0], fresh[2], passed
 
 
@@ -239,9 +239,8 @@ def run(argv: Optional[List[str]] = None) -> int:
               f"samples/s), then 2BW; {warmup['run_samples_per_s']:.2f} samples/s over the "
               f"whole run (docs/pipeline.md, \"Staleness mitigations\")")
     if passed is not None:
-        info = run_rate(passed, model, hw, kwargs["options"], profile)
-        rate = info["run_samples_per_s"] if info else passed.predicted_samples_per_s
-        print(f"note:    {passed.config.describe()} would run {rate:.2f} samples/s over the run, "
+        row, rate = passed
+        print(f"note:    {row.config.describe()} would run {rate:.2f} samples/s over the run, "
               f"{100 * (rate / best.predicted_samples_per_s - 1):.1f}% more, but 2BW must "
               f"gain more than {100 * STALENESS_MARGIN:.0f}% to pay for its stale weights")
     elif best.config != fastest.config:
@@ -255,7 +254,7 @@ def run(argv: Optional[List[str]] = None) -> int:
                "command": cmd, "rows": [r.to_dict() for r in rows],
                "profile": args.profile, "warmup": warmup,
                "fastest_steady_state": fastest.to_dict(),
-               "passed_over_2bw": passed.to_dict() if passed is not None else None}
+               "passed_over_2bw": passed[0].to_dict() if passed is not None else None}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")

@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import sys
 import time
-import traceback
 from itertools import chain, islice
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
-from megatron.entry import EXIT_USER_ERROR, debug_requested  # noqa: E402
+from megatron.entry import exit_with_user_error  # noqa: E402
 from megatron.errors import DataError, UserError  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
@@ -265,12 +264,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     try:
         return preprocess(args)
     except (UserError, ValueError, FileNotFoundError) as exc:
-        # Reported here as megatron.entry.run_entry_point would (one line, exit 2, the
-        # traceback with --debug / MEGATRON_DEBUG=1) so that callers of main() exit too.
-        if debug_requested([]):  # run_entry_point turns --debug into MEGATRON_DEBUG=1
-            traceback.print_exc()
-        print("error: " + " ".join(str(exc).split()), file=sys.stderr, flush=True)
-        sys.exit(getattr(exc, "exit_code", EXIT_USER_ERROR))
+        exit_with_user_error(exc)  # as run_entry_point would: callers of main() exit too
 
 
 if __name__ == "__main__":
