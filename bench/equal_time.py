@@ -81,26 +81,73 @@ def modelled_seconds(variant: str, iteration: float, seconds: Dict[str, float],
     return iteration * seconds[variant]
 
 
+def break_even_ratio(variant: str, reach: Optional[float], flush_reach: float,
+                     warmup_iters: int) -> Optional[float]:
+    """The speed ratio (Flush's s/iteration over the variant's 2BW-schedule s/iteration)
+    at which a run that first reaches Flush's final loss at iteration ``reach`` gets there
+    exactly when Flush first does (iteration ``flush_reach``: its last evaluation, unless
+    its validation loss was that low earlier); above it the variant is sooner.  The
+    reach iteration is held fixed (a different ratio would also change the run's length
+    and so its lr schedule a little).  None if the variant never reaches it, reaches it
+    inside its Flush-schedule warm-up (then the ratio does not matter), or cannot be
+    sooner at any speed."""
+    if reach is None or variant == "flush":
+        return None
+    if variant == "2bw+warmup":
+        if reach <= warmup_iters or flush_reach <= warmup_iters:
+            return None
+        return (reach - warmup_iters) / (flush_reach - warmup_iters)
+    return reach / flush_reach
+
+
+def _speedup(name: str, reach: Optional[float], flush_reach: float, warm: int,
+             seconds: Dict[str, float]) -> Optional[float]:
+    """Flush's time to its final loss over this run's (both first reaches)."""
+    if reach is None or reach == 0:
+        return None
+    return (modelled_seconds("flush", flush_reach, seconds, 0)
+            / modelled_seconds(name, reach, seconds, warm))
+
+
+def round_list(row: Dict[str, Any]) -> str:
+    """A run's speedups to Flush's final loss with each timing round's times, as text."""
+    values = row.get("speedup_to_flush_final_per_round")
+    if not values:
+        return "-"
+    return " ".join("-" if v is None else f"{v:.3f}" for v in values)
+
+
 def summarize(curves: Dict[str, Dict[int, float]], plan: Dict[str, Dict[str, int]],
-              seconds: Dict[str, float]) -> Dict[str, Dict[str, Any]]:
+              seconds: Dict[str, float],
+              rounds: Optional[Dict[str, List[float]]] = None) -> Dict[str, Dict[str, Any]]:
     """Per run: final loss, its gap to Flush's, when it first reaches Flush's final loss
-    and how much sooner than Flush (in modelled seconds)."""
+    and how much sooner than Flush first does (in modelled seconds; Flush's validation
+    loss may touch its final value before the last evaluation).  With ``rounds`` (each timed
+    variant's s/iteration in every timing round), also that speedup with each round's
+    times instead of the fastest ones: the spread the timing noise puts on it."""
     flush = curves["flush"]
     target = flush[max(flush)]
-    flush_s = modelled_seconds("flush", max(flush), seconds, 0)
+    flush_reach = first_reach(flush, target)
     out = {}
     for name, valid in curves.items():
         reach = first_reach(valid, target)
         end = max(valid)
         warm = plan[name]["warmup_iters"]
         t = None if reach is None else modelled_seconds(name, reach, seconds, warm)
-        out[name] = {"train_iters": plan[name]["train_iters"], "warmup_iters": warm,
-                     "modelled_seconds": modelled_seconds(name, end, seconds, warm),
-                     "final_valid": valid[end],
-                     "relative_to_flush": (valid[end] - target) / target,
-                     "reaches_flush_final_at": reach, "seconds_to_flush_final": t,
-                     "speedup_to_flush_final": (None if t is None or reach == 0
-                                                else flush_s / t)}
+        row = {"train_iters": plan[name]["train_iters"], "warmup_iters": warm,
+               "modelled_seconds": modelled_seconds(name, end, seconds, warm),
+               "final_valid": valid[end],
+               "relative_to_flush": (valid[end] - target) / target,
+               "reaches_flush_final_at": reach, "seconds_to_flush_final": t,
+               "speedup_to_flush_final": _speedup(name, reach, flush_reach, warm, seconds),
+               "break_even_speed_ratio": break_even_ratio(name, reach, flush_reach, warm)}
+        if rounds:
+            n = min(len(v) for v in rounds.values())
+            per_round = [{k: v[r] for k, v in rounds.items()} for r in range(n)]
+            if all(name in sec or name == "2bw+warmup" for sec in per_round):
+                row["speedup_to_flush_final_per_round"] = [
+                    _speedup(name, reach, flush_reach, warm, sec) for sec in per_round]
+        out[name] = row
     return out
 
 
@@ -130,9 +177,10 @@ def time_variants(model: str, s: Dict[str, Any], data: Dict[str, str], lr: float
         res = gpt_bench.run_groups([runs], depth, 1)
     else:
         res = gpt_bench.run_groups([(runs, [])], depth, 1, worker=bert_bench._worker)["pretrain"]
-    out: Dict[str, Any] = {"measured": {
-        name: min(res[f"time{r}:{name}"]["seconds_per_iteration"] for r in range(rounds))
-        for name in names}}
+    per_round = {name: [res[f"time{r}:{name}"]["seconds_per_iteration"]
+                        for r in range(rounds)] for name in names}
+    out: Dict[str, Any] = {"measured": {name: min(v) for name, v in per_round.items()},
+                           "rounds": per_round}
     if trace_dir is not None:
         from bench.pipeline_breakdown import analyse, measured_stage_costs, simulated_period
 
@@ -283,14 +331,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                   + ", ".join(f"{n} {p['train_iters']} it" for n, p in plan.items()),
                   flush=True)
             curves = train(model, s, data, lr, plan, args.jobs)
-            summary = summarize(curves, plan, seconds)
+            summary = summarize(curves, plan, seconds,
+                                None if simulated else timing["rounds"])
             print(format_table(
                 ["run", "iterations", "of them Flush", "modelled s", "final valid loss",
-                 "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it"],
+                 "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it",
+                 "per timing round", "sooner if Flush s/it over its 2BW s/it >"],
                 [[n, v["train_iters"], v["warmup_iters"], v["modelled_seconds"],
                   v["final_valid"], f"{v['relative_to_flush'] * 100:+.2f}%",
                   v["reaches_flush_final_at"], v["seconds_to_flush_final"],
-                  v["speedup_to_flush_final"]] for n, v in summary.items()],
+                  v["speedup_to_flush_final"], round_list(v), v["break_even_speed_ratio"]]
+                 for n, v in summary.items()],
                 title=f"{model.upper()} peak lr {lr:g}: each run sized to Flush's "
                       f"{s['iters']} iterations of time (s/iteration at d={depth}"
                       + (", PROJECTED for a core per stage" if simulated else "") + ": "
@@ -298,6 +349,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             results.append({"model": model, "lr": lr, "time_depth": depth,
                             "time_source": args.time_source,
                             "measured_seconds_per_iteration": timing["measured"],
+                            "measured_rounds": timing["rounds"],
                             "stage_costs": timing.get("stage_costs"),
                             "mitigation_stage_costs": timing.get("mitigation_stage_costs"),
                             "seconds_per_iteration": seconds, "plan": plan,
@@ -311,7 +363,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))).strip(),
         "smoke": args.smoke, "variants": args.variants, "time_source": args.time_source,
         "warmup_fraction": args.warmup_fraction,
-        "timing": {"rounds": rounds, "iterations": time_iters, "kept": "fastest round"},
+        "timing": {"rounds": rounds, "iterations": time_iters, "kept": "fastest round",
+                   "every_round": "runs[].measured_rounds"},
         "runs": results, "git": gpt_bench.git_revision(),
         "figures": [figure_entry(figure)],
         "bench_seconds": time.perf_counter() - t0}

@@ -21,11 +21,15 @@ same microbatches, same update (tied-embedding gradient sum, global-norm clippin
 AdamW).  Both sides read their data inside the timed loop from the same mock dataset:
 our trainer one microbatch at a time, the torch side one DataLoader batch per step (as
 a user of torch.distributed.pipelining would; until 2026-11-22 its batches were built
-before the loop, which left its data loading out of the comparison).  The first-step losses of the four are printed and must agree.  Throughput is
-the batch period on stage 0 (first forward of batch k to that of batch k+1), median
-over the batches after warm-up.  Beside it, the CPU time per batch of each rank's process
-(gloo's threads included): on a machine shared with other work the wall-clock ratio
-follows how many cores each run happened to get, the CPU time per batch does not.
+before the loop, which left its data loading out of the comparison).  The first-step
+losses of the four are printed and must agree.  Throughput is the batch period on
+stage 0 (first forward of batch k to that of batch k+1), median over the batches after
+warm-up.  Each round runs the four back to back (the order reversed every other round);
+"per round" is the ratio to torch's 1F1B within each round, its median and range over
+the rounds: the spread that tells a real difference from the machine's noise.  Beside
+it, the CPU time per batch of each rank's process (gloo's threads included): on a
+machine shared with other work the wall-clock ratio follows how many cores each run
+happened to get, the CPU time per batch does not.
 """
 from __future__ import annotations
 
@@ -424,9 +428,17 @@ def bench_gpt(quick: bool, rounds: int, warmup: int, steps: int, timeout: float
                      "round_min_samples_per_s": gbs / max(spread),
                      "round_max_samples_per_s": gbs / min(spread)})
     base = {r["variant"]: r["samples_per_s"] for r in rows}
+    torch_rounds = per_rank[0]["torch Schedule1F1B"]["round_medians"]
+    torch_cpu = sum(median(per_rank[k]["torch Schedule1F1B"]["cpu_periods"]) for k in range(2))
     for r in rows:
         r["over_torch_1f1b"] = r["samples_per_s"] / base["torch Schedule1F1B"]
         r["over_torch_gpipe"] = r["samples_per_s"] / base["torch ScheduleGPipe"]
+        # round by round (each round runs every variant back to back): the ratio with
+        # the load of the moment shared, and its spread over the rounds
+        paired = [t / ours for t, ours in zip(torch_rounds, r["round_medians_s"])]
+        r["paired_over_torch_1f1b"] = paired
+        r["paired_over_torch_1f1b_median"] = median(paired)
+        r["cpu_over_torch_1f1b"] = torch_cpu / sum(r["cpu_seconds_per_batch_per_rank"])
     return {"argv": argv, "global_batch_size": gbs, "num_microbatches": _microbatches(argv),
             "rounds": rounds, "timed_batches_per_run": steps, "max_rel_first_loss_diff": worst,
             "rows": rows}
@@ -436,11 +448,15 @@ def print_gpt(res: Dict[str, Any]) -> None:
     table = [[r["variant"], f"{r['first_step_loss']:.6f}", r["seconds_per_batch"] * 1e3,
               "/".join(f"{c * 1e3:.1f}" for c in r["cpu_seconds_per_batch_per_rank"]),
               r["samples_per_s"], f"{r['round_min_samples_per_s']:.1f}-"
-              f"{r['round_max_samples_per_s']:.1f}", r["over_torch_1f1b"], r["over_torch_gpipe"]]
+              f"{r['round_max_samples_per_s']:.1f}", r["over_torch_1f1b"],
+              f"{r['paired_over_torch_1f1b_median']:.3f} ({min(r['paired_over_torch_1f1b']):.3f}"
+              f"-{max(r['paired_over_torch_1f1b']):.3f})", r["cpu_over_torch_1f1b"],
+              r["over_torch_gpipe"]]
              for r in res["rows"]]
     print(format_table(["schedule", "first-step loss", "ms/batch", "CPU ms/batch (rank 0/1)",
-                        "samples/s",
-                        "rounds' range", "/torch 1F1B", "/torch GPipe"], table,
+                        "samples/s", "rounds' range", "/torch 1F1B",
+                        "/torch 1F1B per round: median (range)", "/torch 1F1B by CPU",
+                        "/torch GPipe"], table,
                        title=f"(b) GPT, d=2, m={res['num_microbatches']}, global batch "
                              f"{res['global_batch_size']}: this project vs "
                              f"torch.distributed.pipelining"))

@@ -29,6 +29,11 @@ if [ ! -s "$OUT/corpus_text_document.idx" ]; then
       --append-eod --workers 2 --output-prefix "$OUT/corpus"
 fi
 
+if [ -e "$OUT/checkpoints" ]; then
+  # a fresh run refuses a --save directory holding another run's checkpoints
+  echo "[demo] removing the checkpoints of the previous demo run ($OUT/checkpoints)"
+  rm -rf "$OUT/checkpoints"
+fi
 echo "[demo] pretraining GPT: 4 ranks, --pipeline-schedule 2bw, d=2, w=2"
 OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \

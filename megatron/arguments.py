@@ -554,7 +554,8 @@ def _check_data(args: argparse.Namespace) -> None:
     for prefix in _data_prefixes(args.data_path or []):
         for suffix in (".bin", ".idx"):
             path = Path(prefix + suffix)
-            _require(path.is_file(), f"--data-path prefix '{prefix}': file {path} does not exist")
+            _require(path.is_file(), f"--data-path prefix '{prefix}': file {path} "
+                     f"{'is not a regular file' if path.exists() else 'does not exist'}")
 
 
 def _require_file(flag: str, path: Optional[str], tokenizer: str) -> None:
@@ -632,9 +633,28 @@ def _check_writable_dir(flag: str, path: str) -> None:
         raise ArgumentError(f"{flag} {path} is not a writable directory ({reason})") from None
 
 
+def _check_save_holds_no_other_run(args: argparse.Namespace) -> None:
+    """A run that trains into a --save directory holding checkpoints must resume from
+    them: a fresh run would replace their iterations one by one and move the tracker
+    file back to its own (worse) ones."""
+    from megatron.checkpointing import existing_checkpoints
+
+    if args.skip_train or (args.load is not None and
+                           os.path.realpath(args.load) == os.path.realpath(args.save)):
+        return
+    found = existing_checkpoints(args.save)
+    if found is not None:
+        raise ArgumentError(
+            f"--save {args.save} already holds checkpoints ({found}) and this run does not "
+            f"resume from them (--load {args.load or 'not given'}); a new run would overwrite "
+            f"them: pass --load {args.save} to continue from the latest, or choose an empty "
+            f"--save directory")
+
+
 def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
     if args.save is not None:
         _check_writable_dir("--save", args.save)
+        _check_save_holds_no_other_run(args)
     if args.tensorboard_dir is not None:
         _check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
     _require(args.max_consecutive_skipped_steps >= 0,

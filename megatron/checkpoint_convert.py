@@ -226,8 +226,14 @@ def _merge_optimizer(ckpt: CheckpointShards) -> FullOptimizer:
     groups: Dict[str, Dict[str, Any]] = {}
     for key, payload in ckpt.payloads.items():
         names = list(payload["model"].keys())
-        tensors, scalars, masters, g = _stage_optimizer_by_name(
-            payload["optimizer"], names, f"{ckpt.dirs[key]}")
+        try:
+            tensors, scalars, masters, g = _stage_optimizer_by_name(
+                payload["optimizer"], names, f"{ckpt.dirs[key]}")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CheckpointError(f"{ckpt.dirs[key]}: malformed optimizer state "
+                                  f"({type(exc).__name__}: {exc}); expected the state of "
+                                  f"this trainer's optimizer (or drop it: --no-load-optim "
+                                  f"when resuming)") from None
         for quantity, by_name in tensors.items():
             per_key.setdefault(quantity, {})[key] = by_name
         scalars_by_shard[key] = scalars
@@ -401,7 +407,11 @@ def _write_atomically(save: str, iteration: int, write_files) -> str:
     if os.path.exists(staging):
         shutil.rmtree(staging)
     os.makedirs(staging)
-    write_files(staging)
+    try:
+        write_files(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays in --save
+        raise
     aside = None
     if os.path.exists(final):
         aside = f"{final}.old.{os.getpid()}"
@@ -497,7 +507,12 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
         if write_manifest is not None:
             write_manifest(staging, state.iteration, {"tensor": tp, "pipeline": pp, "data": dp})
 
-    return _write_atomically(save, state.iteration, write_all)
+    try:
+        return _write_atomically(save, state.iteration, write_all)
+    except CheckpointError as exc:  # a tensor that does not fit: say which checkpoint
+        if source is None or source in str(exc):
+            raise
+        raise CheckpointError(f"converting {source}: {exc}") from None
 
 
 def _config_copy(config: Any) -> dict:

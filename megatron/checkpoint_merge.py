@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpointing import (TRACKER, iteration_dir, load_payload, payload_exists,
-                                    rank_dir, read_tracker)
+from megatron.checkpointing import (TRACKER, check_model_payload, iteration_dir, load_payload,
+                                    payload_exists, rank_dir, read_tracker)
 from megatron.errors import CheckpointError
 
 
@@ -147,7 +147,8 @@ def read_checkpoint(root: str, iteration: Optional[int] = None, *,
     layers_seen = 0
     saved_layers: Dict[int, List[int]] = {}
     for key in sorted(dirs):
-        payload = load_stage_payload(os.path.join(dirs[key], MODEL_FILE), allow_unsafe)
+        stem = os.path.join(dirs[key], MODEL_FILE)
+        payload = check_model_payload(load_stage_payload(stem, allow_unsafe), stem)
         out.payloads[key] = payload
         out.shards[key] = payload["model"]
         out.config = out.config or payload.get("config")
@@ -155,8 +156,12 @@ def read_checkpoint(root: str, iteration: Optional[int] = None, *,
             layers_seen += _num_local_layers(payload["model"])
             if (payload.get("layout") or {}).get("layers"):
                 saved_layers[key[1]] = list(payload["layout"]["layers"])
-    model_cfg = (out.config or {}).get("model", {})
-    out.num_layers = int(model_cfg.get("num_layers") or layers_seen)
+    model_cfg = (out.config or {}).get("model") or {}
+    num_layers = model_cfg.get("num_layers")
+    if num_layers is not None and (type(num_layers) is not int or num_layers < 1):
+        raise CheckpointError(f"checkpoint {base}: its config records num_layers "
+                              f"{num_layers!r}; expected a positive integer")
+    out.num_layers = int(num_layers or layers_seen)
     out.stage_offsets = _stage_offsets(out, saved_layers, base)
     return out
 
@@ -169,12 +174,12 @@ def _stage_offsets(ckpt: CheckpointShards, saved_layers: Dict[int, List[int]],
         return [saved_layers[s][0] for s in range(ckpt.pipeline)]
     from megatron.model.utils import stage_layer_counts
 
-    par = (ckpt.config or {}).get("parallel", {})
+    par = (ckpt.config or {}).get("parallel") or {}
     try:
         counts = stage_layer_counts(ckpt.num_layers, ckpt.pipeline,
                                     par.get("decoder_first_pipeline_num_layers"),
                                     par.get("decoder_last_pipeline_num_layers"))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {base}: {ckpt.num_layers} layers over "
                               f"{ckpt.pipeline} stages: {exc}") from None
     return [sum(counts[:s]) for s in range(ckpt.pipeline)]
@@ -219,10 +224,21 @@ def merge_shards(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
             if gname in owner:
                 raise CheckpointError(f"checkpoint {ckpt.root}: parameter {gname} appears on "
                                       f"stages {owner[gname]} and {stage}")
+            lacking = [t for t in range(ckpt.tensor) if name not in shards[(t, stage)]]
+            if lacking:
+                raise CheckpointError(f"checkpoint {ckpt.root}: {name} of stage {stage} is "
+                                      f"missing on tensor ranks {lacking}; the rank "
+                                      f"directories come from different models")
             parts = [shards[(t, stage)][name] for t in range(ckpt.tensor)]
             dim = (partition_dims or {}).get(gname, partition_dim_by_name(gname))
             if ckpt.tensor == 1 or dim is None or parts[0].dim() <= dim:
                 full[gname] = parts[0]
+            elif len({p.shape[:dim] + p.shape[dim + 1:] for p in parts}) != 1:
+                raise CheckpointError(f"checkpoint {ckpt.root}: the tensor-parallel parts of "
+                                      f"{gname} on stage {stage} do not fit together (shapes "
+                                      f"{[tuple(p.shape) for p in parts]}, split along dim "
+                                      f"{dim}); the rank directories come from different "
+                                      f"models")
             else:
                 full[gname] = torch.cat(parts, dim)
             owner[gname] = stage
@@ -324,17 +340,18 @@ def check_same_vocabulary(ckpt: CheckpointShards, vocab_size: int, flag: str) ->
 def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp_rank: int,
                     tp_size: int, allow_missing: Sequence[str] = (),
                     iteration: Optional[int] = None, vocab_size: Optional[int] = None,
-                    flag: str = "checkpoint") -> LoadReport:
+                    flag: str = "checkpoint", allow_unsafe: bool = False) -> LoadReport:
     """Load checkpoint ``root`` (any layout) into this stage's ``module`` in place.
 
     Parameters the checkpoint lacks must start with one of ``allow_missing`` (e.g. a
     new task head); anything else missing is an error.  Checkpoint entries this stage
     does not hold (other stages, pretraining heads) are ignored.  ``vocab_size`` (this
     run's unpadded vocabulary): refuse a checkpoint of another vocabulary
-    (``check_same_vocabulary``); ``flag`` names the option ``root`` came from.
+    (``check_same_vocabulary``); ``flag`` names the option ``root`` came from;
+    ``allow_unsafe``: also read old pickle checkpoints (--allow-unsafe-checkpoint).
     """
     try:
-        ckpt = read_checkpoint(root, iteration)
+        ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe)
     except CheckpointError as exc:
         if flag == "checkpoint":
             raise
@@ -350,8 +367,11 @@ def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp
         check_same_vocabulary(ckpt, vocab_size, flag)
     targets = module_targets(module)
     full = merge_checkpoint(ckpt)
-    state, missing = split_for_stage(full, targets, layer_offset=layer_offset,
-                                     tp_rank=tp_rank, tp_size=tp_size)
+    try:
+        state, missing = split_for_stage(full, targets, layer_offset=layer_offset,
+                                         tp_rank=tp_rank, tp_size=tp_size)
+    except CheckpointError as exc:  # names the tensor; say which checkpoint too
+        raise CheckpointError(f"{flag} {root}: {exc}") from None
     unexpected = [n for n in missing if not any(n.startswith(p) for p in allow_missing)]
     if unexpected:
         raise CheckpointError(f"checkpoint {root} (tensor {ckpt.tensor}, pipeline {ckpt.pipeline}) "

@@ -22,12 +22,16 @@ safetensors only; nothing is ever unpickled.  Checkpoints of the previous versio
 minimal allow-list of globals.
 
 Every rank writes its files into ``iter_XXXXXXX.tmp`` (each file through a temporary name
-and ``os.replace``) and hashes them; after a barrier rank 0 gathers the hashes into
-``manifest.json``, renames the directory to its final name and only then rewrites the
-tracker file (again via a temporary name).  A crash at any point leaves either the
-previous checkpoint as the latest or the new one complete.  An existing directory of the
-same iteration is moved aside, not deleted, until the new one is in place.  Stale staging
-(``iter_*.tmp``) and moved-aside (``iter_*.old.*``) directories are removed at the next save.
+and ``os.replace``) and hashes them; rank 0 gathers the hashes (and any rank's write
+error) into ``manifest.json``, renames the directory to its final name and only then
+rewrites the tracker file (again via a temporary name).  A crash at any point leaves
+either the previous checkpoint as the latest or the new one complete.  An existing
+directory of the same iteration is moved aside, not deleted, until the new one is in
+place.  Stale staging (``iter_*.tmp``) and moved-aside (``iter_*.old.*``) directories are
+removed at the next save.
+A save that cannot be written (disk full, no permission, an I/O error on any rank) raises
+the same one-line ``CheckpointError`` on every rank, naming the file and the iteration that
+stays the latest; its staging directory is removed and the tracker is left as it was.
 
 Loading verifies the size and sha256 of every file the rank reads against the manifest, so
 a truncated or bit-flipped file is one ``CheckpointError`` naming it (on every rank: see
@@ -53,6 +57,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -226,14 +231,22 @@ def save_payload(obj: Any, stem: str) -> List[str]:
     """Write ``obj`` (nested containers of tensors and plain values) as ``stem.safetensors``
     + ``stem.json``, each atomically; the JSON goes last, so its presence means the pair
     is complete.  The ONE place that decides the on-disk format of a payload;
-    ``load_payload`` reads it back.  Returns the two paths written."""
+    ``load_payload`` reads it back.  Returns the two paths written.  A failed write (disk
+    full, permissions) raises ``OSError`` naming the file, from safetensors too."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     enc = _Encoder()
     tree = enc.encode(obj)
     st_path, js_path = stem + ".safetensors", stem + ".json"
     tmp = f"{st_path}.tmp.{os.getpid()}"
-    save_file(enc.tensors, tmp)
+    try:
+        save_file(enc.tensors, tmp)
+    except SafetensorError as exc:  # an I/O error reads "... (os error 28) ..."
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), st_path) from exc
     _fsync_replace(tmp, st_path)
     doc = {"format": PAYLOAD_FORMAT, "version": CHECKPOINT_VERSION,
            "tensors": os.path.basename(st_path), "tree": tree}
@@ -277,7 +290,7 @@ def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = F
     try:
         with open(js_path) as fh:
             doc = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{js_path}: not a readable checkpoint JSON file ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != PAYLOAD_FORMAT:
         raise CheckpointError(f"{js_path}: expected format {PAYLOAD_FORMAT!r}, found "
@@ -291,7 +304,7 @@ def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = F
         return _decode(doc["tree"], tensors, js_path)
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{js_path}: malformed checkpoint JSON ({type(exc).__name__}: "
                               f"{exc})") from None
 
@@ -317,13 +330,18 @@ def _load_legacy(path: str, map_location: Any, allow_unsafe: bool) -> Any:
     # torch < 2.5 has no safe_globals: its weights-only defaults, without numpy, apply
     allow = getattr(torch.serialization, "safe_globals", None)
     try:
-        with allow(_legacy_allowed_globals()) if allow else contextlib.nullcontext():
+        with allow(_legacy_allowed_globals()) if allow else contextlib.nullcontext(), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pickle-protocol chatter: the error says it all
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is one user error
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
         culprit = re.search(r"GLOBAL (\S+)", text)
+        # torch's own reason sits between "WeightsUnpickler error:" and its advice
+        reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", text, re.S)
         why = (f"it references {culprit.group(1)}, which is not on the allow-list"
-               if culprit else (text.strip().splitlines() or [type(exc).__name__])[-1])
+               if culprit else reason.group(1).splitlines()[0] if reason
+               else (text.strip().splitlines() or [type(exc).__name__])[-1])
         raise CheckpointError(f"{path}: refused to load this old pickle checkpoint even with "
                               f"{UNSAFE_FLAG}: {why}") from None
 
@@ -361,11 +379,19 @@ def read_manifest(base: str) -> Optional[dict]:
     try:
         with open(path) as fh:
             doc = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: not a readable manifest ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or \
             not isinstance(doc.get("files"), dict):
         raise CheckpointError(f"{path}: expected a {MANIFEST_FORMAT!r} manifest")
+    if not isinstance(doc.get("layout", {}), dict):
+        raise CheckpointError(f"{path}: expected 'layout' to be an object such as "
+                              f"{{\"tensor\": 1, \"pipeline\": 1}}, found {doc['layout']!r}")
+    for rel, entry in doc["files"].items():
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int
+                and isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(f"{path}: expected the entry of {rel} to be "
+                                  f"{{\"bytes\": int, \"sha256\": str}}, found {entry!r}")
     return doc
 
 
@@ -420,9 +446,12 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _raise_if_any(error: Optional[str]) -> None:
+    """Collective: when any rank passes an error, every rank raises a CheckpointError
+    (its own message, else the first one), instead of the others waiting for it."""
+    errors = [e for e in _gather(error) if e]
+    if errors:
+        raise CheckpointError(error or errors[0])
 
 
 def _gather(obj: Any) -> List[Any]:
@@ -438,20 +467,42 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    with open(path) as fh:
-        text = fh.read().strip()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(4096).strip()  # a number; a huge file is not one either
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: expected a text file holding an iteration number "
+                              f"({getattr(exc, 'strerror', None) or exc})") from None
     if text == "release":
         return 0
     try:
-        return int(text)
+        iteration = int(text) if len(text) <= 18 else -1  # an int64, as Megatron writes
     except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+        iteration = -1
+    if iteration < 0:
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+        raise CheckpointError(f"{path}: expected an iteration number, found {shown}")
+    return iteration
 
 
 def _iteration_dirs(root: str) -> List[int]:
     """Iterations with a final (not staging, not moved-aside) directory, newest first."""
     found = [int(m.group(1)) for m in (_ITER_DIR.match(e) for e in os.listdir(root)) if m]
     return sorted((i for i in found if os.path.isdir(iteration_dir(root, i))), reverse=True)
+
+
+def existing_checkpoints(root: str) -> Optional[str]:
+    """A short description of the checkpoints ``root`` already holds (a tracker file or
+    final ``iter_*`` directories), or None when it holds none."""
+    if not os.path.isdir(root):
+        return None
+    names = [os.path.basename(iteration_dir(root, i)) for i in _iteration_dirs(root)]
+    tracker = os.path.exists(os.path.join(root, TRACKER))
+    if not names and not tracker:
+        return None
+    what = (f"{len(names)} iteration director{'y' if len(names) == 1 else 'ies'}, the newest "
+            f"{names[0]}" if names else "no iteration directory")
+    return what + (f", and {TRACKER}" if tracker else "")
 
 
 @dataclass
@@ -536,46 +587,82 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
     final = iteration_dir(root, state.iteration)
     staging = final + ".tmp"
     layout = {"tensor": groups.tp_size, "pipeline": groups.pp_size, "data": groups.dp_size}
+    error = None
     if groups.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _remove_stale(root)
-        os.makedirs(staging)
-    _barrier()
-    my_dir = rank_dir(staging, groups.tp_rank, groups.pp_rank, groups.pp_size)
-    os.makedirs(my_dir, exist_ok=True)
-    written: List[str] = []
-    if groups.dp_rank == 0:
-        payload = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": state.iteration,
-            "consumed_train_samples": state.consumed_train_samples,
-            "consumed_valid_samples": state.consumed_valid_samples,
-            "layout": dict(layout, layers=([stage_layers.start, stage_layers.stop]
-                                           if stage_layers is not None else None)),
-            "model": model_state,
-            "model_shadow": shadow_state,
-            "optimizer": optimizer.state_dict() if save_optim and optimizer is not None else None,
-            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        }
-        if extra:
-            payload.update(extra)
-        written += save_payload(payload, os.path.join(my_dir, "model_optim_rng"))
-    written += save_payload(rng_state, os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}"))
-    # Each rank hashes what it wrote (still in the page cache); rank 0 writes the manifest.
-    entries = _gather(file_entries(staging, written))
+        try:
+            os.makedirs(root, exist_ok=True)
+            _remove_stale(root)
+            os.makedirs(staging)
+        except OSError as exc:
+            error = _write_error(root, state.iteration, exc)
+    _raise_if_any(error)
+    try:
+        my_dir = rank_dir(staging, groups.tp_rank, groups.pp_rank, groups.pp_size)
+        os.makedirs(my_dir, exist_ok=True)
+        written: List[str] = []
+        if groups.dp_rank == 0:
+            payload = {
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": state.iteration,
+                "consumed_train_samples": state.consumed_train_samples,
+                "consumed_valid_samples": state.consumed_valid_samples,
+                "layout": dict(layout, layers=([stage_layers.start, stage_layers.stop]
+                                               if stage_layers is not None else None)),
+                "model": model_state,
+                "model_shadow": shadow_state,
+                "optimizer": (optimizer.state_dict() if save_optim and optimizer is not None
+                              else None),
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            }
+            if extra:
+                payload.update(extra)
+            written += save_payload(payload, os.path.join(my_dir, "model_optim_rng"))
+        written += save_payload(rng_state, os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}"))
+        # Each rank hashes what it wrote (still in the page cache); rank 0 writes the manifest.
+        entries = file_entries(staging, written)
+    except OSError as exc:  # disk full, permissions, I/O error
+        error, entries = _write_error(root, state.iteration, exc), {}
+    gathered = _gather((error, entries))
+    errors = [e for e, _ in gathered if e]
+    if errors:
+        if groups.rank == 0:  # every rank has stopped writing: free the space it took
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(error or errors[0])
     if groups.rank == 0:
-        write_manifest(staging, state.iteration, layout,
-                       {k: v for part in entries for k, v in part.items()})
         aside = None
-        if os.path.exists(final):
-            aside = f"{final}.old.{int(time.time())}"
-            os.replace(final, aside)
-        os.replace(staging, final)
-        _atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
+        try:
+            write_manifest(staging, state.iteration, layout,
+                           {k: v for _, part in gathered for k, v in part.items()})
+            if os.path.exists(final):
+                aside = f"{final}.old.{int(time.time())}"
+                os.replace(final, aside)
+            os.replace(staging, final)
+            _atomic_write_text(os.path.join(root, TRACKER), str(state.iteration))
+        except OSError as exc:
+            # The tracker still names the previous checkpoint, and a copy of this
+            # iteration that was moved aside goes back.
+            error = _write_error(root, state.iteration, exc)
+            shutil.rmtree(staging, ignore_errors=True)
+            if aside is not None and not os.path.exists(final):
+                os.replace(aside, final)
+                aside = None
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-    _barrier()
+    _raise_if_any(error)
     return final
+
+
+def _write_error(root: str, iteration: int, exc: OSError) -> str:
+    """One line for a checkpoint that could not be written, saying what stays latest."""
+    reason = f"{exc.strerror or exc}: {exc.filename or root}"
+    try:
+        kept = read_tracker(root)
+    except (OSError, CheckpointError):
+        kept = None
+    latest = (f"the checkpoint of iteration {kept} stays the latest" if kept is not None
+              else "no earlier checkpoint was saved")
+    return (f"--save {root}: could not write the checkpoint of iteration {iteration} "
+            f"({reason}); {latest}")
 
 
 def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups) -> CheckpointError:
@@ -585,6 +672,46 @@ def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups) -> C
         f"--pipeline-model-parallel-size); convert it with python tools/checkpoint_util.py "
         f"--load {root} --save NEW_DIR --target-tensor-parallel-size {groups.tp_size} "
         f"--target-pipeline-parallel-size {groups.pp_size}")
+
+
+def _state_dict_like(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                           for k, v in value.items())
+
+
+def check_model_payload(payload: Any, stem: str, resume: bool = False) -> Dict[str, Any]:
+    """``payload`` (a ``model_optim_rng`` file at ``stem``) has the top-level types loading
+    relies on, so a hand-edited or foreign file is one ``CheckpointError`` naming it
+    instead of a KeyError or AttributeError halfway through a resume.  ``resume``: the
+    iteration and consumed-sample counts must be there too."""
+    where = f"{stem}.json" if os.path.exists(f"{stem}.json") else f"{stem}.pt"
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{where}: expected a checkpoint object, found "
+                              f"{type(payload).__name__}")
+    problems = []
+    if not _state_dict_like(payload.get("model")):
+        problems.append("'model' mapping parameter names to tensors")
+    if payload.get("model_shadow") is not None and not _state_dict_like(payload["model_shadow"]):
+        problems.append("'model_shadow' mapping parameter names to tensors, or null")
+    for key in ("iteration", "consumed_train_samples", "consumed_valid_samples"):
+        if (key in payload or resume) and (type(payload.get(key)) is not int
+                                           or payload[key] < 0):
+            problems.append(f"{key!r} an integer >= 0 (found {payload.get(key)!r})")
+    config = payload.get("config")
+    for key, value in (("layout", payload.get("layout")), ("config", config)) + tuple(
+            (f"config.{k}", config.get(k)) for k in ("model", "data", "parallel")
+            if isinstance(config, dict)):
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{key!r} an object or null (found {type(value).__name__})")
+    layers = (payload.get("layout") or {}).get("layers") if isinstance(payload.get("layout"),
+                                                                       dict) else None
+    if layers is not None and not (isinstance(layers, (list, tuple)) and len(layers) == 2
+                                   and all(type(n) is int for n in layers)):
+        problems.append(f"'layout.layers' [first, last + 1] (found {layers!r})")
+    if problems:
+        raise CheckpointError(f"{where}: not a checkpoint this trainer wrote: expected "
+                              + "; ".join(problems))
+    return payload
 
 
 def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
@@ -628,8 +755,10 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         # Final directories appear only by rename, so this one is complete; it was written
         # by a tool that did not call write_manifest, and cannot be verified.
         print(f"WARNING: {base} has no {MANIFEST}: its files are loaded unverified", flush=True)
-    payload = load_payload(stem, map_location=map_location, allow_unsafe=allow_unsafe)
-    layout = payload.get("layout", {})
+    payload = check_model_payload(
+        load_payload(stem, map_location=map_location, allow_unsafe=allow_unsafe), stem,
+        resume=True)
+    layout = payload.get("layout") or {}
     if layout.get("tensor") != groups.tp_size or layout.get("pipeline") != groups.pp_size:
         raise _layout_error(root, base, f"tensor {layout.get('tensor')} x pipeline "
                             f"{layout.get('pipeline')}", groups)
@@ -645,6 +774,26 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
     payload["rng_state"] = (load_payload(rng_stem, allow_unsafe=allow_unsafe)
                             if payload_exists(rng_stem) else None)
     return payload
+
+
+def check_state_fits(source: str, state: Dict[str, torch.Tensor], module: torch.nn.Module,
+                     strict: bool = True) -> None:
+    """One line when saved ``state`` does not fit ``module`` (tensor shapes; with ``strict``
+    also missing or unexpected names), raised before ``load_state_dict`` reports one
+    line per tensor.  ``source`` names the flag and checkpoint."""
+    ours = module.state_dict()
+    problems = [f"{k} is {tuple(v.shape)} in the checkpoint, {tuple(ours[k].shape)} here"
+                for k, v in state.items() if k in ours and tuple(v.shape) != tuple(ours[k].shape)]
+    if strict:
+        problems += [f"{k} is missing from the checkpoint" for k in ours if k not in state]
+        problems += [f"{k} is in the checkpoint but not in this model" for k in state
+                     if k not in ours]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{source}: the checkpoint does not fit this model: "
+                              f"{'; '.join(problems[:3])}{more}; was it saved with other model "
+                              f"flags (--num-layers, --hidden-size, --ffn-hidden-size, "
+                              f"--num-attention-heads, ...)?")
 
 
 # Model-shape fields of the saved config, and the flags that set them.

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -227,6 +228,13 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     if not model_cfg:
         raise CheckpointError(f"--load {load}: the checkpoint records no model config; "
                               f"expected a checkpoint written by this trainer")
+    for key in ("hidden_size", "num_attention_heads"):
+        if type(model_cfg.get(key)) is not int or model_cfg[key] < 1:
+            raise CheckpointError(f"--load {load}: its config records {key} "
+                                  f"{model_cfg.get(key)!r}; expected a positive integer")
+    if WORD_EMBEDDING not in state.model:
+        raise CheckpointError(f"--load {load}: the checkpoint has no {WORD_EMBEDDING}; "
+                              f"expected a GPT or BERT checkpoint of this trainer")
     model_cfg.setdefault("num_layers", state.ckpt.num_layers)
     model_cfg.setdefault("ffn_hidden_size", 4 * int(model_cfg["hidden_size"]))
     model_cfg.setdefault("max_position_embeddings", model_cfg.get("seq_length"))
@@ -239,7 +247,15 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
         _say(f"note: unpadded vocabulary size unknown (pass --true-vocab-size); exporting "
              f"all {padded} rows")
         vocab = padded
-    tensors, hf_config = (bert_to_hf if is_bert else gpt_to_hf)(full, model_cfg, vocab)
+    try:
+        tensors, hf_config = (bert_to_hf if is_bert else gpt_to_hf)(full, model_cfg, vocab)
+    except KeyError as exc:  # a layer or head its config implies is not in the files
+        raise CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
+                              f"its config (num_layers {model_cfg.get('num_layers')!r}) "
+                              f"implies") from None
+    except (TypeError, ValueError, RuntimeError) as exc:  # config values, head split
+        raise CheckpointError(f"--load {load}: its config does not describe its tensors "
+                              f"({type(exc).__name__}: {exc})") from None
     dtype = next(iter(tensors.values())).dtype
     hf_config["torch_dtype"] = str(dtype).replace("torch.", "")
     data_cfg = config.get("data") or {}
@@ -255,40 +271,103 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
 
 
 # --------------------------------------------------------------------------- import
-def _read_hf_weights(hf_dir: str) -> Dict[str, torch.Tensor]:
+def _read_json(path: str, what: str) -> Any:
+    """A JSON object from ``path``; anything else is one CheckpointError naming it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"--from-hf {path}: expected {what}, found a file that is not "
+                              f"readable JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"--from-hf {path}: expected {what} (a JSON object), found "
+                              f"{type(doc).__name__}")
+    return doc
+
+
+def _load_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"--from-hf {path}: not a readable safetensors file "
+                              f"({exc})") from None
+
+
+def _read_hf_weights(hf_dir: str, allow_unsafe: bool = False) -> Dict[str, torch.Tensor]:
     st = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(st):
-        from safetensors.torch import load_file
-        return load_file(st)
+        return _load_safetensors(st)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        from safetensors.torch import load_file
-        shards = sorted(set(json.load(open(index))["weight_map"].values()))
-        out: Dict[str, torch.Tensor] = {}
+        weight_map = _read_json(index, "a safetensors index").get("weight_map")
+        shards = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
         for shard in shards:
-            out.update(load_file(os.path.join(hf_dir, shard)))
+            # shard names are file names in hf_dir: never a path that leaves it
+            if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+                found = (f"shard {shard!r}" if isinstance(weight_map, dict)
+                         else f"weight_map {weight_map!r}")
+                raise CheckpointError(f"--from-hf {index}: expected a 'weight_map' of tensor "
+                                      f"name -> shard file name in {hf_dir}, found {found}")
+        out: Dict[str, torch.Tensor] = {}
+        for shard in sorted(set(shards)):
+            out.update(_load_safetensors(os.path.join(hf_dir, shard)))
         return out
     binary = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.isfile(binary):
+        if not allow_unsafe:
+            raise CheckpointError(
+                f"--from-hf {binary} is a pickle, which can run code when loaded, so it is "
+                f"refused; convert it to model.safetensors, or pass --allow-unsafe-checkpoint "
+                f"if you trust its source (it is then read with torch.load(weights_only=True))")
         try:  # tensors only: weights_only refuses any pickled code
-            return torch.load(binary, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # pickle-protocol chatter: the error says it
+                weights = torch.load(binary, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"--from-hf {binary}: expected a plain tensor pickle "
                                   f"(weights_only), found something else "
                                   f"({type(exc).__name__}); convert it to safetensors") from None
+        if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor)
+                                                    for v in weights.values()):
+            raise CheckpointError(f"--from-hf {binary}: expected a dict of tensors (a state "
+                                  f"dict), found {type(weights).__name__}")
+        return weights
     raise CheckpointError(f"--from-hf {hf_dir}: expected model.safetensors (or "
                           f"pytorch_model.bin), found neither")
 
 
-def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int
+def _config_int(cfg: Dict[str, Any], key: str, cfg_path: str) -> int:
+    value = cfg.get(key)
+    if type(value) is not int or value < 1:
+        raise CheckpointError(f"--from-hf {cfg_path}: expected {key} to be a positive integer, "
+                              f"found {value!r}")
+    return value
+
+
+def _config_float(cfg: Dict[str, Any], key: str, default: float, cfg_path: str) -> float:
+    value = cfg.get(key, default)
+    if type(value) not in (int, float):
+        raise CheckpointError(f"--from-hf {cfg_path}: expected {key} to be a number, found "
+                              f"{value!r}")
+    return float(value)
+
+
+def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool = False
                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
-    """(our full state dict with padded vocabulary, model config dict, real vocab size)."""
+    """(our full state dict with padded vocabulary, model config dict, real vocab size).
+
+    Every tensor is checked against config.json (shape, floating point) before use, so a
+    weight file of another model is one error, not a reshape failure or a silently
+    mis-sized checkpoint."""
     from megatron.tokenizer import vocab_size_with_padding
 
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"--from-hf {hf_dir}: expected config.json, found none")
-    cfg = json.load(open(cfg_path))
+    cfg = _read_json(cfg_path, "a transformers config")
     if cfg.get("model_type") != "gpt2":
         raise UserError(f"--from-hf {cfg_path}: expected model_type 'gpt2', found "
                         f"{cfg.get('model_type')!r}")
@@ -301,68 +380,88 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int
     if act not in _GELU_TANH + _GELU_EXACT:
         raise UserError(f"--from-hf {cfg_path}: activation_function {act!r} has no "
                         f"equivalent here (expected gelu, or gelu_new with --openai-gelu)")
+    heads, layers, hidden, vocab, positions = (
+        _config_int(cfg, k, cfg_path) for k in ("n_head", "n_layer", "n_embd", "vocab_size",
+                                                "n_positions"))
+    ffn = _config_int(cfg, "n_inner", cfg_path) if cfg.get("n_inner") else 4 * hidden
+    if hidden % heads:
+        raise CheckpointError(f"--from-hf {cfg_path}: n_embd {hidden} is not a multiple of "
+                              f"n_head {heads}")
+    eps, resid, attn, init = (_config_float(cfg, k, d, cfg_path) for k, d in (
+        ("layer_norm_epsilon", 1e-5), ("resid_pdrop", 0.1), ("attn_pdrop", 0.1),
+        ("initializer_range", 0.02)))
     weights = {k[len("transformer."):] if k.startswith("transformer.") else k: v
-               for k, v in _read_hf_weights(hf_dir).items()}
-    heads, layers, hidden = int(cfg["n_head"]), int(cfg["n_layer"]), int(cfg["n_embd"])
-    vocab = int(cfg["vocab_size"])
+               for k, v in _read_hf_weights(hf_dir, allow_unsafe).items()}
     padded = vocab_size_with_padding(vocab, divisible_by, tp)
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        if name not in weights:
+            raise CheckpointError(f"--from-hf {hf_dir}: weight {name!r} missing; expected "
+                                  f"a GPT2LMHeadModel / GPT2Model state dict")
+        t = weights[name]
+        if tuple(t.shape) != shape or not t.is_floating_point():
+            raise CheckpointError(
+                f"--from-hf {hf_dir}: weight {name!r} is {str(t.dtype).removeprefix('torch.')} "
+                f"{tuple(t.shape)}; {cfg_path} (n_embd {hidden}, n_inner {ffn}, vocab_size "
+                f"{vocab}, n_positions {positions}) expects floating point {shape}")
+        return t
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         extra = torch.zeros((padded - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
         return torch.cat([t, extra], 0)
 
-    try:
-        full = {"embedding.word_embeddings.weight": pad(weights["wte.weight"]),
-                "embedding.position_embeddings.weight": weights["wpe.weight"]}
-        for i in range(layers):
-            h, o = f"h.{i}.", f"encoder.layers.{i}."
-            full[o + "input_layernorm.weight"] = weights[h + "ln_1.weight"]
-            full[o + "input_layernorm.bias"] = weights[h + "ln_1.bias"]
-            full[o + f"{_ATTN}.weight"] = qkv_hf_to_ours(
-                weights[h + "attn.c_attn.weight"].t(), heads)
-            full[o + f"{_ATTN}.bias"] = qkv_hf_to_ours(weights[h + "attn.c_attn.bias"], heads)
-            full[o + "self_attention.dense.weight"] = weights[h + "attn.c_proj.weight"].t()
-            full[o + "self_attention.dense.bias"] = weights[h + "attn.c_proj.bias"]
-            full[o + "post_attention_layernorm.weight"] = weights[h + "ln_2.weight"]
-            full[o + "post_attention_layernorm.bias"] = weights[h + "ln_2.bias"]
-            full[o + "mlp.dense_h_to_4h.weight"] = weights[h + "mlp.c_fc.weight"].t()
-            full[o + "mlp.dense_h_to_4h.bias"] = weights[h + "mlp.c_fc.bias"]
-            full[o + "mlp.dense_4h_to_h.weight"] = weights[h + "mlp.c_proj.weight"].t()
-            full[o + "mlp.dense_4h_to_h.bias"] = weights[h + "mlp.c_proj.bias"]
-        full["encoder.final_layernorm.weight"] = weights["ln_f.weight"]
-        full["encoder.final_layernorm.bias"] = weights["ln_f.bias"]
-    except KeyError as exc:
-        raise CheckpointError(f"--from-hf {hf_dir}: weight {exc.args[0]!r} missing; expected "
-                              f"a GPT2LMHeadModel / GPT2Model state dict") from None
+    full = {"embedding.word_embeddings.weight": pad(get("wte.weight", vocab, hidden)),
+            "embedding.position_embeddings.weight": get("wpe.weight", positions, hidden)}
+    for i in range(layers):
+        h, o = f"h.{i}.", f"encoder.layers.{i}."
+        full[o + "input_layernorm.weight"] = get(h + "ln_1.weight", hidden)
+        full[o + "input_layernorm.bias"] = get(h + "ln_1.bias", hidden)
+        full[o + f"{_ATTN}.weight"] = qkv_hf_to_ours(
+            get(h + "attn.c_attn.weight", hidden, 3 * hidden).t(), heads)
+        full[o + f"{_ATTN}.bias"] = qkv_hf_to_ours(get(h + "attn.c_attn.bias", 3 * hidden),
+                                                   heads)
+        full[o + "self_attention.dense.weight"] = get(h + "attn.c_proj.weight", hidden,
+                                                      hidden).t()
+        full[o + "self_attention.dense.bias"] = get(h + "attn.c_proj.bias", hidden)
+        full[o + "post_attention_layernorm.weight"] = get(h + "ln_2.weight", hidden)
+        full[o + "post_attention_layernorm.bias"] = get(h + "ln_2.bias", hidden)
+        full[o + "mlp.dense_h_to_4h.weight"] = get(h + "mlp.c_fc.weight", hidden, ffn).t()
+        full[o + "mlp.dense_h_to_4h.bias"] = get(h + "mlp.c_fc.bias", ffn)
+        full[o + "mlp.dense_4h_to_h.weight"] = get(h + "mlp.c_proj.weight", ffn, hidden).t()
+        full[o + "mlp.dense_4h_to_h.bias"] = get(h + "mlp.c_proj.bias", hidden)
+    full["encoder.final_layernorm.weight"] = get("ln_f.weight", hidden)
+    full["encoder.final_layernorm.bias"] = get("ln_f.bias", hidden)
     if not cfg.get("tie_word_embeddings", True):
         raise UserError(f"--from-hf {cfg_path}: tie_word_embeddings=false; this trainer's "
                         f"GPT ties the output layer to the word embedding")
     full = {k: v.contiguous().clone() for k, v in full.items()}
     model_cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-                 "ffn_hidden_size": int(cfg.get("n_inner") or 4 * hidden),
-                 "seq_length": int(cfg["n_positions"]),
-                 "max_position_embeddings": int(cfg["n_positions"]),
-                 "padded_vocab_size": padded,
-                 "layernorm_epsilon": float(cfg.get("layer_norm_epsilon", 1e-5)),
-                 "hidden_dropout": float(cfg.get("resid_pdrop", 0.1)),
-                 "attention_dropout": float(cfg.get("attn_pdrop", 0.1)),
-                 "init_method_std": float(cfg.get("initializer_range", 0.02)),
-                 "openai_gelu": act in _GELU_TANH,
+                 "ffn_hidden_size": ffn, "seq_length": positions,
+                 "max_position_embeddings": positions, "padded_vocab_size": padded,
+                 "layernorm_epsilon": eps, "hidden_dropout": resid, "attention_dropout": attn,
+                 "init_method_std": init, "openai_gelu": act in _GELU_TANH,
                  "params_dtype": str(full["embedding.word_embeddings.weight"].dtype)}
     return full, model_cfg, vocab
 
 
 def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
-              divisible_by: int = 128) -> str:
-    """Write HF GPT-2 directory ``hf_dir`` as an iteration-0 checkpoint under ``save``."""
+              divisible_by: int = 128, allow_unsafe: bool = False) -> str:
+    """Write HF GPT-2 directory ``hf_dir`` as an iteration-0 checkpoint under ``save``.
+    ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only unpickler)."""
 
-    full, model_cfg, vocab = hf_gpt2_to_ours(hf_dir, divisible_by, tp)
+    full, model_cfg, vocab = hf_gpt2_to_ours(hf_dir, divisible_by, tp, allow_unsafe)
     layers = model_cfg["num_layers"]
     tokenizer = {"make_vocab_size_divisible_by": divisible_by, "vocab_size": vocab}
     if all(os.path.isfile(os.path.join(hf_dir, f)) for f in ("vocab.json", "merges.txt")):
         tokenizer.update(tokenizer_type="GPT2BPETokenizer",
                          vocab_file=os.path.abspath(os.path.join(hf_dir, "vocab.json")),
                          merge_file=os.path.abspath(os.path.join(hf_dir, "merges.txt")))
+        from megatron.tokenizer import GPT2BPETokenizer
+        try:  # recorded in the checkpoint and printed as flags: they must load
+            GPT2BPETokenizer(tokenizer["vocab_file"], tokenizer["merge_file"], fast=False)
+        except ValueError as exc:
+            raise CheckpointError(f"--from-hf {hf_dir}: its vocab.json/merges.txt do not load "
+                                  f"as a GPT-2 tokenizer ({exc})") from None
     config = {"model": model_cfg, "data": tokenizer}
     ckpt = CheckpointShards(root=hf_dir, iteration=0, tensor=1, pipeline=1, num_layers=layers)
     state = FullState(iteration=0, model=full, shadow=None, optimizer=None,

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from megatron.checkpointing import TrainState, load_for_run, save_checkpoint
+from megatron.checkpointing import TrainState, check_state_fits, load_for_run, save_checkpoint
 from megatron.config import MegatronConfig
 from megatron.entry import run_entry_point  # noqa: F401 - entry points import it from here
 from megatron.errors import CheckpointError, DataError, UserError
@@ -56,6 +56,10 @@ class SkipMonitor:
       later skip (loss-scale backoff included) does.
     * dynamic fp16 only: an overflow of a batch that already ran at --min-loss-scale
       stops the run at once (the scale cannot go lower; every later step would skip).
+    * ``suspect``: the latest steps were skipped for a non-finite loss or gradients that
+      no loss-scale backoff explains (any run but dynamic fp16): the weights produced
+      them, so they are not checkpointed (``_save_checked``), and a run that ends so
+      fails (``ending_verdict``).
     """
 
     limit: int
@@ -97,6 +101,25 @@ class SkipMonitor:
                            f"non-finite loss or gradients (iterations {self.first_skipped}-{t}, "
                            f"--max-consecutive-skipped-steps {self.limit}); stopped without "
                            "saving (lower --lr, or check the data and the last checkpoint)")
+
+    @property
+    def suspect(self) -> bool:
+        return self.consecutive > 0 and not self.dynamic_fp16
+
+    def streak(self) -> str:
+        """The current run of skipped steps, as logged (1-based iterations)."""
+        last = self.first_skipped + self.consecutive - 1
+        return (f"iteration {last}" if self.consecutive == 1
+                else f"iterations {self.first_skipped}-{last}")
+
+    def ending_verdict(self) -> Optional[str]:
+        """Why a run that ends now failed (its last steps were non-finite), or None."""
+        if not self.suspect:
+            return None
+        return (f"the last {self.consecutive} optimizer step(s) ({self.streak()}) were skipped "
+                "for non-finite loss or gradients, so the run ends on weights that produce "
+                "them; not saved, the last saved checkpoint is kept (lower --lr, or check "
+                "the data)")
 
 
 class _SignalFlag:
@@ -159,6 +182,8 @@ class TrainingResult:
     exited_early: bool = False
     shared_embedding: Optional[torch.Tensor] = None
     """Copy of this stage's tied word embedding (first/last stage), for consistency checks."""
+    nonfinite_ending: Optional[str] = None
+    """Set when training ended on steps skipped for non-finite values (the run fails)."""
 
 
 def _cyclic(loader) -> Iterator[Any]:
@@ -252,13 +277,16 @@ def _model_states(engine: PipelineEngine) -> Tuple[Dict[str, Any], Optional[Dict
 
 
 def _load_model_states(engine: PipelineEngine, latest: Dict[str, Any],
-                       shadow: Optional[Dict[str, Any]], strict: bool = True) -> None:
+                       shadow: Optional[Dict[str, Any]], strict: bool = True,
+                       source: str = "checkpoint") -> None:
     w = engine.weights
     w.install(engine.latest_buffer)
+    check_state_fits(source, latest, engine.model, strict)
     engine.model.load_state_dict(latest, strict=strict)
     if w.num_buffers == 2:
         if shadow is not None and engine.shadow_buffer != engine.latest_buffer:
             w.install(engine.shadow_buffer)
+            check_state_fits(source, shadow, engine.model, strict)
             engine.model.load_state_dict(shadow, strict=strict)
             w.install(engine.latest_buffer)
         else:
@@ -284,6 +312,18 @@ def warmup_switch_note(cfg: MegatronConfig, saved_parallel: Dict[str, Any],
             f"checkpoint's switch")
 
 
+def seq_length_note(cfg: MegatronConfig, saved_model: Dict[str, Any],
+                    consumed_samples: int) -> Optional[str]:
+    """A warning when a run resumes with another --seq-length than the checkpoint's (the
+    model loads: the position table is --max-position-embeddings); else None."""
+    old, new = saved_model.get("seq_length"), cfg.model.seq_length
+    if old is None or old == new:
+        return None
+    return (f"warning: the checkpoint was trained with --seq-length {old}, this run uses {new}: "
+            f"its data position ({consumed_samples} consumed samples) counts samples of {old} "
+            "tokens, so the training data does not continue where the checkpoint's run stopped")
+
+
 def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
                optimizer, scheduler) -> TrainState:
     from megatron.tensor_parallel.random import set_rng_state
@@ -300,24 +340,34 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     if payload is None:
         return state
     if tr.finetune:
-        _load_model_states(engine, payload["model"], None, strict=False)
+        _load_model_states(engine, payload["model"], None, strict=False,
+                           source=f"--load {tr.load}")
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
         print_rank_last(f"loaded weights of iteration {payload['iteration']} from {tr.load} "
                         "for finetuning (iteration, optimizer and data position reset)")
         return state
-    note = warmup_switch_note(cfg, (payload.get("config") or {}).get("parallel") or {},
-                              payload["iteration"])
-    if note:
-        print_rank_last(note)
+    saved_config = payload.get("config") or {}
+    for note in (warmup_switch_note(cfg, saved_config.get("parallel") or {}, payload["iteration"]),
+                 seq_length_note(cfg, saved_config.get("model") or {},
+                                 payload["consumed_train_samples"])):
+        if note:
+            print_rank_last(note)
     state = TrainState(iteration=payload["iteration"],
                        consumed_train_samples=payload["consumed_train_samples"],
                        consumed_valid_samples=payload["consumed_valid_samples"])
     engine.set_iteration(state.iteration)
-    _load_model_states(engine, payload["model"], payload.get("model_shadow"))
+    _load_model_states(engine, payload["model"], payload.get("model_shadow"),
+                       source=f"--load {tr.load}")
     if not tr.no_load_optim and payload.get("optimizer") is not None:
-        optimizer.load_state_dict(payload["optimizer"])
-        if payload.get("engine") is not None:
-            engine.load_state_dict(payload["engine"])
+        try:
+            optimizer.load_state_dict(payload["optimizer"])
+            if payload.get("engine") is not None:
+                engine.load_state_dict(payload["engine"])
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError,
+                RuntimeError) as exc:  # another optimizer/precision, or a malformed state
+            raise CheckpointError(f"--load {tr.load}: cannot restore the optimizer state of "
+                                  f"iteration {state.iteration}: {exc} (--no-load-optim starts "
+                                  f"the optimizer afresh)") from None
     else:
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
         engine.set_iteration(state.iteration)
@@ -332,7 +382,13 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
         except ValueError as exc:
             raise CheckpointError(f"--load {tr.load}: {exc}") from None
     if not tr.no_load_rng and payload.get("rng_state") is not None:
-        set_rng_state(payload["rng_state"])
+        try:
+            set_rng_state(payload["rng_state"])
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError,
+                RuntimeError) as exc:
+            raise CheckpointError(f"--load {tr.load}: cannot restore the random number "
+                                  f"generator state of iteration {state.iteration}: {exc} "
+                                  f"(--no-load-rng skips it)") from None
     print_rank_last(f"resumed from {tr.load} at iteration {state.iteration}")
     return state
 
@@ -422,9 +478,18 @@ def _agree(flag: bool, seconds_per_iteration: float, device: torch.device) -> Tu
 
 
 def _save_checked(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
-                  optimizer, scheduler, state: TrainState) -> None:
+                  optimizer, scheduler, state: TrainState,
+                  monitor: Optional[SkipMonitor] = None) -> bool:
+    """Save unless the weights are suspect; True if saved.  The verdict is the same on
+    every rank (agreed step reports, agreed finiteness check)."""
+    if monitor is not None and monitor.suspect:
+        print_rank_last(f"warning: not saving the checkpoint of iteration {state.iteration}: "
+                        f"the last step(s) ({monitor.streak()}) were skipped for non-finite "
+                        f"loss or gradients; the last saved checkpoint stays the latest")
+        return False
     check_weights_finite(engine, state.iteration)
     save(cfg, groups, engine, optimizer, scheduler, state)
+    return True
 
 
 def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
@@ -467,11 +532,12 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             received, per_iter = _agree(signals.received is not None, per_iter, engine.device)
             check_every = _check_every(cfg, per_iter)
         if received:
-            if tr.save:
-                _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+            saved = tr.save and _save_checked(cfg, groups, engine, optimizer, scheduler,
+                                              state, monitor)
             print_rank_last(f"SIGTERM: stopped at iteration {it} (--exit-signal-handler)"
-                            + (f", checkpoint saved to {tr.save}" if tr.save else
-                               ", no checkpoint (no --save)"))
+                            + (f", checkpoint saved to {tr.save}" if saved else
+                               ", no checkpoint (no --save)" if not tr.save else
+                               ", no checkpoint saved"))
             result.exited_early = True
             break
         if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
@@ -479,16 +545,17 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             if losses:
                 result.eval_losses[it] = losses
         if tr.save and tr.save_interval and it % tr.save_interval == 0:
-            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+            _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
         if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
             if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
-                _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+                _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
             print_rank_last(f"exiting at iteration {it} (--exit-interval {tr.exit_interval})")
             result.exited_early = True
             break
     done = state.iteration - start_iteration
     if done:
         result.seconds_per_iteration = (time.perf_counter() - t0) / done
+    result.nonfinite_ending = monitor.ending_verdict()
     return result
 
 
@@ -527,8 +594,11 @@ def initialize_megatron(args, cfg: MegatronConfig):
     tokenizer = None
     vocab = getattr(args, "vocab_size", None)
     if cfg.data.tokenizer_type is not None:
-        tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
-                                    vocab_size=vocab)
+        try:
+            tokenizer = build_tokenizer(cfg.data, cfg.parallel.tensor_model_parallel_size,
+                                        vocab_size=vocab)
+        except (ValueError, OSError) as exc:  # each names its flag (--vocab-file, ...)
+            raise UserError(str(exc)) from exc
         vocab = tokenizer.vocab_size
     if vocab:
         cfg.model.padded_vocab_size = vocab_size_with_padding(
@@ -580,6 +650,10 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
     result.shared_embedding = _shared_embedding_copy(engine)
     result.memory = gather_memory_report(engine, groups)
     logger.memory_table(result.memory)
+    if result.nonfinite_ending is not None:
+        # same verdict on every rank (agreed step reports): all raise, none saves
+        logger.close()
+        raise NonFiniteError(result.nonfinite_ending)
     if not result.exited_early:
         if valid_iter is not None and cfg.training.eval_iters:
             losses = evaluate_and_print(engine, valid_iter, cfg.training.eval_iters,

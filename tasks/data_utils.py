@@ -44,6 +44,20 @@ class ReadReport:
         print(self.summary(), file=out, flush=True)
 
 
+def read_text(path: str, expected: str) -> str:
+    """The UTF-8 text of ``path``; a missing, unreadable or binary file is one ValueError
+    naming it and what was ``expected`` (the task adds the flag)."""
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); expected "
+                         f"{expected}") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc}); expected "
+                         f"{expected}") from None
+
+
 def clean_text(text: str) -> str:
     """Collapse whitespace runs (tabs, newlines) to single spaces."""
     return " ".join(text.split())

@@ -129,15 +129,24 @@ def evaluate_accuracy(engine, dataset, cfg, groups) -> Optional[Dict[str, float]
 # ------------------------------------------------------------------------- set-up
 def _read_all(task: FinetuneTask, raw) -> Tuple[List[Any], List[Tuple[str, List[Any]]],
                                                 Dict[str, ReadReport]]:
+    from megatron.errors import DataError
+
+    def read(flag: str, paths: Sequence[str]) -> Tuple[List[Any], ReadReport]:
+        try:
+            return task.read(paths)
+        except (ValueError, OSError) as exc:  # the reader names the file and what it expected
+            raise DataError(f"{flag}: {exc}") from None
+
     reports: Dict[str, ReadReport] = {}
     train: List[Any] = []
     if raw.train_data:
-        train, reports["train"] = task.read(raw.train_data)
+        train, reports["train"] = read("--train-data", raw.train_data)
     valid = []
     for path in raw.valid_data or []:
-        examples, rep = task.read([path])
+        examples, rep = read("--valid-data", [path])
         if not examples:
-            _fail(f"--valid-data {path}: no usable {task.name} examples")
+            why = f" (first problem: {rep.malformed[0]})" if rep.malformed else ""
+            _fail(f"--valid-data {path}: no usable {task.name} examples{why}")
         valid.append((path, examples))
         reports[path] = rep
     if _is_rank0():
@@ -167,9 +176,10 @@ def _iterations_argv(argv: List[str], raw, n_train: int) -> Tuple[List[str], int
 
 def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequence[str], *,
                     vocab_size: Optional[int] = None,
-                    flag: str = "--pretrained-checkpoint") -> None:
+                    flag: str = "--pretrained-checkpoint", allow_unsafe: bool = False) -> None:
     """Initialise the stage from any-layout checkpoint ``path`` (weights only).
-    ``vocab_size``: this run's tokenizer vocabulary; a checkpoint of another one is refused."""
+    ``vocab_size``: this run's tokenizer vocabulary; a checkpoint of another one is refused.
+    ``allow_unsafe``: --allow-unsafe-checkpoint (old pickle checkpoints)."""
     from megatron.training_log import print_rank_last
     from tools.checkpoint_util import load_into_stage
 
@@ -177,7 +187,8 @@ def load_pretrained(engine, optimizer, path: str, groups, head_prefixes: Sequenc
     model = engine.model
     report = load_into_stage(model, path, layer_offset=model.layer_numbers.start,
                              tp_rank=groups.tp_rank, tp_size=groups.tp_size,
-                             allow_missing=head_prefixes, vocab_size=vocab_size, flag=flag)
+                             allow_missing=head_prefixes, vocab_size=vocab_size, flag=flag,
+                             allow_unsafe=allow_unsafe)
     engine.weights.sync_all_from(engine.latest_buffer)
     optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
     print_rank_last(f"loaded pretrained weights of iteration {report.iteration} from {path} "
@@ -229,7 +240,8 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
         state = TrainState()
         if args.pretrained_checkpoint:
             load_pretrained(engine, optimizer, args.pretrained_checkpoint, groups,
-                            task.head_prefixes, vocab_size=tokenizer.vocab_size)
+                            task.head_prefixes, vocab_size=tokenizer.vocab_size,
+                            allow_unsafe=args.allow_unsafe_checkpoint)
         else:
             print_rank_last(f"WARNING: no --pretrained-checkpoint: finetuning {task.name} from "
                             f"randomly initialised weights")

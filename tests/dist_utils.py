@@ -6,7 +6,8 @@
 initialised (gloo, free localhost port); its return value (picklable) comes back in the
 list ``results`` indexed by rank.  An exception on any rank fails the test with that
 rank's traceback; a rank that does not finish within ``timeout`` seconds fails it too,
-so a deadlock never hangs the suite.
+so a deadlock never hangs the suite, and a rank process that dies without reporting
+(killed, or unable to start) fails it within seconds.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import time
 import traceback
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
@@ -64,21 +66,41 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (),
     results: List[Any] = [None] * world_size
     reported: List[int] = []
     errors = []
+    deadline = time.monotonic() + timeout + 30
+    dead_since: Optional[float] = None
+    errors_at = 0.0
     try:
-        for _ in range(world_size):
-            # once a rank failed, the others are probably stuck waiting for it
-            wait = 20.0 if errors else timeout + 30
+        while len(reported) < world_size:
             try:
-                rank, ok, out = queue.get(timeout=wait)
+                rank, ok, out = queue.get(timeout=1.0)
             except queue_mod.Empty:
-                if errors:
-                    break
-                raise RuntimeError(f"a rank did not report within {wait:.0f}s (deadlock or "
-                                   f"crash); ranks reported so far: {reported}") from None
+                now = time.monotonic()
+                # a rank that exited without reporting (killed, or died while
+                # unpickling its function at start-up) never will: give its message,
+                # if any, a moment to arrive through the queue, then stop waiting
+                dead = [r for r, p in enumerate(procs)
+                        if r not in reported and p.exitcode is not None]
+                if dead:
+                    dead_since = dead_since or now
+                    if now - dead_since > 5.0:
+                        errors += [f"--- rank {r} ---\nexited with code {procs[r].exitcode} "
+                                   f"without reporting a result" for r in dead]
+                        break
+                if errors and now - errors_at > 20.0:
+                    break  # the others are probably stuck waiting for the failed rank
+                if now > deadline:
+                    if errors:
+                        break
+                    raise RuntimeError(f"a rank did not report within {timeout + 30:.0f}s "
+                                       f"(deadlock or crash); ranks reported so far: "
+                                       f"{reported}") from None
+                continue
             reported.append(rank)
             if ok:
                 results[rank] = pickle.loads(out)
             else:
+                if not errors:
+                    errors_at = time.monotonic()
                 errors.append(f"--- rank {rank} ---\n{out}")
     finally:
         for p in procs:

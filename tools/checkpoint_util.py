@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unpadded vocabulary size, when the tokenizer files recorded in the "
                         "checkpoint are not on this machine (needed to re-pad for a new t)")
     p.add_argument("--allow-unsafe-checkpoint", action="store_true",
-                   help="read an old pickle (.pt) checkpoint; unpickling can run code, so "
-                        "only for files you trust; the output is written in the current format")
+                   help="read an old pickle (.pt) checkpoint, or a --from-hf "
+                        "pytorch_model.bin; unpickling can run code, so only for files you "
+                        "trust; the output is written in the current format")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="the vocabulary padding unit the resumed/finetuning run will use "
                         "(default: the source checkpoint's; 128 for import).  The padded "
@@ -112,7 +113,8 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
             check_save_path(args.from_hf, args.save)
             out = import_hf(args.from_hf, args.save, tp=args.target_tensor_parallel_size or 1,
                             pp=args.target_pipeline_parallel_size or 1,
-                            divisible_by=args.make_vocab_size_divisible_by or 128)
+                            divisible_by=args.make_vocab_size_divisible_by or 128,
+                            allow_unsafe=args.allow_unsafe_checkpoint)
         elif not args.load:
             p.error(f"{modes[0]} needs --load CHECKPOINT")
         elif args.to_hf:

@@ -665,12 +665,19 @@ def render_equal_time(d: Dict[str, Any]) -> List[str]:
         else:
             out.append(f"**{r['model'].upper()}, peak lr {fmt(r['lr'])}** (s/iteration at "
                        f"d={r['time_depth']}: {sec}):")
+        rounds = r.get("measured_rounds")
+        if rounds and not projected:
+            out.append("s/iteration in each timing round: " + "; ".join(
+                f"{k} " + " ".join(f"{x:.4f}" for x in v) for k, v in rounds.items()))
+        from bench.equal_time import round_list
         out.append(md_table(
             ["run", "iterations", "of them Flush", "modelled s", "final valid loss",
-             "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it"],
+             "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it",
+             "per timing round", "sooner if Flush s/it over its 2BW s/it >"],
             [[n, v["train_iters"], v["warmup_iters"], v["modelled_seconds"], v["final_valid"],
               _pct(v["relative_to_flush"]), _or_not_reached(v["reaches_flush_final_at"]),
-              v["seconds_to_flush_final"], v["speedup_to_flush_final"]]
+              v["seconds_to_flush_final"], v["speedup_to_flush_final"], round_list(v),
+              v.get("break_even_speed_ratio", "-")]
              for n, v in r["summary"].items()]))
     return out
 

@@ -118,6 +118,9 @@ def _document_texts(lineno: int, line: str) -> Optional[Dict[str, str]]:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"--input {_args.input}, line {lineno}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise DataError(f"--input {_args.input}, line {lineno}: not valid JSON (nested too "
+                        f"deeply); expected one JSON object per line") from None
     out = {}
     for key in _args.json_keys:
         if not isinstance(obj, dict) or key not in obj:
@@ -239,6 +242,12 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
                             f"({n_empty} empty) in {n_bytes} bytes; nothing was written")
         for key, builder in builders.items():
             builder.finalize(output_prefix(args, key) + ".idx")
+    except UnicodeDecodeError as exc:  # raised while reading lines: no line number
+        for builder in builders.values():
+            builder.abort()
+        raise DataError(f"--input {args.input}: not UTF-8 text ({exc.reason}, byte "
+                        f"{exc.object[exc.start:exc.start + 1]!r}); expected a JSON-lines "
+                        f"corpus in UTF-8; nothing was written") from None
     except BaseException:
         for builder in builders.values():
             builder.abort()

@@ -21,14 +21,22 @@ from typing import Iterator, List, Optional, Sequence
 EOD_PIECE = "<eod>"
 
 
+def _not_utf8(path: str, exc: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"--input {path!r}: not UTF-8 text ({exc.reason}); expected a text or "
+                      f"JSON-lines file")
+
+
 def _looks_like_json_lines(path: str) -> bool:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    return isinstance(json.loads(line), dict)
-                except json.JSONDecodeError:
-                    return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        return isinstance(json.loads(line), dict)
+                    except (json.JSONDecodeError, RecursionError):
+                        return False
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from None
     return False
 
 
@@ -36,6 +44,13 @@ def iter_documents(path: str, json_keys: Sequence[str], input_format: str) -> It
     """Yield the documents of one input file: JSON-lines fields or the whole text file."""
     if input_format == "auto":
         input_format = "json" if _looks_like_json_lines(path) else "text"
+    try:
+        yield from _documents(path, json_keys, input_format)
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from None
+
+
+def _documents(path: str, json_keys: Sequence[str], input_format: str) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         if input_format == "text":
             yield f.read()
@@ -47,6 +62,12 @@ def iter_documents(path: str, json_keys: Sequence[str], input_format: str) -> It
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"--input {path!r} line {lineno}: not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"--input {path!r} line {lineno}: not valid JSON (nested too "
+                                 f"deeply)") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"--input {path!r} line {lineno}: expected a JSON object, "
+                                 f"found {type(record).__name__}")
             for key in json_keys:
                 if key not in record:
                     raise ValueError(
@@ -79,6 +100,20 @@ def train_sentencepiece(args: argparse.Namespace) -> List[str]:
         spm.set_random_generator_seed(args.seed)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
+    try:
+        _train(spm, args)
+    except RuntimeError as exc:  # SentencePiece's own checks, e.g. a corpus too small
+        text = str(exc).strip()
+        reason = text.split("] ")[-1].strip() if "] " in text else text
+        if "sentences_.empty()" in text:
+            reason = ("no usable lines (empty, or every line longer than SentencePiece's "
+                      "4192-byte limit)")
+        raise ValueError(f"SentencePiece could not train on --input "
+                         f"{' '.join(args.input)}: {reason}") from None
+    return [args.output_prefix + ".model", args.output_prefix + ".vocab"]
+
+
+def _train(spm, args: argparse.Namespace) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter_sentences(args.input, args.json_keys, args.input_format),
         model_prefix=args.output_prefix,
@@ -97,7 +132,6 @@ def train_sentencepiece(args: argparse.Namespace) -> List[str]:
         seed_sentencepiece_size=args.seed_sentencepiece_size,
         minloglevel=0 if args.verbose else 2,
     )
-    return [args.output_prefix + ".model", args.output_prefix + ".vocab"]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -149,7 +183,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _command_line(argv: Optional[Sequence[str]] = None) -> int:
+    """``main`` for the shell: its input errors (each names --input or the flag at fault)
+    become one ``error:`` line and exit status 2 instead of a traceback."""
+    from megatron.errors import UserError
+
+    try:
+        return main(argv)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+
+
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    # run from a source checkout without installing the package, as the other tools
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from megatron.entry import run_entry_point
 
-    run_entry_point(main)
+    run_entry_point(_command_line)

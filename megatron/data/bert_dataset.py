@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -342,7 +343,14 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
     path = cache / f"{key}-{name}_bert_mapping.npy"
     cached = load_cached_arrays([path])
     if cached is not None and cached[0].ndim == 2 and cached[0].shape == (num_samples, 3):
-        return cached[0], True
+        rows = cached[0]
+        # Values too: a corrupt cache must not read sentences outside the split.
+        if (rows[:, 0].min() >= docs[0] and rows[:, 1].max() <= docs[-1]
+                and (rows[:, 1] - rows[:, 0]).min() >= min_num_sent
+                and rows[:, 2].min() >= 1 and rows[:, 2].max() <= max_num_tokens):
+            return rows, True
+        print(f"warning: BERT sample mapping cache {path} points outside {ds.prefix} (corrupt "
+              f"or from another dataset); rebuilding it", file=sys.stderr, flush=True)
     try:
         mapping = helpers.build_bert_mapping(docs, ds.sizes, num_samples, max_num_tokens,
                                              masking.short_seq_prob, seed, min_num_sent)
@@ -374,7 +382,10 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
     """
     from megatron.data.blendable_dataset import BlendableDataset
 
-    prefixes, weights = parse_data_path(data_prefix)
+    try:
+        prefixes, weights = parse_data_path(data_prefix)
+    except ValueError as exc:  # names --data-path and what it expected
+        raise DataError(str(exc)) from None
     counts = np.zeros((len(prefixes), 3), dtype=np.int64)
     for s, n in enumerate(train_valid_test_num_samples):
         if n > 0:

@@ -84,7 +84,14 @@ def open_prefix(prefix: str) -> IndexedDataset:
             f"--data-path: dataset prefix {prefix!r} not found; expected both "
             f"{data_file_path(prefix)} and {index_file_path(prefix)} "
             f"(create them with tools/preprocess_data.py)")
-    return IndexedDataset(prefix)
+    ds = IndexedDataset(prefix)
+    if ds.dtype.kind not in "iu":
+        # Float codes are valid in the format, but token ids cast from floats would
+        # train silently on garbage.
+        raise DataError(f"--data-path {prefix}: {index_file_path(prefix)} declares {ds.dtype} "
+                        f"data; expected integer token ids (uint16/int32/..., as written by "
+                        f"tools/preprocess_data.py)")
+    return ds
 
 
 def build_sample_idx_py(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -88,9 +89,9 @@ class GPTDataset(torch.utils.data.Dataset):
                             lambda: list(zip((int(docs[p]) for p in range(p0, p1 + 1)),
                                              parts)))
         if tokens.size != self.seq_length + 1:
-            raise RuntimeError(f"{self.name}: sample {idx} has {tokens.size} tokens, expected "
-                               f"{self.seq_length + 1}; the cached index does not match "
-                               f"{ds.prefix} (delete the cache directory)")
+            raise DataError(f"{self.name}: sample {idx} has {tokens.size} tokens, expected "
+                            f"{self.seq_length + 1}; the cached index does not match "
+                            f"{ds.prefix} (delete the cache directory)")
         return {"text": tokens.astype(np.int64)}
 
 
@@ -141,7 +142,11 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
     paths = {k: cache / f"{key}-{name}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
     loaded = load_cached_arrays([paths[k] for k in ("doc", "sample", "shuffle")])
     if loaded is not None and _cached_shapes_ok(loaded, num_samples):
-        return loaded[0], loaded[1], loaded[2], True
+        if _cached_values_ok(loaded, documents, sizes):
+            return loaded[0], loaded[1], loaded[2], True
+        print(f"warning: index cache files {paths['doc'].parent}/{key}-{name}_*_idx.npy point "
+              f"outside {ds.prefix} (corrupt or from another dataset); rebuilding them",
+              file=sys.stderr, flush=True)
 
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
     rng = np.random.RandomState(seed)
@@ -168,6 +173,23 @@ def _cached_shapes_ok(arrays: List[np.ndarray], num_samples: int) -> bool:
     return (doc_idx.ndim == 1 and sample_idx.ndim == 2 and sample_idx.shape[1] == 2
             and shuffle_idx.ndim == 1 and shuffle_idx.size >= num_samples
             and sample_idx.shape[0] == shuffle_idx.size + 1)
+
+
+def _cached_values_ok(arrays: List[np.ndarray], documents: np.ndarray,
+                      sizes: np.ndarray) -> bool:
+    """Every cached index lies inside the dataset (vectorised; milliseconds per million
+    samples), so a corrupt cache is rebuilt instead of failing mid-training."""
+    doc_idx, sample_idx, shuffle_idx = arrays
+    if doc_idx.size == 0 or sample_idx.shape[0] < 2 or shuffle_idx.size == 0:
+        return False
+    if doc_idx.min() < documents.min() or doc_idx.max() > documents.max():
+        return False
+    pos, off = sample_idx[:, 0], sample_idx[:, 1]
+    if pos.min() < 0 or pos.max() >= doc_idx.size or off.min() < 0:
+        return False
+    if np.any(off > sizes[doc_idx[pos]]):
+        return False
+    return bool(shuffle_idx.min() >= 0 and shuffle_idx.max() < sample_idx.shape[0] - 1)
 
 
 def _build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
@@ -231,7 +253,10 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
     """
     from megatron.data.blendable_dataset import BlendableDataset
 
-    prefixes, weights = parse_data_path(data_prefix)
+    try:
+        prefixes, weights = parse_data_path(data_prefix)
+    except ValueError as exc:  # names --data-path and what it expected
+        raise DataError(str(exc)) from None
     if len(train_valid_test_num_samples) != 3:
         raise ValueError("train_valid_test_num_samples must have three entries")
     if len(prefixes) == 1:

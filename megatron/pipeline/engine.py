@@ -422,8 +422,15 @@ class PipelineEngine:
             grid = format_grid(actions, mark=(self.stage, index), window=12)
         except Exception as grid_exc:  # noqa: BLE001 - the original error matters more
             grid = f"(could not draw the schedule grid: {grid_exc})"
+        # a send or receive failed: name the global rank at its other end (after a
+        # kill that rank prints nothing itself)
+        p2p = getattr(self, "p2p", None)  # this report must not fail in its turn
+        peer = None if p2p is None else {
+            Op.SEND_ACT: p2p.next_rank, Op.RECV_GRAD: p2p.next_rank,
+            Op.RECV_ACT: p2p.prev_rank, Op.SEND_GRAD: p2p.prev_rank}.get(action.op)
         msg = (f"[rank {self.groups.rank}] pipeline stage {self.stage} failed at action "
-               f"#{index} {action} ({self.schedule_name}, d={self.num_stages}, "
+               f"#{index} {action}{'' if peer is None else f' (with rank {peer})'} "
+               f"({self.schedule_name}, d={self.num_stages}, "
                f"m={self.num_microbatches}, iteration {self.iteration}): "
                f"{type(exc).__name__}: {exc}\n{grid}")
         print(msg, file=sys.stderr, flush=True)

@@ -77,10 +77,21 @@ def save_trace(path: Union[str, Path], events: Sequence[TraceEvent],
 
 def load_trace(path: Union[str, Path]) -> Tuple[List[TraceEvent], Dict[str, Any]]:
     """Read a file written by ``save_trace``; returns ``(events, meta)``."""
-    with open(path) as f:
-        payload = json.load(f)
-    if not isinstance(payload, dict) or "events" not in payload:
-        raise ValueError(f"load_trace: {path} is not a trace file (no 'events' key)")
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except RecursionError:
+        raise ValueError(f"load_trace: {path} is not a trace file (JSON nested too "
+                         f"deeply)") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("events"), list):
+        raise ValueError(f"load_trace: {path} is not a trace file (no 'events' list)")
+    bad = next((e for e in payload["events"] if not isinstance(e, dict)
+                or not all(type(e.get(k)) in (int, float) for k in ("start", "end"))), None)
+    if bad is not None:
+        raise ValueError(f"load_trace: {path} is not a trace file (event {bad!r:.80} is not "
+                         f"an object with numeric 'start' and 'end')")
+    if not isinstance(payload.get("meta", {}), dict):
+        raise ValueError(f"load_trace: {path} is not a trace file ('meta' is not an object)")
     events = [TraceEvent.from_dict(e) for e in payload["events"]]
     return events, dict(payload.get("meta", {}))
 

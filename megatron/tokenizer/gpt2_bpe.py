@@ -83,7 +83,7 @@ class GPT2BPETokenizer(FastEncoded, MegatronTokenizer):
         try:
             with open(vocab_file, encoding="utf-8") as f:
                 encoder = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(
                 f"--vocab-file {vocab_file!r}: expected GPT-2 encoder.json (a JSON object "
                 f"token -> id): {exc}"
@@ -91,6 +91,14 @@ class GPT2BPETokenizer(FastEncoded, MegatronTokenizer):
         if not isinstance(encoder, dict) or EOD_TOKEN not in encoder:
             raise ValueError(
                 f"--vocab-file {vocab_file!r}: expected a JSON object containing {EOD_TOKEN!r}"
+            )
+        # vocab_size is len(encoder): an id outside it would index past the embedding.
+        bad = next(((t, i) for t, i in encoder.items()
+                    if type(i) is not int or not 0 <= i < len(encoder)), None)
+        if bad is not None:
+            raise ValueError(
+                f"--vocab-file {vocab_file!r}: token {bad[0]!r} has id {bad[1]!r}; expected "
+                f"integer ids in [0, {len(encoder)}) (one per token, as GPT-2's encoder.json)"
             )
         try:
             merges = read_merges(merge_file)

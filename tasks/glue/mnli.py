@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from tasks.data_utils import ListDataset, ReadReport, build_pair_sample, clean_text, special_ids
+from tasks.data_utils import (ListDataset, ReadReport, build_pair_sample, clean_text, read_text,
+                              special_ids)
 
 LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
 NUM_CLASSES = len(LABELS)
@@ -36,8 +37,7 @@ def read_mnli(path: str, require_labels: bool = True) -> Tuple[List[MnliExample]
     accuracy need labels); with False its rows get label -1.
     """
     report = ReadReport("MNLI", files=[path])
-    with open(path, "r", encoding="utf-8") as fh:
-        lines = fh.read().splitlines()
+    lines = read_text(path, "a GLUE MNLI TSV file").splitlines()
     if not lines:
         raise ValueError(f"{path}: empty file; expected a GLUE MNLI TSV with a header row")
     header = lines[0].split("\t")

@@ -14,7 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tasks.data_utils import ListDataset, ReadReport, build_pair_sample, clean_text, special_ids
+from tasks.data_utils import (ListDataset, ReadReport, build_pair_sample, clean_text, read_text,
+                              special_ids)
 
 NUM_CHOICES = 4
 ANSWERS = "ABCD"
@@ -59,12 +60,16 @@ def _question_problem(question, options, answer) -> Optional[str]:
 
 def read_race_file(path: str, report: ReadReport) -> List[RaceExample]:
     """Examples of one passage file; problems are recorded in ``report``."""
-    with open(path, "r", encoding="utf-8") as fh:
-        text = fh.read()
     try:
-        obj = json.loads(text)
+        obj = json.loads(read_text(path, "a RACE passage (one JSON object)"))
     except json.JSONDecodeError as exc:
         report.bad(path, exc.lineno, f"not valid JSON ({exc.msg})")
+        return []
+    except ValueError as exc:  # not UTF-8 text, unreadable
+        report.bad(path, 1, str(exc).removeprefix(f"{path}: "))
+        return []
+    except RecursionError:
+        report.bad(path, 1, "not valid JSON (nested too deeply)")
         return []
     keys = ("article", "questions", "options", "answers")
     if not isinstance(obj, dict) or any(k not in obj for k in keys):

@@ -101,8 +101,14 @@ class PaddingWindows(torch.utils.data.Dataset):
 
 
 def read_wikitext(paths: List[str]) -> str:
+    """The text of the --valid-data files; an unreadable or binary one is a DataError."""
+    from megatron.errors import DataError
+    from tasks.data_utils import read_text
+
     parts = []
     for path in paths:
-        with open(path, "r", encoding="utf-8") as fh:
-            parts.append(fh.read())
+        try:
+            parts.append(read_text(path, "a WikiText text file"))
+        except ValueError as exc:
+            raise DataError(f"--valid-data {exc}") from None
     return "".join(parts)

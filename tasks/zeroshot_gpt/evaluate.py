@@ -23,6 +23,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
+from megatron.errors import DataError
 from tasks.arguments import add_task_args
 from tasks.zeroshot_gpt.datasets import (LMWindowDataset, PaddingWindows, count_words,
                                          read_wikitext, wikitext_detokenize)
@@ -97,15 +98,19 @@ def evaluate(argv: Optional[Sequence[str]] = None) -> Optional[PerplexityResult]
     from tasks.finetune_utils import load_pretrained, microbatches
 
     args, cfg = _setup(list(argv if argv is not None else sys.argv[1:]))
+    original = read_wikitext(args.valid_data)  # before any process group: fails on every rank
     tokenizer, groups, device = initialize_megatron(args, cfg)
+    tokens = tokenizer.tokenize(wikitext_detokenize(original))
+    if len(tokens) < 2:
+        raise DataError(f"--valid-data {' '.join(args.valid_data)}: {len(tokens)} tokens; "
+                        f"expected text with at least two tokens to score")
     _, optimizer, _, engine = setup_model_and_optimizer(
         cfg, groups, device, pretrain_gpt.model_provider, forward_step)
     load_pretrained(engine, optimizer, args.load or args.pretrained_checkpoint, groups, (),
                     vocab_size=tokenizer.vocab_size,
-                    flag="--load" if args.load else "--pretrained-checkpoint")
+                    flag="--load" if args.load else "--pretrained-checkpoint",
+                    allow_unsafe=args.allow_unsafe_checkpoint)
 
-    original = read_wikitext(args.valid_data)
-    tokens = tokenizer.tokenize(wikitext_detokenize(original))
     seq = cfg.model.seq_length
     stride = args.overlapping_eval or seq
     windows = LMWindowDataset(tokens, seq, stride, pad_id=tokenizer.eod)

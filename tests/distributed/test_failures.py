@@ -1,6 +1,7 @@
 """A failing rank never leaves the others hanging, and the failure names the pipeline step."""
 from __future__ import annotations
 
+import re
 import time
 
 from tests.dist_utils import run_distributed
@@ -43,3 +44,26 @@ def test_failure_on_one_stage_stops_both_with_the_step_marked():
     # the healthy stage does not hang: it fails within the 30 s timeout (+ slack)
     assert peer["error"] is not None
     assert peer["seconds"] < 90
+    # stuck in a send or receive to stage 1: the message names rank 1
+    stuck = re.search(r"failed at action #\d+ 0(RA|RG|SA|SG)\d+( \(with rank 1\))?",
+                      peer["error"])
+    assert stuck is None or stuck.group(2), peer["error"][:300]
+
+
+def _dies_without_reporting(rank: int, world: int):
+    import os
+
+    if rank == 1:
+        os._exit(3)  # as a SIGKILL or a crash in native code would: no result, no traceback
+    return rank
+
+
+def test_a_rank_process_that_dies_silently_fails_the_run_within_seconds():
+    """The spawn harness (tests and the benches' run_groups) notices a rank that exited
+    without reporting, instead of waiting out its timeout."""
+    import pytest
+
+    start = time.time()
+    with pytest.raises(RuntimeError, match="rank 1 ---\nexited with code 3"):
+        run_distributed(_dies_without_reporting, 2, timeout=600)
+    assert time.time() - start < 60

@@ -534,3 +534,23 @@ def test_resume_with_another_lr_schedule_needs_megatrons_flag(tmp_path):
     _train(_argv("--save", constant, "--eval-iters", "0", iters=2), pretrain_gpt.forward_step)
     assert _train(_argv("--load", constant, "--eval-iters", "0", iters=4),
                   pretrain_gpt.forward_step).iteration == 4
+
+
+def test_suspect_weights_are_not_saved_and_a_run_ending_on_them_fails(tmp_path, capsys):
+    """fp32, --save-interval 2: a checkpoint whose last step was skipped for NaN is held
+    back (the weights produced the NaN), a later good step saves again; a run whose last
+    step is skipped exits 1 and leaves the tracker on the last good checkpoint."""
+    from megatron.training import NonFiniteError
+
+    mid = tmp_path / "mid"
+    _train(_argv("--save", str(mid), "--save-interval", "2", "--eval-iters", "0"),
+           _Poison({1}, m=4, how="mul"))
+    assert "not saving the checkpoint of iteration 2" in capsys.readouterr().out
+    assert sorted(p.name for p in mid.glob("iter_*")) == ["iter_0000004"]
+
+    end = tmp_path / "end"
+    with pytest.raises(NonFiniteError, match=r"last 1 optimizer step\(s\) \(iteration 4\)"):
+        _train(_argv("--save", str(end), "--save-interval", "2", "--eval-iters", "0"),
+               _Poison({3}, m=4, how="add"))
+    assert sorted(p.name for p in end.glob("iter_*")) == ["iter_0000002"]
+    assert (end / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

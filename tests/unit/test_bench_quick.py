@@ -82,6 +82,9 @@ def test_equal_time_projection_smoke(tmp_path: Path) -> None:
     run = data["runs"][0]
     assert set(run["seconds_per_iteration"]) == {"flush", "2bw", "2bw+predict"}
     assert set(run["measured_seconds_per_iteration"]) == {"flush", "2bw", "2bw+predict"}
+    # every timing round is kept, not only the fastest
+    assert {k: len(v) for k, v in run["measured_rounds"].items()} == {
+        "flush": 1, "2bw": 1, "2bw+predict": 1}
     assert len(run["mitigation_stage_costs"]["2bw+predict"]) == run["time_depth"]
     assert all(v > 0 for v in run["seconds_per_iteration"].values())
     assert len(run["stage_costs"]) == run["time_depth"]

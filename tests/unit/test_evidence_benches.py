@@ -256,3 +256,34 @@ def test_equal_time_budget_and_summary() -> None:
     assert out["2bw"]["speedup_to_flush_final"] == pytest.approx(
         600 * 0.2 / (out["2bw"]["reaches_flush_final_at"] * 0.16))
     assert out["flush"]["speedup_to_flush_final"] == 1.0
+    # 2BW needs 675 iterations for Flush's 600: sooner only while 2BW is > 1.125x faster
+    assert out["2bw"]["break_even_speed_ratio"] == pytest.approx(675 / 600)
+    rounds = {"flush": [0.2, 0.2], "2bw": [0.16, 0.18]}
+    per_round = summarize(curves, plan, sec, rounds)["2bw"]["speedup_to_flush_final_per_round"]
+    assert per_round == pytest.approx([600 * 0.2 / (675 * 0.16), 600 * 0.2 / (675 * 0.18)])
+    # Flush's noisy validation loss touched its final value before the end: both sides
+    # are timed to their first reach, so Flush is 1.0 and 2BW is measured against 285.7
+    dip = dict(curves, flush={0: 6.0, 300: 3.9, 600: 4.0})
+    out = summarize(dip, plan, sec)
+    flush_reach = 300 * 2.0 / 2.1
+    assert out["flush"]["speedup_to_flush_final"] == pytest.approx(1.0)
+    assert out["2bw"]["speedup_to_flush_final"] == pytest.approx(
+        flush_reach * 0.2 / (out["2bw"]["reaches_flush_final_at"] * 0.16))
+    assert out["2bw"]["break_even_speed_ratio"] == pytest.approx(
+        out["2bw"]["reaches_flush_final_at"] / flush_reach)
+
+
+def test_equal_time_break_even_of_the_warm_up() -> None:
+    """The flush warm-up's first W iterations cost Flush's time whatever 2BW's speed: it
+    is sooner iff (R - W) s_2bw < (N - W) s_flush; inside the warm-up the ratio is moot."""
+    from bench.equal_time import break_even_ratio, modelled_seconds
+
+    n, w, r = 600, 315, 612.6
+    ratio = break_even_ratio("2bw+warmup", r, n, w)
+    assert ratio == pytest.approx((r - w) / (n - w))
+    s_flush = 0.2
+    at_break_even = {"flush": s_flush, "2bw": s_flush / ratio}
+    assert modelled_seconds("2bw+warmup", r, at_break_even, w) == pytest.approx(n * s_flush)
+    assert break_even_ratio("2bw+warmup", 300, n, w) is None
+    assert break_even_ratio("2bw+warmup", None, n, w) is None
+    assert break_even_ratio("flush", 600, n, 0) is None

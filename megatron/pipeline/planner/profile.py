@@ -102,6 +102,9 @@ class Profile:
             raise ValueError(f"profile clock {clock!r}: expected one of {CLOCKS}")
         self.clock = clock
         suffix = "_cpu_s" if clock == "cpu" else "_s"
+        if not isinstance(data, dict):
+            raise ValueError(f"--profile {source}: expected a JSON object written by "
+                             f"tools/profile_model.py, found {type(data).__name__}")
         if data.get("schema") != SCHEMA:
             raise ValueError(f"--profile {source}: schema {data.get('schema')!r}, expected "
                              f"{SCHEMA!r} (written by tools/profile_model.py)")
@@ -157,8 +160,10 @@ class Profile:
         except FileNotFoundError:
             raise ValueError(f"--profile {path}: no such file (run tools/profile_model.py "
                              "first)") from None
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as exc:
             raise ValueError(f"--profile {path}: not JSON ({exc})") from None
+        except OSError as exc:
+            raise ValueError(f"--profile {path}: cannot read it ({exc.strerror or exc})") from None
         return cls(data, str(path), clock)
 
     def scaled(self, time_factor: float) -> "Profile":
