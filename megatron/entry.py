@@ -10,7 +10,9 @@
   shells report for a process killed by Ctrl-C);
 * an error that only says a peer rank went away (gloo "Connection closed by peer"):
   one ``error: [rank R] a peer rank exited ...`` line, exit code 1 -- the peer prints
-  the real cause;
+  the real cause; one that says a peer did not answer in time (gloo "Timed out
+  waiting"): one ``error: [rank R] a peer rank did not answer within
+  --distributed-timeout-minutes ...`` line, exit code 1;
 * anything else is a bug: the normal traceback and exit code 1.
 
 ``--debug`` on the command line (removed before ``main`` sees it, so tools whose parser
@@ -30,7 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from megatron.errors import UserError
 
@@ -71,11 +73,14 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
         cause = _user_error_cause(exc)
         if cause is not None:  # wrapped on its way out (e.g. by a worker or a callback)
             exit_with_user_error(cause, debug)
-        if debug or not _lost_peer(exc):
+        gone, hung = _lost_peer(exc), _lost_peer(exc, _TIMED_OUT)
+        if debug or not (gone or hung):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        _print_error(f"error: [rank {os.environ.get('RANK', '?')}] a peer rank exited (it "
-                     f"probably failed: see its own error line); here: {first}")
+        what = ("a peer rank exited (it probably failed: see its own error line)" if gone
+                else "a peer rank did not answer within --distributed-timeout-minutes (it is "
+                     "hung or far slower than this one; a hung rank prints nothing itself)")
+        _print_error(f"error: [rank {os.environ.get('RANK', '?')}] {what}; here: {first}")
         _exit(1)
     _shutdown_process_group()
     sys.exit(code if isinstance(code, int) else 0)
@@ -140,12 +145,15 @@ def _user_error_cause(exc: BaseException) -> Optional[UserError]:
 
 
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+# gloo's words when a receive or collective outlives the process group's timeout
+_TIMED_OUT = ("Timed out waiting",)
 
 
-def _lost_peer(exc: BaseException) -> bool:
-    """The error only says that another rank went away (its own message says why)."""
+def _lost_peer(exc: BaseException, words: Tuple[str, ...] = _LOST_PEER) -> bool:
+    """The error only says that another rank went away (its own message says why), or,
+    with ``words=_TIMED_OUT``, that one did not answer in time."""
     while exc is not None:
-        if any(s in str(exc) for s in _LOST_PEER):
+        if any(s in str(exc) for s in words):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

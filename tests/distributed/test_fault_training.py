@@ -273,10 +273,23 @@ def test_entry_point_lost_peer_is_one_line_other_errors_keep_their_traceback(cap
     def bug(argv):
         raise ZeroDivisionError("a bug")
 
+    def hung(argv):
+        try:
+            raise RuntimeError("[unbound_buffer.cc:81] Timed out waiting 15000ms for recv "
+                               "operation to complete")
+        except RuntimeError as exc:
+            raise ValueError("[rank 1] pipeline stage 1 failed at action #7\ngrid") from exc
+
     monkeypatch.setenv("RANK", "0")
     assert _entry(lost, [], monkeypatch) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: [rank 0] a peer rank exited") and "\n" not in err
+    monkeypatch.setenv("RANK", "1")
+    assert _entry(hung, [], monkeypatch) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: [rank 1] a peer rank did not answer within "
+                          "--distributed-timeout-minutes") and "\n" not in err
+    assert "stage 1 failed at action #7" in err
     with pytest.raises(ZeroDivisionError):
         from megatron.entry import run_entry_point
         run_entry_point(bug, [])
