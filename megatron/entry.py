@@ -82,8 +82,17 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
                      "hung or far slower than this one; a hung rank prints nothing itself)")
         _print_error(f"error: [rank {os.environ.get('RANK', '?')}] {what}; here: {first}")
         _exit(1)
-    _shutdown_process_group()
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    if _process_group_alive():
+        _shutdown_process_group()
+        # Even with the group destroyed, a torchrun worker sometimes aborted in the
+        # interpreter's teardown ('terminate called without an active exception', no
+        # Python frame left; 2 of 15 SIGTERM-and-save runs, 2026-11-23): a native thread
+        # still joinable when its owner is destroyed.  The run is over and its files
+        # are closed (checkpoints are fsynced and renamed, the logger is closed), so
+        # skip the teardown.
+        _flush_and_exit(code)
+    sys.exit(code)
 
 
 def _process_group_alive() -> bool:
@@ -113,13 +122,25 @@ def _exit(code: int) -> None:
     this rank, and destroying the group would wait for it, or abort in gloo's threads.
     Checkpoints are complete files or absent (atomic renames), so nothing is lost."""
     if _process_group_alive():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
+        _flush_and_exit(code)
     sys.exit(code)
+
+
+def _flush_and_exit(code: int) -> None:
+    """``os._exit(code)`` after flushing what Python still buffers: the standard streams
+    and the ``logging`` handlers."""
+    import logging
+
+    try:
+        logging.shutdown()
+    except Exception:  # noqa: BLE001 - exiting matters more
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
 
 
 def exit_with_user_error(err: BaseException, debug: Optional[bool] = None) -> None:
