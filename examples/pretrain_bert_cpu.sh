@@ -10,7 +10,9 @@
 #   VOCAB=../shared/data/bert/vocab.txt INPUT=corpus.jsonl bash examples/pretrain_bert_cpu.sh
 #   TRAIN_ITERS=20 SCHEDULE=flush bash examples/pretrain_bert_cpu.sh
 # The checkpoint goes to $SAVE (default checkpoints/bert_cpu), which
-# examples/finetune_mnli.sh and examples/finetune_race.sh read.
+# examples/finetune_mnli.sh and examples/finetune_race.sh read.  As in Megatron's
+# scripts, --load names the same directory: a rerun resumes from its latest
+# checkpoint (and says "nothing to train" once TRAIN_ITERS are done).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -48,4 +50,4 @@ OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node "$N
     --mask-prob 0.15 --short-seq-prob 0.1 \
     --tokenizer-type BertWordPieceLowerCase --vocab-file "$VOCAB" "${DATA_ARGS[@]}" \
     --log-interval 10 --eval-interval 50 --eval-iters 2 --num-workers 0 \
-    --save "$SAVE" --save-interval "$ITERS"
+    --save "$SAVE" --load "$SAVE" --save-interval "$ITERS"

@@ -34,4 +34,4 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node 8 \
     --data-path "$DATA" --split 949,50,1 \
     --tokenizer-type BertWordPieceLowerCase --vocab-file "$VOCAB" \
     --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-    --save "$SAVE" --save-interval 5000 --distributed-timeout-minutes 20
+    --save "$SAVE" --load "$SAVE" --save-interval 5000 --distributed-timeout-minutes 20

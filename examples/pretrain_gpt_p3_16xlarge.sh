@@ -29,4 +29,4 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node 8 \
     --data-path "$DATA" --split 949,50,1 \
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" \
     --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-    --save checkpoints/gpt_p3 --save-interval 5000 --distributed-timeout-minutes 20
+    --save checkpoints/gpt_p3 --load checkpoints/gpt_p3 --save-interval 5000 --distributed-timeout-minutes 20

@@ -474,7 +474,13 @@ def read_tracker(root: str) -> Optional[int]:
         raise CheckpointError(f"{path}: expected a text file holding an iteration number "
                               f"({getattr(exc, 'strerror', None) or exc})") from None
     if text == "release":
-        return 0
+        # Megatron-LM's released weights: torch pickles under release/, which this
+        # project never unpickles; its tools export them to Hugging Face, which it reads
+        raise CheckpointError(
+            f"{path}: names a Megatron-LM 'release' checkpoint (pickle files under "
+            f"{os.path.join(root, 'release')}), a format this project does not load; export "
+            "it to Hugging Face with Megatron-LM's converter, then import it with "
+            "tools/checkpoint_util.py --from-hf (docs/checkpoint_conversion.md)")
     try:
         iteration = int(text) if len(text) <= 18 else -1  # an int64, as Megatron writes
     except ValueError:

@@ -610,3 +610,12 @@ def test_trace_and_profile_files_of_the_wrong_shape_are_value_errors(tmp_path):
                            ("deep.json", "not JSON")):
         with pytest.raises(ValueError, match=f"--profile .*{name}: {expected}"):
             Profile.load(str(tmp_path / name))
+
+
+def test_megatron_lm_release_tracker_is_named_not_read_as_iteration_0(tmp_path):
+    """Megatron-LM's released weights (tracker 'release', pickles under release/) are
+    refused with what to do instead, not reported as a missing iter_0000000."""
+    (tmp_path / TRACKER).write_text("release\n")
+    (tmp_path / "release").mkdir()
+    with pytest.raises(CheckpointError, match="Megatron-LM 'release' checkpoint.*--from-hf"):
+        read_tracker(str(tmp_path))
