@@ -221,8 +221,8 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
     """Run a finetuning task end to end; returns this rank's result."""
     from megatron.checkpointing import find_checkpoint
     from megatron.initialize import barrier_with_message
-    from megatron.training import (TrainingResult, _save_checked, maybe_load,
-                                   setup_model_and_optimizer, train)
+    from megatron.training import (NonFiniteError, TrainingResult, _save_checked,
+                                   maybe_load, setup_model_and_optimizer, train)
     from megatron.training_log import TrainingLogger, print_rank_last
 
     argv = list(argv if argv is not None else sys.argv[1:])
@@ -278,6 +278,11 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
                 break
             score(epoch + 1)
         tr.train_iters = total
+        if result.training.nonfinite_ending is not None:
+            # the last epoch ended on steps skipped for inf/nan: fail, save nothing (same
+            # verdict on every rank, as in pretraining)
+            logger.close()
+            raise NonFiniteError(result.training.nonfinite_ending)
         if tr.save and state.iteration > 0 and not result.training.exited_early and not (
                 tr.save_interval and state.iteration % tr.save_interval == 0):
             _save_checked(cfg, groups, engine, optimizer, scheduler, state)

@@ -62,3 +62,21 @@ def test_wikitext_perplexity_same_with_tensor_parallelism_and_without(last):
     assert t2.num_tokens == t1.num_tokens and t2.num_words == t1.num_words
     assert t2.total_loss == pytest.approx(t1.total_loss, rel=1e-10)
     assert t2.adjusted_ppl == pytest.approx(t1.adjusted_ppl, rel=1e-9)
+
+
+def test_finetuning_that_ends_on_nan_steps_fails_and_saves_nothing(tmp_path):
+    """lr 1e30: the first step sends the weights to ~1e30 and every later step is skipped
+    for a non-finite loss; the run ends on those weights, so it fails and saves nothing
+    (it used to save them and exit 0)."""
+    from megatron.training import NonFiniteError
+    from tasks.main import main
+    from tests.distributed.test_bert_harness import REAL
+
+    torch.set_num_threads(1)
+    mnli = DATA / "glue" / "MNLI"
+    with pytest.raises(NonFiniteError, match=r"last 2 optimizer step\(s\) \(iterations 2-3\)"):
+        main(REAL + ["--task", "MNLI", "--global-batch-size", "2", "--epochs", "1",
+                     "--lr", "1e30", "--train-data", str(mnli / "train.tsv"),
+                     "--valid-data", str(mnli / "dev_matched.tsv"),
+                     "--save", str(tmp_path / "ck")])
+    assert not list((tmp_path / "ck").glob("iter_*"))
