@@ -324,6 +324,10 @@ def seq_length_note(cfg: MegatronConfig, saved_model: Dict[str, Any],
             "tokens, so the training data does not continue where the checkpoint's run stopped")
 
 
+# What restoring a saved optimizer or RNG state raises when it does not fit this run
+_RESTORE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError)
+
+
 def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
                optimizer, scheduler) -> TrainState:
     from megatron.tensor_parallel.random import set_rng_state
@@ -363,8 +367,7 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
             optimizer.load_state_dict(payload["optimizer"])
             if payload.get("engine") is not None:
                 engine.load_state_dict(payload["engine"])
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError,
-                RuntimeError) as exc:  # another optimizer/precision, or a malformed state
+        except _RESTORE_ERRORS as exc:  # another optimizer/precision, or a malformed state
             raise CheckpointError(f"--load {tr.load}: cannot restore the optimizer state of "
                                   f"iteration {state.iteration}: {exc} (--no-load-optim starts "
                                   f"the optimizer afresh)") from None
@@ -384,8 +387,7 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     if not tr.no_load_rng and payload.get("rng_state") is not None:
         try:
             set_rng_state(payload["rng_state"])
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError,
-                RuntimeError) as exc:
+        except _RESTORE_ERRORS as exc:
             raise CheckpointError(f"--load {tr.load}: cannot restore the random number "
                                   f"generator state of iteration {state.iteration}: {exc} "
                                   f"(--no-load-rng skips it)") from None

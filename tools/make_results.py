@@ -640,6 +640,8 @@ def render_gpu_profile(d: Dict[str, Any]) -> List[str]:
 
 
 def render_equal_time(d: Dict[str, Any]) -> List[str]:
+    from bench.equal_time import round_list
+
     projected = d.get("time_source") == "simulated"
     if projected:
         out = [f"**Projected, not measured:** each run's --train-iters is what fits in "
@@ -669,7 +671,6 @@ def render_equal_time(d: Dict[str, Any]) -> List[str]:
         if rounds and not projected:
             out.append("s/iteration in each timing round: " + "; ".join(
                 f"{k} " + " ".join(f"{x:.4f}" for x in v) for k, v in rounds.items()))
-        from bench.equal_time import round_list
         out.append(md_table(
             ["run", "iterations", "of them Flush", "modelled s", "final valid loss",
              "vs Flush", "reaches Flush's final at", "s to it", "Flush s / s to it",

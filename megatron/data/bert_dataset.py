@@ -382,10 +382,7 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
     """
     from megatron.data.blendable_dataset import BlendableDataset
 
-    try:
-        prefixes, weights = parse_data_path(data_prefix)
-    except ValueError as exc:  # names --data-path and what it expected
-        raise DataError(str(exc)) from None
+    prefixes, weights = parse_data_path(data_prefix)
     counts = np.zeros((len(prefixes), 3), dtype=np.int64)
     for s, n in enumerate(train_valid_test_num_samples):
         if n > 0:

@@ -54,26 +54,26 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
     """``--data-path`` ("p" or "w1 p1 w2 p2 ...") -> (prefixes, normalised weights)."""
     items = [str(p) for p in data_path]
     if not items:
-        raise ValueError("--data-path: no dataset prefix given")
+        raise DataError("--data-path: no dataset prefix given")
     if len(items) == 1:
         return items, [1.0]
     if len(items) % 2:
-        raise ValueError(f"--data-path {' '.join(items)}: expected a single prefix or "
+        raise DataError(f"--data-path {' '.join(items)}: expected a single prefix or "
                          f"'weight prefix' pairs such as '0.3 a 0.7 b'")
     weights, prefixes = [], []
     for w, p in zip(items[0::2], items[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise ValueError(f"--data-path: {w!r} should be a weight before prefix {p!r} "
+            raise DataError(f"--data-path: {w!r} should be a weight before prefix {p!r} "
                              f"(pairs such as '0.3 a 0.7 b')") from None
         if weight < 0 or not np.isfinite(weight):
-            raise ValueError(f"--data-path: weight {w} of {p} must be a non-negative number")
+            raise DataError(f"--data-path: weight {w} of {p} must be a non-negative number")
         weights.append(weight)
         prefixes.append(p.strip())
     total = sum(weights)
     if total <= 0:
-        raise ValueError("--data-path: the weights must not all be zero")
+        raise DataError("--data-path: the weights must not all be zero")
     return prefixes, [w / total for w in weights]
 
 

@@ -253,10 +253,7 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
     """
     from megatron.data.blendable_dataset import BlendableDataset
 
-    try:
-        prefixes, weights = parse_data_path(data_prefix)
-    except ValueError as exc:  # names --data-path and what it expected
-        raise DataError(str(exc)) from None
+    prefixes, weights = parse_data_path(data_prefix)
     if len(train_valid_test_num_samples) != 3:
         raise ValueError("train_valid_test_num_samples must have three entries")
     if len(prefixes) == 1:

@@ -395,6 +395,29 @@ def test_pipeline_failure_message_stays_small(capsys):
     assert capsys.readouterr().err.strip() == msg.strip()
 
 
+def test_failed_send_or_receive_names_the_rank_at_its_other_end(capsys):
+    """After a kill the dead rank prints nothing: the survivor's message names it."""
+    from types import SimpleNamespace
+
+    from megatron.pipeline.actions import Op
+    from megatron.pipeline.engine import PipelineEngine
+    from megatron.pipeline.schedules import build_schedule
+
+    actions = build_schedule("flush", 3, 4, 1)
+    fake = SimpleNamespace(stage=1, groups=SimpleNamespace(rank=5), schedule_name="flush",
+                           num_stages=3, num_microbatches=4, iteration=0,
+                           p2p=SimpleNamespace(prev_rank=1, next_rank=9))
+    want = {Op.RECV_ACT: 1, Op.SEND_GRAD: 1, Op.SEND_ACT: 9, Op.RECV_GRAD: 9}
+    for op, peer in want.items():
+        i = next(k for k, a in enumerate(actions[1]) if a.op is op)
+        msg = PipelineEngine._report_failure(fake, actions, i, actions[1][i], RuntimeError("x"))
+        assert f"{actions[1][i]} (with rank {peer})" in msg.splitlines()[0]
+    i = next(k for k, a in enumerate(actions[1]) if a.op is Op.FORWARD)
+    msg = PipelineEngine._report_failure(fake, actions, i, actions[1][i], RuntimeError("x"))
+    assert "with rank" not in msg.splitlines()[0]
+    capsys.readouterr()
+
+
 # ---- signals and a dead launcher ------------------------------------------------------------
 
 def _children(pid: int) -> list:

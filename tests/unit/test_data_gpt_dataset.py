@@ -61,7 +61,7 @@ def test_parse_data_path():
     prefixes, weights = parse_data_path(["3", "a", "1", "b"])
     assert np.allclose(weights, [0.75, 0.25])
     for bad in (["0.3", "a", "b"], ["x", "a", "0.5", "b"], ["-1", "a", "1", "b"], []):
-        with pytest.raises(ValueError, match="--data-path"):
+        with pytest.raises(DataError, match="--data-path"):  # a user error: one line
             parse_data_path(bad)
 
 
