@@ -733,8 +733,13 @@ def section(entry: Entry, repo: Path, out_md: Path) -> str:
                      f"{type(exc).__name__}: {exc}; shown generically)")
         lines += render_generic(data)
     for fig in figure_paths(name, data, repo):
-        target = repo / fig
-        rel = os.path.relpath(target, out_md.parent).replace(os.sep, "/")
+        target = (repo / fig).resolve()
+        if not any(target.is_relative_to(root.resolve()) for root in (repo, out_md.parent)):
+            # a figure left where the bench wrote it (/tmp/...): the page must not depend
+            # on where this checkout is, nor on what that machine has in /tmp
+            lines.append(f"(figure `{fig}` is outside the repository: not linked)")
+            continue
+        rel = os.path.relpath(target, out_md.parent.resolve()).replace(os.sep, "/")
         lines.append(f"![{Path(fig).stem}]({rel})" if target.is_file()
                      else f"(figure `{fig}` is missing)")
     return "\n\n".join(lines)

@@ -172,6 +172,23 @@ def test_committed_results_page_is_current() -> None:
         "docs/RESULTS.md is stale: run `python tools/make_results.py`")
     # the two-schedule and the per-variant convergence JSON both render as intended
     assert "does not have the fields" not in page
+    # every figure a committed result names is in the repository, so the page links it
+    # the same way from any checkout (a /tmp path once made CI's page differ from ours)
+    assert "outside the repository" not in page
+    assert "is missing)" not in page
+
+
+def test_a_figure_outside_the_repository_is_not_linked(tmp_path: Path) -> None:
+    from tools.make_results import build_page
+
+    results = tmp_path / "repo" / "bench" / "results"
+    results.mkdir(parents=True)
+    outside = tmp_path / "elsewhere.png"
+    outside.write_bytes(b"png")
+    (results / "x.json").write_text(json.dumps({"figures": [str(outside)], "value": 1}))
+    page = build_page(results, tmp_path / "repo" / "docs" / "RESULTS.md")
+    assert f"(figure `{outside}` is outside the repository: not linked)" in page
+    assert "](" not in page.split("## x", 1)[1]
 
 
 def _variant(final: float, rel: float, reach, spi, seconds) -> Dict:
