@@ -11,7 +11,8 @@ sizes ``--train-iters`` to a time budget instead.  This bench asks the question 
 way, with the same models, data, seeds and hyperparameters as those two benches:
 
 1. the time per iteration of flush and 2bw, side by side (interleaved rounds, the
-   fastest of each kept): GPT at d=4 (4 CPU ranks), BERT at d=2 (its 2 layers);
+   fastest of each kept): GPT at d=4 (4 CPU ranks; ``--time-depth`` to change),
+   BERT at d=2 (its 2 layers);
 2. each variant's ``--train-iters`` = the iterations that fit in the time Flush needs
    for its N.  The flush warm-up variant (``--2bw-mitigation warmup``) runs its first
    ``--warmup-fraction`` at Flush's time and the rest at 2BW's, and keeps that
@@ -282,6 +283,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--time-source", choices=("measured", "simulated"), default="measured",
                    help="s/iteration measured here (default), or projected by the simulator "
                         "for a processor per stage from the measured stage costs")
+    p.add_argument("--time-depth", type=int, default=None,
+                   help="pipeline stages d of GPT's timing runs (default 4, smoke 2; BERT "
+                        "always 2, its layer count); d=2 is what a 2-core machine runs with "
+                        "a core per stage")
     p.add_argument("--time-rounds", type=int, default=None, help="default 3 (smoke 1)")
     p.add_argument("--time-iters", type=int, default=None, help="default 30 (smoke 2)")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at the same time")
@@ -305,7 +310,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             data = gpt_bench.prepare_data(work or Path("/tmp/megatron-bench/convergence"),
                                           s["vocab"], s["max_chars"] or None)
             lrs = args.lr or ([1e-3] if args.smoke else [1e-3, 3e-4])
-            depth = min(2 if args.smoke else 4, s["layers"])
+            depth = min(args.time_depth or (2 if args.smoke else 4), s["layers"])
         else:
             data = bert_bench.prepare_data(work or Path("/tmp/megatron-bench/convergence_bert"),
                                            s["max_chars"] or None)

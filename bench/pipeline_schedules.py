@@ -22,9 +22,11 @@ AdamW).  Both sides read their data inside the timed loop from the same mock dat
 our trainer one microbatch at a time, the torch side one DataLoader batch per step (as
 a user of torch.distributed.pipelining would; until 2026-11-22 its batches were built
 before the loop, which left its data loading out of the comparison).  The first-step
-losses of the four are printed and must agree.  Throughput is the batch period on
+losses of all variants are printed and must agree.  Ours also runs with each receive
+posted when its action runs instead of ahead of it (``..., receives on demand``: the
+ablation of ``P2PCommunicator.prepost_receives``).  Throughput is the batch period on
 stage 0 (first forward of batch k to that of batch k+1), median over the batches after
-warm-up.  Each round runs the four back to back (the order reversed every other round);
+warm-up.  Each round runs every variant back to back (the order reversed every other round);
 "per round" is the ratio to torch's 1F1B within each round, its median and range over
 the rounds: the spread that tells a real difference from the machine's noise.  Beside
 it, the CPU time per batch of each rank's process (gloo's threads included): on a
@@ -357,7 +359,12 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
     return batch_periods(starts), losses
 
 
-GPT_VARIANTS = ("flush", "2bw", "torch Schedule1F1B", "torch ScheduleGPipe")
+GPT_VARIANTS = ("flush", "2bw", "flush, receives on demand", "2bw, receives on demand",
+                "torch Schedule1F1B", "torch ScheduleGPipe")
+"""``..., receives on demand``: ours with each receive posted when its action runs (as
+on NCCL, and as torch.distributed.pipelining posts them), not ahead of it: the
+side-by-side ablation of ``P2PCommunicator.prepost_receives``, which two ranks on this
+bench's machine get by default (``megatron.pipeline.p2p.prepost_pays``)."""
 # process CPU time (all threads, gloo's included) at each batch start of the current run:
 # CPU work per batch does not depend on how much of the machine other processes take
 _CPU_STAMPS: List[float] = []
@@ -371,6 +378,20 @@ def run_ours(argv: List[str], num_microbatches: int):
     return run_trainer(argv, num_microbatches, cpu_stamps=_CPU_STAMPS)
 
 
+@contextlib.contextmanager
+def _receives_on_demand(on: bool):
+    """The engine's communicator with ``prepost_receives=False`` while inside."""
+    from megatron.pipeline import engine as engine_mod
+
+    original = engine_mod.P2PCommunicator
+    if on:
+        engine_mod.P2PCommunicator = lambda *a, **k: original(*a, **{**k, "prepost_receives": False})
+    try:
+        yield
+    finally:
+        engine_mod.P2PCommunicator = original
+
+
 def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
                 steps: int) -> Dict[str, Dict[str, Any]]:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -382,9 +403,10 @@ def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
     for r in range(rounds):
         # reversed order every other round, so a drift in machine load hits all alike
         for variant in (GPT_VARIANTS if r % 2 == 0 else GPT_VARIANTS[::-1]):
-            if variant in ("flush", "2bw"):
-                argv = gpt_argv(variant, quick, iters)
-                with contextlib.redirect_stdout(io.StringIO()):
+            if not variant.startswith("torch"):
+                argv = gpt_argv(variant.split(",")[0], quick, iters)
+                with contextlib.redirect_stdout(io.StringIO()), \
+                        _receives_on_demand(variant.endswith("on demand")):
                     periods, losses = run_ours(argv, _microbatches(argv))
             else:
                 cls = Schedule1F1B if variant.endswith("1F1B") else ScheduleGPipe
@@ -522,7 +544,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     forward_s = (args.forward_ms or (10.0 if args.quick else 60.0)) / 1e3
     nb = args.batches or (2 if args.quick else 3)
     ms = [4] if args.quick else [4, 8, 16]
-    payload: Dict[str, Any] = {"quick": args.quick}
+    payload: Dict[str, Any] = {
+        "command": "PYTHONPATH=. python bench/pipeline_schedules.py " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:])),
+        "quick": args.quick}
     t0 = time.perf_counter()
     if not args.skip_synthetic:
         batches = {s: max(1, nb - 1) if s == "none" else nb for s in SCHEDULES}

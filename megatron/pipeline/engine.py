@@ -16,6 +16,7 @@ version.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections import deque
@@ -30,7 +31,7 @@ from megatron.errors import UserError
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
-from megatron.pipeline.p2p import P2PCommunicator
+from megatron.pipeline.p2p import P2PCommunicator, available_cores, prepost_pays
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.weights import WeightBuffers
 
@@ -203,7 +204,11 @@ class PipelineEngine:
                  get_rng_state: Optional[Callable[[], Any]] = None,
                  set_rng_state: Optional[Callable[[Any], None]] = None,
                  fault_injection: Optional[Callable[[int, int], bool]] = None,
-                 memory_count_interval: int = 0, flush_warmup_iters: int = 0) -> None:
+                 memory_count_interval: int = 0, flush_warmup_iters: int = 0,
+                 prepost_receives: Optional[bool] = None) -> None:
+        """``prepost_receives``: post each receive ahead of its action (see
+        ``megatron.pipeline.p2p``); default: on gloo when this node's ranks have a core
+        per compute thread (``prepost_pays``)."""
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -235,8 +240,13 @@ class PipelineEngine:
         self._get_rng_state = get_rng_state
         self._set_rng_state = set_rng_state
         shape = model.stage_input_shape(micro_batch_size) if self.num_stages > 1 else (1,)
+        if prepost_receives is None:
+            prepost_receives = self.num_stages > 1 and dist.is_initialized() and prepost_pays(
+                dist.get_backend(),
+                int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                torch.get_num_threads(), available_cores())
         self.p2p = P2PCommunicator(groups.prev_rank, groups.next_rank, shape,
-                                   activation_dtype, device)
+                                   activation_dtype, device, prepost_receives=prepost_receives)
         # Waits (a receive in flight, the optimizer's agreement) read the segment's next
         # microbatches, at most one batch ahead: data loading leaves the critical path.
         self._seg: Optional[_Segment] = None
@@ -384,6 +394,8 @@ class PipelineEngine:
     def _run(self, actions: List[List[Action]], seg: _Segment) -> None:
         mine = actions[self.stage]
         seg.fetches_left = sum(1 for a in mine if a.op is Op.FORWARD)
+        self.p2p.expect_receives(sum(1 for a in mine if a.op is Op.RECV_ACT),
+                                 sum(1 for a in mine if a.op is Op.RECV_GRAD))
         self._seg = seg
         try:
             self._run_actions(actions, mine, seg)
@@ -412,6 +424,9 @@ class PipelineEngine:
                             time.thread_time() - cpu_start)
         self._finish_steps(seg)
         self.p2p.wait_all()
+        if self.p2p.num_posted_receives:  # the schedule's receives were counted at start
+            raise RuntimeError(f"stage {self.stage}: {self.p2p.num_posted_receives} "
+                               "receive(s) posted ahead were never used")
 
     def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
         try:

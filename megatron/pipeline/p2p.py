@@ -6,22 +6,58 @@ block until the data has arrived.  Messages on one (src, dst) channel are matche
 order, which is why schedules must post sends and receives of a channel in the same
 order (the schedule validator checks this).  Under these two rules every schedule the
 validator accepts is deadlock-free on gloo and on NCCL.
+
+On gloo a receive can also be posted ahead of the action that needs it
+(``prepost_receives``): gloo moves a message's payload only once the receiving side has
+posted its buffer, so a receive posted when needed pays a round trip between the two
+processes' I/O threads before any byte moves.  Posted ahead -- the first of each channel
+when a segment starts, each next one as soon as the one before it completed -- the
+payload arrives while the stage computes.  That needs a core for gloo's I/O thread
+while the stage's threads compute: with more busy threads than cores it measured slower
+(``prepost_pays``).  NCCL does not get this: there a pair's sends and receives share one
+stream, and a receive posted early would hold up this rank's own sends behind it.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+import os
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+
+def prepost_pays(backend: str, local_ranks: int, threads_per_rank: int,
+                 cores: int) -> bool:
+    """Whether to post receives ahead (``P2PCommunicator.prepost_receives``) by default.
+
+    Only on gloo (see the module docstring for NCCL), and only when the node's ranks'
+    compute threads leave the I/O threads a core: on the 2-core bench machine 2BW at
+    d=2 (two ranks, one thread each) ran 1.23x faster with receives posted ahead, and at
+    d=4 (four ranks on two cores) 8% slower (docs/pipeline.md)."""
+    return backend == "gloo" and local_ranks * threads_per_rank <= cores
+
+
+def available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class P2PCommunicator:
     """Sends and receives tensors of one known shape to/from pipeline neighbours."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int],
-                 shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+                 shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                 prepost_receives: bool = False) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
+        self.prepost_receives = prepost_receives
+        # per channel ("act" from prev_rank, "grad" from next_rank): receives posted
+        # ahead, oldest first, and how many more the current segment will make
+        self._posted: Dict[str, Deque[Tuple[object, torch.Tensor]]] = {
+            "act": deque(), "grad": deque()}
+        self._to_post: Dict[str, int] = {"act": 0, "grad": 0}
         self.shape = tuple(shape)
         self.dtype = dtype
         self.device = device
@@ -54,22 +90,53 @@ class P2PCommunicator:
         self._isend(tensor, self.prev_rank, "gradient")
 
     # -- receives ----------------------------------------------------------------------
-    def _recv(self, src: Optional[int], what: str) -> torch.Tensor:
+    def expect_receives(self, activations: int, gradients: int) -> None:
+        """A segment starts that will receive ``activations`` tensors from the previous
+        stage and ``gradients`` from the next.  With ``prepost_receives`` the first of
+        each is posted now; otherwise this only checks the counts."""
+        if any(self._posted.values()):
+            raise RuntimeError("receives posted ahead by an earlier segment are still "
+                               "outstanding: that segment failed, so this pipeline's "
+                               "message order is lost")
+        self._to_post = {"act": activations, "grad": gradients}
+        if self.prepost_receives:
+            self._post_next("act")
+            self._post_next("grad")
+
+    def _src(self, channel: str) -> Optional[int]:
+        return self.prev_rank if channel == "act" else self.next_rank
+
+    def _post_next(self, channel: str) -> None:
+        src = self._src(channel)
+        if self._to_post[channel] <= 0 or src is None:
+            return
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self._posted[channel].append((dist.irecv(buf, src=src), buf))
+        self._to_post[channel] -= 1
+
+    def _recv(self, channel: str, what: str) -> torch.Tensor:
+        src = self._src(channel)
         if src is None:
             raise RuntimeError(f"cannot receive {what}: no neighbour on that side of this stage")
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        work = dist.irecv(buf, src=src)
-        if self.on_idle is not None:
+        if self._posted[channel]:
+            work, buf = self._posted[channel].popleft()
+        else:  # not posted ahead (NCCL, or more receives than the segment announced)
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            work = dist.irecv(buf, src=src)
+            self._to_post[channel] = max(self._to_post[channel] - 1, 0)
+        if self.on_idle is not None and not work.is_completed():
             self.on_idle(work)  # useful work while the message is in flight
         work.wait()
         self.bytes_received += buf.numel() * buf.element_size()
+        if self.prepost_receives:
+            self._post_next(channel)  # the channel's next message flows while we compute
         return buf
 
     def recv_forward(self) -> torch.Tensor:
-        return self._recv(self.prev_rank, "activation")
+        return self._recv("act", "activation")
 
     def recv_backward(self) -> torch.Tensor:
-        return self._recv(self.next_rank, "gradient")
+        return self._recv("grad", "gradient")
 
     # -- completion --------------------------------------------------------------------
     def _reap(self) -> None:
@@ -84,3 +151,7 @@ class P2PCommunicator:
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def num_posted_receives(self) -> int:
+        return sum(len(q) for q in self._posted.values())
