@@ -74,7 +74,10 @@ class TrainingLogger:
             f"pipeline depth d={self.groups.pp_size} | parallel pipelines w={self.groups.dp_size} | "
             f"tensor parallel t={self.groups.tp_size} | micro batch {tr.micro_batch_size} | "
             f"global batch {tr.global_batch_size} | stage recompute "
-            f"{'on' if engine.stage_recompute else 'off'} | parameters on the last stage: {n_params:,}")
+            f"{'on' if engine.stage_recompute else 'off'}"
+            + (f" | receives posted {'ahead' if engine.p2p.prepost_receives else 'when needed'}"
+               if self.groups.pp_size > 1 else "")
+            + f" | parameters on the last stage: {n_params:,}")
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.writer is not None:

@@ -102,3 +102,39 @@ def test_receives_are_posted_ahead_only_on_gloo_with_a_core_per_thread() -> None
     assert not prepost_pays("gloo", local_ranks=4, threads_per_rank=1, cores=2)
     assert not prepost_pays("gloo", local_ranks=2, threads_per_rank=2, cores=2)
     assert not prepost_pays("nccl", local_ranks=1, threads_per_rank=1, cores=64)
+
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
+        "--tokenizer-type", "NullTokenizer", "--mock-data", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3",
+        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+        "--num-workers", "0", "--pipeline-model-parallel-size", "2",
+        "--pipeline-schedule", "2bw", "--distributed-backend", "gloo", "--seed", "5"]
+
+
+def _banner(rank: int, world: int) -> str:
+    import contextlib
+    import io
+
+    import torch
+
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                 pretrain_gpt.forward_step, argv=ARGV)
+    return out.getvalue()
+
+
+def test_the_run_says_how_it_posts_receives() -> None:
+    """Two single-threaded gloo ranks post ahead where the machine has two cores; the
+    banner says which way the run went."""
+    from megatron.pipeline.p2p import available_cores
+
+    text = run_distributed(_banner, 2, timeout=120)[1]
+    expected = "ahead" if available_cores() >= 2 else "when needed"
+    assert f"receives posted {expected}" in text, text[-2000:]

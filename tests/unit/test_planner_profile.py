@@ -292,3 +292,31 @@ def test_planner_picks_an_uneven_split_when_the_head_is_heavy():
                                     profile=Profile(make_profile())), cfg)
     assert even.config.first_layers is None or even.config.first_layers >= 4
 
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda p: p["microbatches"][0]["block"].update(forward_s="1ms"),
+     r"microbatches\[0\]\.block\.forward_s must be a non-negative number, got '1ms'"),
+    (lambda p: p["microbatches"][1].update(stage_input_bytes=None),
+     r"microbatches\[1\]\.stage_input_bytes must be a non-negative number, got None"),
+    (lambda p: p["microbatches"][0].update(micro_batch_size=2.5),
+     r"microbatches\[0\]\.micro_batch_size must be a non-negative integer, got 2\.5"),
+    (lambda p: p["model"].update(hidden_size="64"),
+     r"model\.hidden_size must be a non-negative integer, got '64'"),
+    (lambda p: p["optimizer_step_s"].update(head=float("nan")),
+     r"optimizer_step_s\.head must be a non-negative number, got nan"),
+    (lambda p: p["weights"].update(block_bytes=True),
+     r"weights\.block_bytes must be a non-negative number, got True"),
+    (lambda p: p["microbatches"][0]["head"].update(stash_bytes=-5),
+     r"microbatches\[0\]\.head\.stash_bytes must be a non-negative number, got -5"),
+    (lambda p: p["microbatches"][0].update(stages=[1]), r"malformed profile"),
+    (lambda p: p["microbatches"][0].update(stages={"whole": {"layers": "4"}}),
+     r"microbatches\[0\]\.stages\.whole\.layers must be a non-negative integer"),
+])
+def test_a_wrong_typed_value_names_the_file_and_the_field(edit, field):
+    """A hand-edited profile fails when it is read, naming the field, not later with a
+    TypeError inside the cost model."""
+    data = make_profile()
+    edit(data)
+    with pytest.raises(ValueError, match=f"--profile my.json: {field}"):
+        Profile(data, "my.json")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -108,12 +109,45 @@ class Profile:
         if data.get("schema") != SCHEMA:
             raise ValueError(f"--profile {source}: schema {data.get('schema')!r}, expected "
                              f"{SCHEMA!r} (written by tools/profile_model.py)")
+        def num(value: Any, where: str, integer: bool = False) -> float:
+            # a hand-edited or foreign file: a string or null here would surface as a
+            # TypeError deep inside the cost model, naming neither the file nor the field
+            ok = (isinstance(value, int) if integer else isinstance(value, (int, float)))
+            if not ok or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                kind = "a non-negative integer" if integer else "a non-negative number"
+                raise ValueError(f"--profile {source}: {where} must be {kind}, got {value!r}")
+            return value
+
         try:
             self.model: Dict[str, Any] = dict(data["model"])
+            for key in ("num_layers", *_SHAPE_FIELDS):
+                num(self.model[key], f"model.{key}", integer=True)
+            if "dtype_bytes" in self.model:
+                num(self.model["dtype_bytes"], "model.dtype_bytes")
             self.device: Dict[str, Any] = dict(data["device"])
             self.weights: Dict[str, int] = dict(data["weights"])
+            for key, value in self.weights.items():
+                num(value, f"weights.{key}")
             self.optimizer_step_s: Dict[str, float] = dict(data[f"optimizer_step{suffix}"])
-            rows = sorted(data["microbatches"], key=lambda r: r["micro_batch_size"])
+            for key in (*PIECES, "tied_embedding"):
+                num(self.optimizer_step_s[key], f"optimizer_step{suffix}.{key}")
+            rows = list(data["microbatches"])
+            for i, r in enumerate(rows):
+                where = f"microbatches[{i}]"
+                num(r["micro_batch_size"], f"{where}.micro_batch_size", integer=True)
+                for name in PIECES:
+                    for key in (f"forward{suffix}", f"backward{suffix}", "stash_bytes"):
+                        num(r[name][key], f"{where}.{name}.{key}")
+                for key in ("stage_input_bytes", "data_bytes"):
+                    num(r[key], f"{where}.{key}")
+                stages = r.get("stages", {})
+                if not isinstance(stages, dict):
+                    raise TypeError("stages")
+                for kind, st in stages.items():
+                    num(st["layers"], f"{where}.stages.{kind}.layers", integer=True)
+                    for key in (f"forward{suffix}", f"backward{suffix}"):
+                        num(st[key], f"{where}.stages.{kind}.{key}")
+            rows.sort(key=lambda r: r["micro_batch_size"])
             self.micro_batch_sizes: Tuple[int, ...] = tuple(int(r["micro_batch_size"])
                                                             for r in rows)
             self._pieces = {name: [PieceCost(float(r[name][f"forward{suffix}"]),
@@ -124,7 +158,8 @@ class Profile:
             self._overhead = self._stage_overheads(rows, suffix)
             self._data = [r["data_bytes"] for r in rows]
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"--profile {source}: malformed profile, missing {exc}") from None
+            raise ValueError(f"--profile {source}: malformed profile, missing or not an "
+                             f"object: {exc}") from None
         if not rows or len(set(self.micro_batch_sizes)) != len(rows) or \
                 min(self.micro_batch_sizes) < 1:
             raise ValueError(f"--profile {source}: needs distinct positive microbatch sizes, "
