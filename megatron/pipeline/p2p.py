@@ -120,10 +120,9 @@ class P2PCommunicator:
             raise RuntimeError(f"cannot receive {what}: no neighbour on that side of this stage")
         if self._posted[channel]:
             work, buf = self._posted[channel].popleft()
-        else:  # not posted ahead (NCCL, or more receives than the segment announced)
+        else:  # posted when needed (NCCL, or an oversubscribed node)
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             work = dist.irecv(buf, src=src)
-            self._to_post[channel] = max(self._to_post[channel] - 1, 0)
         if self.on_idle is not None and not work.is_completed():
             self.on_idle(work)  # useful work while the message is in flight
         work.wait()
