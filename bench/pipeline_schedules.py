@@ -379,7 +379,7 @@ def run_ours(argv: List[str], num_microbatches: int):
 
 
 @contextlib.contextmanager
-def _receives_on_demand(on: bool):
+def receives_on_demand(on: bool):
     """The engine's communicator with ``prepost_receives=False`` while inside."""
     from megatron.pipeline import engine as engine_mod
 
@@ -406,7 +406,7 @@ def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
             if not variant.startswith("torch"):
                 argv = gpt_argv(variant.split(",")[0], quick, iters)
                 with contextlib.redirect_stdout(io.StringIO()), \
-                        _receives_on_demand(variant.endswith("on demand")):
+                        receives_on_demand(variant.endswith("on demand")):
                     periods, losses = run_ours(argv, _microbatches(argv))
             else:
                 cls = Schedule1F1B if variant.endswith("1F1B") else ScheduleGPipe

@@ -33,8 +33,9 @@ def prepost_pays(backend: str, local_ranks: int, threads_per_rank: int,
 
     Only on gloo (see the module docstring for NCCL), and only when the node's ranks'
     compute threads leave the I/O threads a core: on the 2-core bench machine 2BW at
-    d=2 (two ranks, one thread each) ran 1.23x faster with receives posted ahead, and at
-    d=4 (four ranks on two cores) 8% slower (docs/pipeline.md)."""
+    d=2 (two ranks, one thread each) ran 1.06-1.23x faster with receives posted ahead,
+    and at d=4 (four ranks on two cores) 0.93-1.00x (``bench/p2p_prepost.py``,
+    docs/pipeline.md)."""
     return backend == "gloo" and local_ranks * threads_per_rank <= cores
 
 
