@@ -5,13 +5,15 @@
 gloo sends a message's payload only after the receiver has posted its buffer, so a
 receive posted when its action runs waits a round trip between the two processes' I/O
 threads.  ``megatron.pipeline.p2p.P2PCommunicator(prepost_receives=True)`` posts each
-channel's next receive as soon as the one before it completed; the engine does so by
+channel's next receive just before it waits on the one before it; the engine does so by
 default on gloo when the node has a core per compute thread (``prepost_pays``).  This
-bench measures both ways side by side:
+bench measures three modes side by side: posted when needed, posted ahead, and posted
+ahead but each next receive only once the wait on the one before it returned (how
+session 8 posted them; ``P2PCommunicator.post_next_before_wait = False``):
 
 (a) two ranks alone: rank 0 sends a [2, 64, 128] fp32 message (64 KiB) every 1 ms of
     compute, rank 1 computes 3 ms between receives; the mean and median time rank 1
-    waits in a receive, the runs of the two modes interleaved;
+    waits in a receive, the runs of the modes interleaved;
 (b) the small GPT of ``bench/pipeline_breakdown.py`` (hidden 128, m=8, one thread per
     rank) under each ``schedule:d`` of ``--runs``, traced: the batch period on stage 0
     (median over the steady batches of a run, median over ``--reps`` interleaved runs)
@@ -34,7 +36,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import format_table, median, write_results  # noqa: E402
 
-MODES = ("posted when needed", "posted ahead")
+MODES = ("posted when needed", "posted ahead", "posted ahead, after the wait")
+"""The third: each next receive posted just after the wait on the one before it returned
+(session 8's way, ``P2PCommunicator.post_next_before_wait = False``); the engine posts
+it just before that wait."""
+KEYS = {"posted when needed": "when_needed", "posted ahead": "ahead",
+        "posted ahead, after the wait": "ahead_after_wait"}
+
+
+@contextlib.contextmanager
+def receive_mode(mode: str):
+    """The engine's receives posted ``mode`` while inside."""
+    from bench.pipeline_schedules import receives_on_demand
+    from megatron.pipeline.p2p import P2PCommunicator
+
+    before = P2PCommunicator.post_next_before_wait
+    P2PCommunicator.post_next_before_wait = mode != "posted ahead, after the wait"
+    try:
+        with receives_on_demand(mode == "posted when needed"):
+            yield
+    finally:
+        P2PCommunicator.post_next_before_wait = before
 SHAPE = (2, 64, 128)
 
 
@@ -60,7 +82,8 @@ def _latency_worker(rank: int, world: int, messages: int, reps: int) -> Dict[str
         for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
             p2p = P2PCommunicator(None if rank == 0 else 0, 1 if rank == 0 else None, SHAPE,
                                   torch.float32, torch.device("cpu"),
-                                  prepost_receives=mode == "posted ahead")
+                                  prepost_receives=mode != "posted when needed")
+            p2p.post_next_before_wait = mode == "posted ahead"
             dist.barrier()
             if rank == 0:
                 p2p.expect_receives(0, 0)
@@ -85,12 +108,10 @@ def _latency_worker(rank: int, world: int, messages: int, reps: int) -> Dict[str
 
 def _gpt_worker(rank: int, world: int, runs: List[Dict[str, Any]]) -> None:
     import pretrain_gpt
-    from bench.pipeline_schedules import receives_on_demand
     from megatron.training import pretrain
 
     for run in runs:
-        with contextlib.redirect_stdout(io.StringIO()), \
-                receives_on_demand(run["mode"] == "posted when needed"):
+        with contextlib.redirect_stdout(io.StringIO()), receive_mode(run["mode"]):
             pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                      pretrain_gpt.forward_step, argv=run["argv"])
 
@@ -116,11 +137,13 @@ def bench_gpt(schedule: str, d: int, reps: int, quick: bool) -> Dict[str, Any]:
             per[run["mode"]]["recv"].append(a["stages"][1]["recv_wait_ms"] / 1e3)
     row: Dict[str, Any] = {"schedule": schedule, "d": d, "m": m, "reps": reps}
     for mode in MODES:
-        key = "ahead" if mode == "posted ahead" else "when_needed"
+        key = KEYS[mode]
         row[f"period_s_{key}"] = median(per[mode]["period"])
         row[f"periods_s_{key}"] = per[mode]["period"]
         row[f"stage1_recv_wait_s_{key}"] = median(per[mode]["recv"])
     row["speedup_ahead"] = row["period_s_when_needed"] / row["period_s_ahead"]
+    row["speedup_ahead_after_wait"] = (row["period_s_when_needed"]
+                                       / row["period_s_ahead_after_wait"])
     return row
 
 
@@ -156,11 +179,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                              f"computing 3 ms between receives"))
     rows = [bench_gpt(s, d, reps, args.quick) for s, d in runs]
     print(format_table(["schedule", "d", "ms/batch when needed", "ms/batch ahead",
-                        "speedup ahead", "stage-1 recv ms when needed", "stage-1 recv ms ahead"],
+                        "ms/batch ahead, after wait", "speedup ahead",
+                        "speedup ahead, after wait", "stage-1 recv ms when needed",
+                        "stage-1 recv ms ahead", "stage-1 recv ms ahead, after wait"],
                        [[r["schedule"], r["d"], r["period_s_when_needed"] * 1e3,
-                         r["period_s_ahead"] * 1e3, r["speedup_ahead"],
+                         r["period_s_ahead"] * 1e3, r["period_s_ahead_after_wait"] * 1e3,
+                         r["speedup_ahead"], r["speedup_ahead_after_wait"],
                          r["stage1_recv_wait_s_when_needed"] * 1e3,
-                         r["stage1_recv_wait_s_ahead"] * 1e3] for r in rows],
+                         r["stage1_recv_wait_s_ahead"] * 1e3,
+                         r["stage1_recv_wait_s_ahead_after_wait"] * 1e3] for r in rows],
                        title=f"(b) small GPT, traced, median of {reps} interleaved runs per mode"))
     payload = {"command": "PYTHONPATH=. python bench/p2p_prepost.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "quick": args.quick,

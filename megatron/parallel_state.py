@@ -190,6 +190,33 @@ class ParallelGroups:
                     ranks[kind] = list(members)
         return cls(layout=layout, rank=rank, ranks=ranks, **mine)
 
+    def destroy(self) -> None:
+        """Destroy the groups ``build`` created for this rank (never the default group).
+
+        Every group holds sockets and threads (gloo: about three threads and five
+        sockets per group); a process that trains more than once (tests, sweeps,
+        benchmarks, a notebook) would otherwise keep all of them until it exits.
+        Local to this rank (no collective); call it once the groups are idle."""
+        import torch.distributed as dist
+
+        seen = set()
+        for kind in ("tensor", "data", "pipeline", "model", "embedding"):
+            group = getattr(self, kind)
+            setattr(self, kind, None)
+            if group is None or id(group) in seen or not dist.is_initialized():
+                continue
+            seen.add(id(group))
+            if group is dist.group.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            dist.destroy_process_group(group)
+        self.ranks = {}
+        if seen:
+            import gc
+
+            # the engine and optimizer that used the groups sit in reference cycles:
+            # a group's threads and sockets go when its last reference does
+            gc.collect()
+
     def describe(self) -> str:
         c = self.coord
         return (f"rank {self.rank}: tensor {c.tp}/{self.tp_size} data {c.dp}/{self.dp_size} "

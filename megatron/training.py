@@ -624,6 +624,18 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
     args, cfg = parse_and_validate(list(argv) if argv is not None else None,
                                    extra_args_provider=extra_args_provider)
     tokenizer, groups, device = initialize_megatron(args, cfg)
+    result = _pretrain(cfg, tokenizer, groups, device, datasets_provider, model_provider,
+                       forward_step, flops_per_iteration, fault_injection)
+    # A second pretrain in this process starts from a clean slate.  Not on an error
+    # path: a group whose worker still waits in a collective could not be torn down.
+    groups.destroy()
+    return result
+
+
+def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: torch.device,
+              datasets_provider: Callable, model_provider: Callable, forward_step: Callable,
+              flops_per_iteration: Optional[Callable[[MegatronConfig], float]],
+              fault_injection) -> TrainingResult:
     model, optimizer, scheduler, engine = setup_model_and_optimizer(
         cfg, groups, device, model_provider, forward_step,
         trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)

@@ -219,15 +219,21 @@ def _setup(task: FinetuneTask, argv: List[str]):
 
 def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> FinetuneResult:
     """Run a finetuning task end to end; returns this rank's result."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    setup = _setup(task, argv)
+    result = _finetune(task, *setup)
+    setup[2].destroy()  # the process groups (megatron.training.pretrain says why not on errors)
+    return result
+
+
+def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
+              valid_ds, reports, per_epoch, tokenizer) -> FinetuneResult:
     from megatron.checkpointing import find_checkpoint
     from megatron.initialize import barrier_with_message
     from megatron.training import (NonFiniteError, TrainingResult, _save_checked,
                                    maybe_load, setup_model_and_optimizer, train)
     from megatron.training_log import TrainingLogger, print_rank_last
 
-    argv = list(argv if argv is not None else sys.argv[1:])
-    args, cfg, groups, device, train_ds, valid_ds, reports, per_epoch, tokenizer = _setup(
-        task, argv)
     model, optimizer, scheduler, engine = setup_model_and_optimizer(
         cfg, groups, device, task.model_provider, forward_step)
     tr = cfg.training

@@ -246,7 +246,8 @@ class PipelineEngine:
                 int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
                 torch.get_num_threads(), available_cores())
         self.p2p = P2PCommunicator(groups.prev_rank, groups.next_rank, shape,
-                                   activation_dtype, device, prepost_receives=prepost_receives)
+                                   activation_dtype, device, prepost_receives=prepost_receives,
+                                   max_pending_sends=2 * self.num_stages)
         # Waits (a receive in flight, the optimizer's agreement) read the segment's next
         # microbatches, at most one batch ahead: data loading leaves the critical path.
         self._seg: Optional[_Segment] = None

@@ -11,7 +11,7 @@ On gloo a receive can also be posted ahead of the action that needs it
 (``prepost_receives``): gloo moves a message's payload only once the receiving side has
 posted its buffer, so a receive posted when needed pays a round trip between the two
 processes' I/O threads before any byte moves.  Posted ahead -- the first of each channel
-when a segment starts, each next one as soon as the one before it completed -- the
+when a segment starts, each next one just before the wait on the one before it -- the
 payload arrives while the stage computes.  That needs a core for gloo's I/O thread
 while the stage's threads compute: with more busy threads than cores it measured slower
 (``prepost_pays``).  NCCL does not get this: there a pair's sends and receives share one
@@ -48,9 +48,24 @@ def available_cores() -> int:
 class P2PCommunicator:
     """Sends and receives tensors of one known shape to/from pipeline neighbours."""
 
+    post_next_before_wait = True
+    """With ``prepost_receives``: post a channel's next receive just before waiting on
+    the current one (False: just after that wait returned, as session 8 did; kept for
+    the side-by-side ablation of ``bench/p2p_prepost.py``)."""
+
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int],
                  shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 prepost_receives: bool = False) -> None:
+                 prepost_receives: bool = False,
+                 max_pending_sends: Optional[int] = None) -> None:
+        """``max_pending_sends``: wait for the oldest send once more are in flight (None:
+        never).  gloo's send work never reports completion until it is waited on, so
+        without a bound every tensor sent stays referenced until the segment ends: a
+        2BW segment of 100 batches held 100 x m activations.  Safe at any bound of at
+        least the pipeline depth: a stage that waits for its send k has the receiver
+        past every action that needs this stage's later messages."""
+        if max_pending_sends is not None and max_pending_sends < 1:
+            raise ValueError(f"max_pending_sends must be at least 1, got {max_pending_sends}")
+        self.max_pending_sends = max_pending_sends
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.prepost_receives = prepost_receives
@@ -124,12 +139,20 @@ class P2PCommunicator:
         else:  # posted when needed (NCCL, or an oversubscribed node)
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             work = dist.irecv(buf, src=src)
+        after = self.prepost_receives and not self.post_next_before_wait
+        if self.prepost_receives and not after:
+            # The channel's next message, posted before this wait so that it flows while
+            # the stage computes afterwards.  Not right after the wait: posting there
+            # blocked for 2-5 ms about once a batch under Flush (the I/O thread still
+            # busy with the message just received, we think); bench/p2p_prepost.py
+            # measures both points.
+            self._post_next(channel)
         if self.on_idle is not None and not work.is_completed():
             self.on_idle(work)  # useful work while the message is in flight
         work.wait()
         self.bytes_received += buf.numel() * buf.element_size()
-        if self.prepost_receives:
-            self._post_next(channel)  # the channel's next message flows while we compute
+        if after:
+            self._post_next(channel)
         return buf
 
     def recv_forward(self) -> torch.Tensor:
@@ -140,8 +163,13 @@ class P2PCommunicator:
 
     # -- completion --------------------------------------------------------------------
     def _reap(self) -> None:
-        """Forget sends that have completed, so their buffers can be freed."""
+        """Forget sends that have completed, so their buffers can be freed; past
+        ``max_pending_sends``, wait for the oldest (on gloo the only way to learn that a
+        send has completed)."""
         self._pending = [(w, t) for (w, t) in self._pending if not w.is_completed()]
+        while self.max_pending_sends is not None and len(self._pending) > self.max_pending_sends:
+            work, _ = self._pending.pop(0)
+            work.wait()
 
     def wait_all(self) -> None:
         for work, _ in self._pending:

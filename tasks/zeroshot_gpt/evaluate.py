@@ -92,14 +92,22 @@ def _setup(argv: List[str]):
 
 def evaluate(argv: Optional[Sequence[str]] = None) -> Optional[PerplexityResult]:
     """Run the evaluation; the last pipeline stage returns the result, others None."""
-    import pretrain_gpt
-    from megatron.training import initialize_megatron, setup_model_and_optimizer
-    from megatron.training_log import print_rank_last
-    from tasks.finetune_utils import load_pretrained, microbatches
+    from megatron.training import initialize_megatron
 
     args, cfg = _setup(list(argv if argv is not None else sys.argv[1:]))
     original = read_wikitext(args.valid_data)  # before any process group: fails on every rank
     tokenizer, groups, device = initialize_megatron(args, cfg)
+    result = _evaluate(args, cfg, original, tokenizer, groups, device)
+    groups.destroy()  # the process groups (megatron.training.pretrain says why not on errors)
+    return result
+
+
+def _evaluate(args, cfg, original: str, tokenizer, groups, device):
+    import pretrain_gpt
+    from megatron.training import setup_model_and_optimizer
+    from megatron.training_log import print_rank_last
+    from tasks.finetune_utils import load_pretrained, microbatches
+
     tokens = tokenizer.tokenize(wikitext_detokenize(original))
     if len(tokens) < 2:
         raise DataError(f"--valid-data {' '.join(args.valid_data)}: {len(tokens)} tokens; "
