@@ -199,11 +199,12 @@ class ParallelGroups:
         Local to this rank (no collective); call it once the groups are idle."""
         import torch.distributed as dist
 
+        live = dist.is_initialized()
         seen = set()
         for kind in ("tensor", "data", "pipeline", "model", "embedding"):
             group = getattr(self, kind)
             setattr(self, kind, None)
-            if group is None or id(group) in seen or not dist.is_initialized():
+            if group is None or id(group) in seen or not live:
                 continue
             seen.add(id(group))
             if group is dist.group.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER:

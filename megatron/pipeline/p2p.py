@@ -139,8 +139,9 @@ class P2PCommunicator:
         else:  # posted when needed (NCCL, or an oversubscribed node)
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             work = dist.irecv(buf, src=src)
+        before = self.prepost_receives and self.post_next_before_wait
         after = self.prepost_receives and not self.post_next_before_wait
-        if self.prepost_receives and not after:
+        if before:
             # The channel's next message, posted before this wait so that it flows while
             # the stage computes afterwards.  Not right after the wait: posting there
             # blocked for 2-5 ms about once a batch under Flush (the I/O thread still
