@@ -24,7 +24,9 @@ a user of torch.distributed.pipelining would; until 2026-11-22 its batches were 
 before the loop, which left its data loading out of the comparison).  The first-step
 losses of all variants are printed and must agree.  Ours also runs with each receive
 posted when its action runs instead of ahead of it (``..., receives on demand``: the
-ablation of ``P2PCommunicator.prepost_receives``).  Throughput is the batch period on
+ablation of ``P2PCommunicator.prepost_receives``), and Flush with its two end-of-batch
+sums made by all_reduce (``flush, sums by all_reduce``: the ablation of
+``megatron.exchange``).  Throughput is the batch period on
 stage 0 (first forward of batch k to that of batch k+1), median over the batches after
 warm-up.  Each round runs every variant back to back (the order reversed every other round);
 "per round" is the ratio to torch's 1F1B within each round, its median and range over
@@ -359,12 +361,16 @@ def run_torch_pipelining(schedule_cls: type, argv: List[str], rank: int):
     return batch_periods(starts), losses
 
 
-GPT_VARIANTS = ("flush", "2bw", "flush, receives on demand", "2bw, receives on demand",
+GPT_VARIANTS = ("flush", "2bw", "flush, sums by all_reduce", "flush, receives on demand",
+                "2bw, receives on demand",
                 "torch Schedule1F1B", "torch ScheduleGPipe")
 """``..., receives on demand``: ours with each receive posted when its action runs (as
 on NCCL, and as torch.distributed.pipelining posts them), not ahead of it: the
 side-by-side ablation of ``P2PCommunicator.prepost_receives``, which two ranks on this
-bench's machine get by default (``megatron.pipeline.p2p.prepost_pays``)."""
+bench's machine get by default (``megatron.pipeline.p2p.prepost_pays``).
+``flush, sums by all_reduce``: ours with the tied-embedding sum and the optimizer's
+agreement made by gloo's all_reduce instead of by direct exchange (the ablation of
+``megatron.exchange``, 2026-11-23)."""
 # process CPU time (all threads, gloo's included) at each batch start of the current run:
 # CPU work per batch does not depend on how much of the machine other processes take
 _CPU_STAMPS: List[float] = []
@@ -376,6 +382,18 @@ def run_ours(argv: List[str], num_microbatches: int):
 
     _CPU_STAMPS.clear()
     return run_trainer(argv, num_microbatches, cpu_stamps=_CPU_STAMPS)
+
+
+@contextlib.contextmanager
+def sums_by_all_reduce(on: bool):
+    """``megatron.exchange.ExchangeSum`` off (all_reduce on gloo too) while inside."""
+    from megatron.exchange import ExchangeSum
+
+    ExchangeSum.enabled = not on
+    try:
+        yield
+    finally:
+        ExchangeSum.enabled = True
 
 
 @contextlib.contextmanager
@@ -406,7 +424,8 @@ def _gpt_worker(rank: int, world: int, quick: bool, rounds: int, warmup: int,
             if not variant.startswith("torch"):
                 argv = gpt_argv(variant.split(",")[0], quick, iters)
                 with contextlib.redirect_stdout(io.StringIO()), \
-                        receives_on_demand(variant.endswith("on demand")):
+                        receives_on_demand(variant.endswith("on demand")), \
+                        sums_by_all_reduce(variant.endswith("all_reduce")):
                     periods, losses = run_ours(argv, _microbatches(argv))
             else:
                 cls = Schedule1F1B if variant.endswith("1F1B") else ScheduleGPipe
@@ -529,6 +548,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--batches", type=int, default=None,
                    help="batches per measured segment (default 3, quick 2; none: one less)")
     p.add_argument("--gpt-rounds", type=int, default=None, help="(b) rounds (default 4, quick 1)")
+    p.add_argument("--gpt-steps", type=int, default=None,
+                   help="(b) timed batches per run, after 2 warm-up ones (default 4, quick 2)")
     p.add_argument("--skip-synthetic", action="store_true")
     p.add_argument("--skip-gpt", action="store_true")
     p.add_argument("--timelines", action="store_true",
@@ -558,7 +579,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                 "rows": rows}
     if not args.skip_gpt:
         rounds = args.gpt_rounds or (1 if args.quick else 4)
-        res = bench_gpt(args.quick, rounds, warmup=2, steps=2 if args.quick else 4,
+        res = bench_gpt(args.quick, rounds, warmup=2,
+                        steps=args.gpt_steps or (2 if args.quick else 4),
                         timeout=600)
         print_gpt(res)
         payload["gpt"] = res

@@ -554,6 +554,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             print_rank_last(f"exiting at iteration {it} (--exit-interval {tr.exit_interval})")
             result.exited_early = True
             break
+    engine.finish_sums()
     done = state.iteration - start_iteration
     if done:
         result.seconds_per_iteration = (time.perf_counter() - t0) / done

@@ -70,16 +70,37 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
     if not present:
         return stats
     norms = per_tensor_norms([g for g, _ in present])
-    all_norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
-    counted = torch.tensor([m for _, m in present], dtype=torch.bool, device=device)
-    # A masked-out non-finite norm would poison the sum even when multiplied by 0.
-    stats[0] = torch.where(counted, all_norms.square(), torch.zeros_like(all_norms)).sum()
+    # one stack and one cast when the norms share dtype and device (the usual case): a
+    # cast per tensor was most of this function's CPU time on a small model
+    if len({(n.dtype, n.device) for n in norms}) == 1:
+        all_norms = torch.stack(norms).to(device=device, dtype=torch.float64)
+    else:
+        all_norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
+    counted = tuple(m for _, m in present)
+    if all(counted):
+        stats[0] = all_norms.square().sum()
+    else:
+        # A masked-out non-finite norm would poison the sum even when multiplied by 0.
+        keep = _bool_tensor(counted, device)
+        stats[0] = torch.where(keep, all_norms.square(), torch.zeros_like(all_norms)).sum()
     stats[1] = (~torch.isfinite(all_norms)).sum()
     if count_zeros:
         zeros = [g.numel() - torch.count_nonzero(g) for g, m in present if m]
         if zeros:
             stats[2] = torch.stack([z.to(device) for z in zeros]).sum()
     return stats
+
+
+_BOOL_TENSORS: Dict[Tuple[torch.device, Tuple[bool, ...]], torch.Tensor] = {}
+
+
+def _bool_tensor(flags: Tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(flags)`` on ``device``, made once per pattern (a model has a few)."""
+    key = (torch.device(device), flags)
+    out = _BOOL_TENSORS.get(key)
+    if out is None:
+        out = _BOOL_TENSORS[key] = torch.tensor(flags, dtype=torch.bool, device=device)
+    return out
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -42,12 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.exchange import ExchangeSum, exchange_pays
 from megatron.optimizer.clip_grads import clip_coefficient, local_grad_stats, norm_mask, scale_grads_
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 from megatron.optimizer.staleness import (WeightPrediction, delay_compensate_, true_weights,
                                           use_foreach)
 
 OPTIMIZERS = ("adam", "sgd")
+_NUM_STATS = 4  # the agreement: sum of squares, non-finite tensors, zeros, extra flag
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -103,6 +105,9 @@ class MegatronOptimizer:
         # 2BW staleness mitigations (megatron.optimizer.staleness), off by default.
         self.prediction: Optional[WeightPrediction] = None
         self.dc_lambda = 0.0
+        # how the agreement is summed: an ExchangeSum, False for all_reduce, None: not
+        # decided yet (at the first step, when the process group is known to exist)
+        self._agreement: Union[None, bool, ExchangeSum] = None
 
     def enable_mitigation(self, mitigation: str, dc_lambda: float = 0.0) -> None:
         """Turn on ``--2bw-mitigation predict`` or ``dc`` (others need nothing here)."""
@@ -163,7 +168,7 @@ class MegatronOptimizer:
         self._check_buffers("grads_from", grads_from)
         with torch.no_grad():
             grads = self._unscaled_grads(grads_from, grad_scale)
-            stats = torch.zeros(4, dtype=torch.float64, device=self._device)
+            stats = torch.zeros(_NUM_STATS, dtype=torch.float64, device=self._device)
             stats[:3] = local_grad_stats(grads, self._mask, self._device, self.log_num_zeros)
             # a tensor flag (the last stage's loss check) joins the agreement on the device,
             # without a device-to-host sync here
@@ -171,9 +176,28 @@ class MegatronOptimizer:
                         else (1.0 if extra_found_inf else 0.0))
             work = None
             if self.model_groups is not None:
-                work = dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.model_groups,
-                                       async_op=True)
+                work = self._start_agreement(stats)
         return PendingStep(grads_from=list(grads_from), grads=grads, stats=stats, work=work)
+
+    def agreement_exchange(self) -> Optional[ExchangeSum]:
+        """The ``ExchangeSum`` the agreement uses on gloo (built at the first call; the
+        pipeline engine posts its receives ahead), or None where it is an all_reduce."""
+        if self._agreement is None:
+            self._agreement = (ExchangeSum(self.model_groups, (_NUM_STATS,), torch.float64,
+                                           self._device)
+                               if self.model_groups is not None
+                               and exchange_pays(self.model_groups) else False)
+        return self._agreement or None
+
+    def _start_agreement(self, stats: torch.Tensor) -> Any:
+        """Start summing ``stats`` over the model replica's ranks: on gloo by direct
+        exchange (``megatron.exchange``: the rank that finishes its backward passes last
+        then finds the others' numbers already received), else one all_reduce."""
+        exchange = self.agreement_exchange()
+        if exchange is not None:
+            return exchange.start(stats)
+        return dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.model_groups,
+                               async_op=True)
 
     def finish_step(self, pending: "PendingStep", write_to: Sequence[nn.Parameter],
                     base: Sequence[nn.Parameter], lr: float) -> StepInfo:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.errors import UserError
+from megatron.exchange import ExchangeSum, exchange_pays
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
@@ -270,6 +271,13 @@ class PipelineEngine:
             for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
         self._embedding_work: Dict[int, Any] = {}
+        # On gloo the tied-embedding sum is an ExchangeSum (None: not built yet, False:
+        # all_reduce), as is the optimizer's agreement (``agreement_exchange``).  Their
+        # receives are posted ahead (``_post_sum_receives``), only for rounds the current
+        # segment will still start (counted here), so none is left over.
+        self._embedding_exchange: Union[None, bool, ExchangeSum] = None
+        self._embedding_unstarted = 0
+        self._agreement_unstarted = 0
         self._pending_steps: List[tuple] = []
         # Loss scale each batch's backward passes use.  A batch may start its backward
         # before the previous batch's STEP updated the scaler (2BW), so the scale of
@@ -395,6 +403,9 @@ class PipelineEngine:
     def _run(self, actions: List[List[Action]], seg: _Segment) -> None:
         mine = actions[self.stage]
         seg.fetches_left = sum(1 for a in mine if a.op is Op.FORWARD)
+        self._embedding_unstarted = (sum(1 for a in mine if a.op is Op.REDUCE_GRADS)
+                                     if self._tied_early else 0)
+        self._agreement_unstarted = sum(1 for a in mine if a.op is Op.STEP)
         self.p2p.expect_receives(sum(1 for a in mine if a.op is Op.RECV_ACT),
                                  sum(1 for a in mine if a.op is Op.RECV_GRAD))
         self._seg = seg
@@ -425,9 +436,44 @@ class PipelineEngine:
                             time.thread_time() - cpu_start)
         self._finish_steps(seg)
         self.p2p.wait_all()
+        self._check_sums()
         if self.p2p.num_posted_receives:  # the schedule's receives were counted at start
             raise RuntimeError(f"stage {self.stage}: {self.p2p.num_posted_receives} "
                                "receive(s) posted ahead were never used")
+
+    def _check_sums(self) -> None:
+        """End of a segment: no exchange has a receive left posted.  Their last sends
+        are not waited on here: flush segments are one batch long, and the first stage,
+        whose sends go last, would wait for every one of them to land on the critical
+        path (1.2 ms a batch on the small GPT).  The next round's start waits for them,
+        and ``finish_sums`` at the end of training."""
+        for what, exchange in (("tied-embedding", self._embedding_exchange),
+                               ("optimizer agreement", self._agreement_exchange())):
+            if exchange and exchange.num_posted:
+                raise RuntimeError(f"stage {self.stage}: {exchange.num_posted} "
+                                   f"{what} receive(s) posted ahead were never used")
+
+    def finish_sums(self) -> None:
+        """Wait for the exchanges' sends still in flight (end of training, before the
+        process groups go).  Their receivers have posted every receive they match, so
+        this only waits for the data to land."""
+        for exchange in (self._embedding_exchange, self._agreement_exchange()):
+            if exchange:
+                exchange.drain()
+
+    def _agreement_exchange(self) -> Optional[ExchangeSum]:
+        get = getattr(self.optimizer, "agreement_exchange", None)
+        return get() if get is not None else None
+
+    def _post_sum_receives(self, exchange: Union[None, bool, ExchangeSum],
+                           unstarted: int) -> None:
+        """Post ``exchange``'s receives for its current round and the next one (of those
+        this segment will still start; see ``megatron.exchange``).  Called just before the
+        round starts -- the tied embedding's at REDUCE_GRADS, the agreement's at STEP --
+        before the stage waits on anything: never right after a wait returned, where
+        posting blocked for milliseconds now and then, as in ``P2PCommunicator``."""
+        while exchange and exchange.num_posted < min(unstarted, 2):
+            exchange.post_receives()
 
     def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
         try:
@@ -608,14 +654,14 @@ class PipelineEngine:
         reducer.launch_remaining()
         self._reductions[t] = reducer
         if self._tied_early:
+            self._post_sum_receives(self._embedding_exchange, self._embedding_unstarted)
             # Start the tied-embedding sum now, not at STEP: the last stage finishes batch
             # t's backward passes long before the first stage does, so by the first
             # stage's STEP(t) its half is already posted and neither end waits for the
             # other (under 2BW, STEP(t) of first and last stage need not coincide).  The
             # sum and the data-parallel average are linear, so their order is free; the
             # average of this one tensor follows at STEP, among replicas of this stage.
-            self._embedding_work[t] = self._allreduce_embedding_grads(
-                self.weights.params(j), async_op=True)
+            self._embedding_work[t] = self._start_embedding_sum(self.weights.params(j))
 
     def _step(self, a: Action, seg: _Segment) -> None:
         """Start the update of batch t: data-parallel and tied-embedding gradient sums,
@@ -625,6 +671,7 @@ class PipelineEngine:
         (2BW), so under 2BW stages do not wait for each other at every step."""
         t = self._global_batch(a, seg)
         params = self.weights.params(self.buffer_for(t))
+        self._post_sum_receives(self._agreement_exchange(), self._agreement_unstarted)
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
@@ -643,6 +690,7 @@ class PipelineEngine:
             with torch.no_grad():
                 next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
         grad_scale = self._batch_scales.pop(t)
+        self._agreement_unstarted -= 1
         pending = self.optimizer.begin_step(params, grad_scale=grad_scale,
                                             extra_found_inf=self._loss_nonfinite(seg, t))
         self._pending_steps.append((t, pending, grad_scale))
@@ -693,16 +741,36 @@ class PipelineEngine:
             if self._on_step is not None:
                 self._on_step(report)
 
+    def _start_embedding_sum(self, params: List[nn.Parameter]) -> Any:
+        """Start the tied word-embedding gradient sum of first and last stage: on gloo
+        by direct exchange (``megatron.exchange``), else an async all_reduce."""
+        self._embedding_unstarted -= 1
+        if self._embedding_exchange is None:
+            self._embedding_exchange = False
+            if exchange_pays(self.groups.embedding):
+                p = self._shared_embedding(params)
+                self._embedding_exchange = ExchangeSum(self.groups.embedding, p.shape,
+                                                       p.dtype, p.device)
+        if not self._embedding_exchange:
+            return self._allreduce_embedding_grads(params, async_op=True)
+        p = self._shared_embedding(params)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return self._embedding_exchange.start(p.grad)
+
+    def _shared_embedding(self, params: List[nn.Parameter]) -> nn.Parameter:
+        shared = [p for p in params if getattr(p, "shared_embedding", False)]
+        if len(shared) != 1:
+            raise RuntimeError(f"stage {self.stage} should hold exactly one tied word-embedding "
+                               f"parameter, found {len(shared)}")
+        return shared[0]
+
     def _allreduce_embedding_grads(self, params: List[nn.Parameter], async_op: bool = False):
         """Sum the tied word-embedding gradient of the first and last stage (returns the
         pending work with ``async_op``, else None)."""
         if not self.groups.in_embedding_group or self.groups.embedding is None:
             return None
-        shared = [p for p in params if getattr(p, "shared_embedding", False)]
-        if len(shared) != 1:
-            raise RuntimeError(f"stage {self.stage} should hold exactly one tied word-embedding "
-                               f"parameter, found {len(shared)}")
-        p = shared[0]
+        p = self._shared_embedding(params)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return dist.all_reduce(p.grad, group=self.groups.embedding, async_op=async_op)

@@ -59,12 +59,45 @@ def test_pipeline_schedules_quick(tmp_path: Path) -> None:
         assert r["seconds"] >= 0.97 * r["ideal_seconds"], (s, r)
     assert rows["2bw"]["theoretical_speedup_steady"] == pytest.approx((4 + d - 1) / 4)
     gpt = {r["variant"]: r for r in data["gpt"]["rows"]}
-    assert set(gpt) == {"flush", "2bw", "flush, receives on demand", "2bw, receives on demand",
+    assert set(gpt) == {"flush", "2bw", "flush, sums by all_reduce", "flush, receives on demand",
+                        "2bw, receives on demand",
                         "torch Schedule1F1B", "torch ScheduleGPipe"}
     assert data["gpt"]["max_rel_first_loss_diff"] < 1e-4
     losses = [r["first_step_loss"] for r in gpt.values()]
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0])
     assert all(r["samples_per_s"] > 0 for r in gpt.values())
+
+
+def test_step_chain_quick(tmp_path: Path) -> None:
+    data = _run_bench("step_chain.py", tmp_path, timeout=180)
+    rows = {r["way"]: r for r in data["rows"]}
+    assert set(rows) == {"exchange", "all_reduce"}
+    for r in rows.values():
+        # 2 runs x (8 batches - the first 3 - the last, which has no successor)
+        assert r["batches"] == 2 * 4
+        assert r["chain_ms"] >= r["reduce_wall_ms"] + r["step_wall_ms"] > 0
+    assert rows["all_reduce"]["chain_saved_ms"] == 0.0
+
+
+def test_step_chain_samples_from_a_trace() -> None:
+    sys.path.insert(0, str(REPO))
+    from bench.step_chain import chain_samples
+
+    def ev(batch, op, start, end, cpu=0.0, train=True):
+        return {"batch": batch, "op": op, "start": start, "end": end, "cpu": cpu,
+                "train": train}
+
+    events = []
+    for t in range(3):
+        base = 10.0 * t
+        events += [ev(t, "F", base, base + 1), ev(t, "F", base + 1, base + 2),
+                   ev(t, "B", base + 2, base + 6), ev(t, "R@", base + 6, base + 6.5, 0.25),
+                   ev(t, "S@", base + 6.5, base + 8, 1.0)]
+    events.append(ev(9, "F", 100.0, 101.0, train=False))  # evaluation: ignored
+    out = chain_samples(events, first_batch=1)
+    # batch 1 only: batch 0 is before first_batch, batch 2 has no successor
+    assert out == {"chain": [4.0], "reduce_wall": [0.5], "reduce_cpu": [0.25],
+                   "step_wall": [1.5], "step_cpu": [1.0], "period": [10.0]}
 
 
 def test_equal_time_projection_smoke(tmp_path: Path) -> None:
