@@ -10,7 +10,8 @@ exist on more than one rank:
   Megatron-LM, a parameter without a ``tensor_model_parallel`` attribute is treated as
   replicated (with one tensor-parallel rank this makes no difference).
 
-Each rank computes its local contribution; the optimizer adds them with one all-reduce.
+Each rank computes its local contribution; the optimizer adds them with one all-reduce
+(on gloo, a direct exchange: ``megatron.exchange``).
 """
 from __future__ import annotations
 

@@ -41,8 +41,7 @@ def _rounds(rank: int, world: int) -> dict:
         waited.append(time.perf_counter() - start)
         sums.append(t.clone())
     ex.drain()
-    return {"sums": sums, "posted": ex.num_posted, "waited": waited,
-            "short_guess": pending.is_completed()}
+    return {"sums": sums, "posted": ex.num_posted, "waited": waited}
 
 
 def test_every_member_gets_the_same_sum_in_rank_order() -> None:
@@ -54,9 +53,10 @@ def test_every_member_gets_the_same_sum_in_rank_order() -> None:
         for res in results:
             assert torch.equal(res["sums"][rnd], expected), (rnd, res["sums"][rnd] - expected)
     assert [res["posted"] for res in results] == [0, 0, 0]
-    # round 3: rank 0 arrived last and did not wait for the others' messages
-    assert results[0]["waited"][3] < 0.04
-    assert max(results[1]["waited"][3], results[2]["waited"][3]) > 0.03
+    # round 3: rank 0 arrived 50 ms after the others; they waited for its message, it
+    # found theirs already there
+    assert min(results[1]["waited"][3], results[2]["waited"][3]) > 0.03
+    assert results[0]["waited"][3] < min(results[1]["waited"][3], results[2]["waited"][3])
 
 
 def _shape_check(rank: int, world: int) -> str:
