@@ -116,7 +116,11 @@ def two_ranks():
 def four_ranks():
     configs = [(f"{s}_d4", _pp(4, s), None) for s in ("none", "gpipe", "flush", "2bw")]
     configs += [("flush_d2w2", _pp(2, "flush"), None), ("2bw_d2w2", _pp(2, "2bw"), None),
-                ("flush_t2w2", _args("--tensor-model-parallel-size", "2"), None)]
+                ("flush_t2w2", _args("--tensor-model-parallel-size", "2"), None),
+                # a model replica of 4 ranks: the optimizer's agreement among 4 members,
+                # the tied embedding summed by each tensor-parallel rank's own pair
+                ("flush_d2t2", _pp(2, "flush", "--tensor-model-parallel-size", "2"), None),
+                ("2bw_d2t2", _pp(2, "2bw", "--tensor-model-parallel-size", "2"), None)]
     return run_distributed(train_configs, 4, args=(configs,), timeout=600)
 
 
@@ -153,6 +157,8 @@ def test_2bw_invariant_to_depth_and_width(single, two_ranks, four_ranks):
     for res, name in ((two_ranks, "2bw_d2"), (four_ranks, "2bw_d4"), (two_ranks, "2bw_w2"),
                       (four_ranks, "2bw_d2w2")):
         assert _close(_losses(res[-1][name]), ref), name
+    # tensor parallelism splits the matmuls: another order of the additions
+    assert _close(_losses(four_ranks[-1]["2bw_d2t2"]), ref, tol=1e-9)
 
 
 def test_width_and_tensor_parallel_invariance(single, two_ranks, four_ranks):
@@ -160,6 +166,7 @@ def test_width_and_tensor_parallel_invariance(single, two_ranks, four_ranks):
     assert _close(_losses(two_ranks[-1]["flush_w2"]), ref)
     assert _close(_losses(four_ranks[-1]["flush_d2w2"]), ref)
     assert _close(_losses(four_ranks[-1]["flush_t2w2"]), ref, tol=1e-9)
+    assert _close(_losses(four_ranks[-1]["flush_d2t2"]), ref, tol=1e-9)
 
 
 def test_sgd_flush_pipeline_equals_single(single, two_ranks):
