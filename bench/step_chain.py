@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -37,15 +36,17 @@ from bench.common import format_table, median, write_results  # noqa: E402
 WAYS = ("exchange", "all_reduce")
 
 
-def chain_samples(events: List[Dict[str, Any]], first_batch: int) -> Dict[str, List[float]]:
-    """Per steady batch t of one rank-0 trace: chain, R@/S@ wall and CPU, period (s)."""
-    by_batch: Dict[int, Dict[str, Dict[str, Any]]] = {}
+def chain_samples(events: Sequence[Any], first_batch: int) -> Dict[str, List[float]]:
+    """Per steady batch t of one rank-0 trace (``TraceEvent``s of a training run, as
+    ``megatron.pipeline.trace.load_trace`` reads them): chain, R@/S@ wall and CPU, and
+    the period, in seconds."""
+    by_batch: Dict[int, Dict[str, Any]] = {}
     for e in events:
-        if e.get("batch") is None or not e.get("train", True):
+        if e.batch is None:
             continue
-        slot = by_batch.setdefault(e["batch"], {})
-        if e["op"] not in slot:  # the first F of a batch is its first forward
-            slot[e["op"]] = e
+        slot = by_batch.setdefault(e.batch, {})
+        if e.op not in slot:  # the first F of a batch is its first forward
+            slot[e.op] = e
     out: Dict[str, List[float]] = {k: [] for k in (
         "chain", "reduce_wall", "reduce_cpu", "step_wall", "step_cpu", "period")}
     for t in sorted(by_batch):
@@ -53,12 +54,12 @@ def chain_samples(events: List[Dict[str, Any]], first_batch: int) -> Dict[str, L
         cur = by_batch[t]
         if t < first_batch or nxt is None or not {"R@", "S@", "F"} <= set(cur) or "F" not in nxt:
             continue
-        out["chain"].append(nxt["F"]["start"] - cur["R@"]["start"])
-        out["reduce_wall"].append(cur["R@"]["end"] - cur["R@"]["start"])
-        out["reduce_cpu"].append(cur["R@"]["cpu"])
-        out["step_wall"].append(cur["S@"]["end"] - cur["S@"]["start"])
-        out["step_cpu"].append(cur["S@"]["cpu"])
-        out["period"].append(nxt["F"]["start"] - cur["F"]["start"])
+        out["chain"].append(nxt["F"].start - cur["R@"].start)
+        out["reduce_wall"].append(cur["R@"].duration)
+        out["reduce_cpu"].append(cur["R@"].cpu)
+        out["step_wall"].append(cur["S@"].duration)
+        out["step_cpu"].append(cur["S@"].cpu)
+        out["period"].append(nxt["F"].start - cur["F"].start)
     return out
 
 
@@ -66,6 +67,7 @@ def _worker(rank: int, world: int, reps: int, iters: int, trace_dir: str
             ) -> Optional[Dict[str, Dict[str, List[float]]]]:
     import pretrain_gpt
     from bench.pipeline_schedules import gpt_argv, sums_by_all_reduce
+    from megatron.pipeline.trace import load_trace
     from megatron.training import pretrain
 
     samples: Dict[str, Dict[str, List[float]]] = {w: {} for w in WAYS}
@@ -78,8 +80,7 @@ def _worker(rank: int, world: int, reps: int, iters: int, trace_dir: str
                 pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                          pretrain_gpt.forward_step, argv=argv)
             if rank == 0:
-                data = json.loads((Path(trace_dir) / f"{way}_rank0.json").read_text())
-                events = data["events"] if isinstance(data, dict) else data
+                events, _ = load_trace(Path(trace_dir) / f"{way}_rank0.json")
                 for k, v in chain_samples(events, first_batch=3).items():
                     samples[way].setdefault(k, []).extend(v)
     return samples if rank == 0 else None

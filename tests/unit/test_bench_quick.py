@@ -82,10 +82,11 @@ def test_step_chain_quick(tmp_path: Path) -> None:
 def test_step_chain_samples_from_a_trace() -> None:
     sys.path.insert(0, str(REPO))
     from bench.step_chain import chain_samples
+    from megatron.pipeline.trace import TraceEvent
 
-    def ev(batch, op, start, end, cpu=0.0, train=True):
-        return {"batch": batch, "op": op, "start": start, "end": end, "cpu": cpu,
-                "train": train}
+    def ev(batch, op, start, end, cpu=0.0):
+        return TraceEvent(rank=0, stage=0, action=op, op=op, microbatch=None, batch=batch,
+                          start=start, end=end, cpu=cpu)
 
     events = []
     for t in range(3):
@@ -93,7 +94,6 @@ def test_step_chain_samples_from_a_trace() -> None:
         events += [ev(t, "F", base, base + 1), ev(t, "F", base + 1, base + 2),
                    ev(t, "B", base + 2, base + 6), ev(t, "R@", base + 6, base + 6.5, 0.25),
                    ev(t, "S@", base + 6.5, base + 8, 1.0)]
-    events.append(ev(9, "F", 100.0, 101.0, train=False))  # evaluation: ignored
     out = chain_samples(events, first_batch=1)
     # batch 1 only: batch 0 is before first_batch, batch 2 has no successor
     assert out == {"chain": [4.0], "reduce_wall": [0.5], "reduce_cpu": [0.25],
