@@ -83,6 +83,14 @@ class DynamicGradScaler:
     def inv_scale(self) -> float:
         return 1.0 / self._scale
 
+    def steps_to_min_scale(self) -> int:
+        """The fewest updates after which the scale can be ``min_scale``: 0 when it is
+        already, else one per backoff (hysteresis only ever delays a backoff)."""
+        scale, steps = self._scale, 0
+        while scale > self.min_scale:
+            scale, steps = max(scale * self.backoff_factor, self.min_scale), steps + 1
+        return steps
+
     def update(self, found_inf: bool) -> None:
         """Advance the scaler by one step; ``found_inf`` must already be agreed by all ranks."""
         if found_inf:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,9 @@ class PendingStep:
     grads: List[Optional[torch.Tensor]]
     stats: torch.Tensor
     work: Any
+    late: Tuple[int, ...] = ()
+    """Gradients left out of ``grads`` until ``take_late_grads`` (see ``begin_step``)."""
+    inv_scale: float = 1.0
 
 
 class MegatronOptimizer:
@@ -102,6 +105,8 @@ class MegatronOptimizer:
         self._device = params[0].device
         # Attributes (shared, tensor_model_parallel) are read once, from the first buffer.
         self._mask = norm_mask(params, tp_rank)
+        # the last stage's copy of the tied word embedding (see ``late_grad_indices``)
+        self._shared = tuple(i for i, p in enumerate(params) if getattr(p, "shared", False))
         # 2BW staleness mitigations (megatron.optimizer.staleness), off by default.
         self.prediction: Optional[WeightPrediction] = None
         self.dc_lambda = 0.0
@@ -156,20 +161,42 @@ class MegatronOptimizer:
                                   grad_scale=grad_scale)
         return self.finish_step(pending, write_to, base, lr)
 
+    @property
+    def late_grad_indices(self) -> Tuple[int, ...]:
+        """Parameters whose gradients ``begin_step`` can take late: the last stage's copy
+        of the tied word embedding (``param.shared``).  Its gradient is the sum with the
+        first stage's, the same bits on both ends, and the first stage counts it in the
+        norm and the overflow check; this copy adds nothing to the statistics."""
+        return self._shared
+
     def begin_step(self, grads_from: Sequence[nn.Parameter], *,
                    extra_found_inf: Union[bool, torch.Tensor] = False,
-                   grad_scale: Optional[float] = None) -> "PendingStep":
+                   grad_scale: Optional[float] = None,
+                   late: Sequence[int] = ()) -> "PendingStep":
         """First half of ``step``: unscale, take local statistics and START the one
         all-reduce that makes every model rank agree on overflow and the global norm.
 
         Returns at once; ``finish_step`` waits for the agreement and updates the weights.
         2BW uses the gap: batch t's new weights are first needed by batch t+2, so the
-        stages need not wait for each other at every step."""
+        stages need not wait for each other at every step.
+
+        ``late``: indices (of ``late_grad_indices``) whose gradients are still being
+        summed with another rank's; the caller finishes that sum and then calls
+        ``take_late_grads``.  The last pipeline stage so starts the agreement before the
+        tied-embedding sum with the first stage is complete: under a flushing schedule
+        the first stage finishes its backward passes last, and it would otherwise wait
+        in the agreement for the last stage, which waited for its embedding gradient."""
         self._check_buffers("grads_from", grads_from)
+        late = tuple(late)
+        if not set(late) <= set(self._shared):
+            raise ValueError(f"optimizer step: late gradients {late} are not the tied "
+                             f"word-embedding copy {self._shared}")
         with torch.no_grad():
-            grads = self._unscaled_grads(grads_from, grad_scale)
+            inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
+            grads = self._unscaled_grads(grads_from, grad_scale, skip=late)
             stats = torch.zeros(_NUM_STATS, dtype=torch.float64, device=self._device)
-            stats[:3] = local_grad_stats(grads, self._mask, self._device, self.log_num_zeros)
+            counted = [None if i in late else g for i, g in enumerate(grads)] if late else grads
+            stats[:3] = local_grad_stats(counted, self._mask, self._device, self.log_num_zeros)
             # a tensor flag (the last stage's loss check) joins the agreement on the device,
             # without a device-to-host sync here
             stats[3] = (extra_found_inf.to(stats.dtype) if torch.is_tensor(extra_found_inf)
@@ -177,7 +204,22 @@ class MegatronOptimizer:
             work = None
             if self.model_groups is not None:
                 work = self._start_agreement(stats)
-        return PendingStep(grads_from=list(grads_from), grads=grads, stats=stats, work=work)
+        return PendingStep(grads_from=list(grads_from), grads=grads, stats=stats, work=work,
+                           late=late, inv_scale=inv)
+
+    def take_late_grads(self, pending: "PendingStep") -> None:
+        """The gradients ``begin_step`` left out (``late``) are now final: unscale them."""
+        with torch.no_grad():
+            for i in pending.late:
+                p = pending.grads_from[i]
+                if p.grad is None:
+                    pending.grads[i] = None
+                elif self.use_masters:
+                    pending.grads[i] = p.grad.to(torch.float32, copy=True)
+                else:
+                    pending.grads[i] = p.grad
+            scale_grads_([pending.grads[i] for i in pending.late], pending.inv_scale)
+        pending.late = ()
 
     def agreement_exchange(self) -> Optional[ExchangeSum]:
         """The ``ExchangeSum`` the agreement uses on gloo (built at the first call; the
@@ -204,6 +246,9 @@ class MegatronOptimizer:
         """Second half of ``step``: wait for the agreement, then skip or update."""
         self._check_buffers("write_to", write_to)
         self._check_buffers("base", base)
+        if pending.late:
+            raise RuntimeError(f"optimizer step: gradients {pending.late} were left out at "
+                               "begin_step and never taken (take_late_grads)")
         grads, grads_from = pending.grads, pending.grads_from
         with torch.no_grad():
             if pending.work is not None:
@@ -237,17 +282,20 @@ class MegatronOptimizer:
         return StepInfo(skipped=False, **info)
 
     def _unscaled_grads(self, grads_from: Sequence[nn.Parameter],
-                        grad_scale: Optional[float] = None) -> List[Optional[torch.Tensor]]:
-        """Gradients divided by the loss scale: new fp32 tensors for masters, else in place."""
+                        grad_scale: Optional[float] = None,
+                        skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
+        """Gradients divided by the loss scale: new fp32 tensors for masters, else in place.
+        ``skip``: indices left untouched (None in the list)."""
         inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
         if self.use_masters:
             out: List[Optional[torch.Tensor]] = []
-            for p in grads_from:
-                g = None if p.grad is None else p.grad.to(torch.float32, copy=True)
+            for i, p in enumerate(grads_from):
+                g = (None if p.grad is None or i in skip
+                     else p.grad.to(torch.float32, copy=True))
                 out.append(g)
             scale_grads_(out, inv)
             return out
-        grads = [p.grad for p in grads_from]
+        grads = [None if i in skip else p.grad for i, p in enumerate(grads_from)]
         scale_grads_(grads, inv)
         return grads
 

@@ -21,7 +21,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -676,6 +676,14 @@ class PipelineEngine:
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
+        grad_scale = self._batch_scales.pop(t)
+        # The last stage's copy of the tied embedding counts in no statistic (the first
+        # stage counts the sum), so the agreement starts before that sum is complete:
+        # the first stage, last to finish a flushed batch, then finds it received.
+        late = getattr(self.optimizer, "late_grad_indices", ()) if self._tied_early else ()
+        pending = None
+        if late:
+            pending = self._begin_step(params, grad_scale, seg, t, late)
         if t in self._embedding_work:
             work = self._embedding_work.pop(t)
             if work is not None:
@@ -687,16 +695,23 @@ class PipelineEngine:
                 dist.all_reduce(shared.grad, group=self.groups.data)
         else:
             self._allreduce_embedding_grads(params)
-        if self.fault_injection and self.fault_injection(t, self.stage):
-            with torch.no_grad():
-                next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
-        grad_scale = self._batch_scales.pop(t)
-        self._agreement_unstarted -= 1
-        pending = self.optimizer.begin_step(params, grad_scale=grad_scale,
-                                            extra_found_inf=self._loss_nonfinite(seg, t))
+        if pending is None:
+            pending = self._begin_step(params, grad_scale, seg, t)
+        else:
+            self.optimizer.take_late_grads(pending)
         self._pending_steps.append((t, pending, grad_scale))
         if self.schedule_at(t) != "2bw":
             self._finish_steps(seg, before_batch=t + 1)
+
+    def _begin_step(self, params: List[nn.Parameter], grad_scale: float, seg: _Segment,
+                    t: int, late: Sequence[int] = ()) -> Any:
+        if self.fault_injection and self.fault_injection(t, self.stage):
+            with torch.no_grad():  # into a gradient that is final and counted here
+                next(p for i, p in enumerate(params) if p.grad is not None and i not in late
+                     ).grad.view(-1)[0] = float("inf")
+        self._agreement_unstarted -= 1
+        return self.optimizer.begin_step(params, grad_scale=grad_scale, late=late,
+                                         extra_found_inf=self._loss_nonfinite(seg, t))
 
     def _loss_nonfinite(self, seg: _Segment, t: int) -> Union[bool, torch.Tensor]:
         """Last stage: whether batch t's reported loss is inf/nan, as a device tensor (no

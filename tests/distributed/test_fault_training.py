@@ -103,11 +103,13 @@ def _nan_two_stages(rank: int, world: int, save_root: str):
                      "--eval-iters", "0", "--max-consecutive-skipped-steps", "3",
                      "--save", f"{save_root}/{schedule}_stuck", "--save-interval", "100",
                      iters=30)
+        poison = _Poison({"all"}, m=4, how="mul")
         try:
-            _train(argv, _Poison({"all"}, m=4, how="mul"))
+            _train(argv, poison)
             out[schedule]["stuck"] = None
         except UserError as exc:
             out[schedule]["stuck"] = (type(exc).__name__, getattr(exc, "exit_code", 2), str(exc))
+        out[schedule]["stuck_forwards"] = poison.calls
     return out
 
 
@@ -124,6 +126,11 @@ def test_nan_under_flush_and_2bw_is_agreed_skipped_and_stops(tmp_path):
             assert "3 optimizer steps in a row were skipped" in msg and "\n" not in msg
         assert not list((tmp_path / f"{schedule}_stuck").glob("iter_*"))
         assert list((tmp_path / schedule).glob("iter_*"))  # the healthy run did save
+    # Flush stops right after the third skipped batch (batch 4 of 30, 4 microbatches
+    # each) on both stages, although its segments are many batches long; 2BW checks
+    # every NAN_CHECK_BATCHES_2BW batches, here at the end of the 30.
+    assert res[0]["flush"]["stuck_forwards"] == res[1]["flush"]["stuck_forwards"] == 16
+    assert res[1]["2bw"]["stuck_forwards"] == 30 * 4
 
 
 def test_skip_monitor_counts_floor_and_calibration():
@@ -153,6 +160,46 @@ def test_skip_monitor_counts_floor_and_calibration():
     g = SkipMonitor(limit=0, dynamic_fp16=True, min_loss_scale=1.0)
     g.update(rep(0, True, scale=1.0, norm=float("inf")))
     assert g.reason and "--min-loss-scale" in g.reason
+
+
+def test_batches_before_verdict_is_the_first_batch_that_could_stop_the_run():
+    """A flushing schedule's segment is this long: it must end on the first batch whose
+    report could stop the run, never later (the run would go on past its stop) and,
+    away from a streak or the loss-scale floor, not every batch."""
+    from megatron.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.pipeline.engine import StepReport
+    from megatron.training import SkipMonitor
+
+    def rep(t, skipped, scale=1.0, norm=1.0):
+        return StepReport(iteration=t, skipped=skipped, grad_norm=norm, loss_scale=scale,
+                          lr=1.0, weight_version=t, grad_scale=scale)
+
+    # Simulate: after each batch, the monitor must have stopped iff the bound said the
+    # segment could end there.  Skips at random, limit 4.
+    import random
+    rng = random.Random(0)
+    m, t, ends = SkipMonitor(limit=4), 0, 0
+    while m.reason is None:
+        ahead = m.batches_before_verdict()
+        assert ahead is not None and 1 <= ahead <= 4
+        for k in range(ahead):
+            m.update(rep(t, rng.random() < 0.6))
+            t += 1
+            # a stop can only come on the segment's last batch
+            assert m.reason is None or k == ahead - 1, (t, k, ahead)
+        ends += 1
+    assert "4 optimizer steps in a row" in m.reason and ends < t
+    assert SkipMonitor(limit=0).batches_before_verdict() is None
+
+    s = DynamicGradScaler(initial_scale=2.0 ** 10, min_scale=2.0 ** 7, hysteresis=2)
+    assert s.steps_to_min_scale() == 3
+    for _ in range(4):  # hysteresis 2: the first overflow does not back off
+        s.update(found_inf=True)
+    assert s.scale == 2.0 ** 7 and s.steps_to_min_scale() == 0
+    f = SkipMonitor(limit=10, dynamic_fp16=True, min_loss_scale=2.0 ** 7)
+    assert f.batches_before_verdict(steps_to_min_scale=3) == 4
+    assert f.batches_before_verdict(steps_to_min_scale=0) == 1  # its overflow stops the run
+    assert f.batches_before_verdict(steps_to_min_scale=50) == 10
 
 
 def test_validation_nan_prints_nan_not_a_ppl(capsys):
@@ -530,14 +577,19 @@ def test_parent_death_check_is_off_outside_torchrun(monkeypatch):
     assert exit_when_parent_dies() is False  # nohup python pretrain_gpt.py & must survive
 
 
-def test_fault_checks_drain_2bw_rarely_and_flush_every_batch():
+def test_fault_checks_drain_2bw_rarely_and_flush_where_a_stop_could_come():
     from megatron.arguments import parse_and_validate
     from megatron.training import _check_every
 
     def cfg(*extra):
         return parse_and_validate(_argv(*extra), world_size=1)[1]
 
-    assert _check_every(cfg("--pipeline-schedule", "flush"), 0.0) == 1
+    # flush: no drain points of its own (the skip monitor ends its segments, see below)
+    assert _check_every(cfg("--pipeline-schedule", "flush"), 0.0) == 0
+    flush_sig = cfg("--pipeline-schedule", "flush", "--exit-signal-handler")
+    assert _check_every(flush_sig, 0.0) == 1    # nothing measured yet
+    assert _check_every(flush_sig, 0.01) == 100  # about every second
+    assert _check_every(flush_sig, 5.0) == 1
     assert _check_every(cfg("--pipeline-schedule", "2bw"), 0.0) == 100
     assert _check_every(cfg("--pipeline-schedule", "2bw", "--max-consecutive-skipped-steps",
                             "0"), 0.0) == 0

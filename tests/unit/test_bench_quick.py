@@ -75,7 +75,10 @@ def test_step_chain_quick(tmp_path: Path) -> None:
     for r in rows.values():
         # 2 runs x (8 batches - the first 3 - the last, which has no successor)
         assert r["batches"] == 2 * 4
-        assert r["chain_ms"] >= r["reduce_wall_ms"] + r["step_wall_ms"] > 0
+        # each batch's chain holds its R@ and its S@, so the medians keep the order (the
+        # sum of two medians can exceed the median of the sums: no check on that)
+        assert r["chain_ms"] >= r["step_wall_ms"] > 0
+        assert r["chain_ms"] >= r["reduce_wall_ms"] > 0
     assert rows["all_reduce"]["chain_saved_ms"] == 0.0
 
 
