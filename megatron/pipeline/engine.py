@@ -365,8 +365,9 @@ class PipelineEngine:
             self.model.train()
             # The stash pattern is kept across segments: a microbatch's shapes are fixed
             # by --micro-batch-size and --seq-length, and the training loop may run
-            # one-batch segments (flush drains after every batch), which would otherwise
-            # count every batch.
+            # short segments (down to one batch as a streak of skipped steps nears its
+            # limit, see training.SkipMonitor.batches_before_verdict), which would
+            # otherwise count every batch.
             self._run(actions, seg)
             reports += seg.reports
         self.install_latest()
@@ -443,11 +444,11 @@ class PipelineEngine:
 
     def _check_sums(self) -> None:
         """End of a segment: no exchange has a receive left posted.  Their last sends
-        are not waited on here: flush segments are one batch long, and the first stage,
+        are not waited on here: segments can be one batch long, and the first stage,
         whose sends go last, would wait for every one of them to land on the critical
-        path (about 1.2 ms a batch on the small GPT, by a bench/step_chain.py run of that
-        version, not kept).  The next round's start waits for them,
-        and ``finish_sums`` at the end of training."""
+        path (about 1.2 ms a batch on the small GPT when flush segments were always one
+        batch, by a bench/step_chain.py run of that version, not kept).  The next
+        round's start waits for them, and ``finish_sums`` at the end of training."""
         for what, exchange in (("tied-embedding", self._embedding_exchange),
                                ("optimizer agreement", self._agreement_exchange())):
             if exchange and exchange.num_posted:
