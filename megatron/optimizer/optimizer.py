@@ -193,7 +193,7 @@ class MegatronOptimizer:
                              f"word-embedding copy {self._shared}")
         with torch.no_grad():
             inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
-            grads = self._unscaled_grads(grads_from, grad_scale, skip=late)
+            grads = self._unscaled_grads(grads_from, inv, skip=late)
             stats = torch.zeros(_NUM_STATS, dtype=torch.float64, device=self._device)
             counted = [None if i in late else g for i, g in enumerate(grads)] if late else grads
             stats[:3] = local_grad_stats(counted, self._mask, self._device, self.log_num_zeros)
@@ -281,12 +281,10 @@ class MegatronOptimizer:
             self._release_grads(grads_from)
         return StepInfo(skipped=False, **info)
 
-    def _unscaled_grads(self, grads_from: Sequence[nn.Parameter],
-                        grad_scale: Optional[float] = None,
+    def _unscaled_grads(self, grads_from: Sequence[nn.Parameter], inv: float,
                         skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
-        """Gradients divided by the loss scale: new fp32 tensors for masters, else in place.
-        ``skip``: indices left untouched (None in the list)."""
-        inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
+        """Gradients times ``inv`` (1 / the loss scale): new fp32 tensors for masters, else
+        in place.  ``skip``: indices left untouched (None in the list)."""
         if self.use_masters:
             out: List[Optional[torch.Tensor]] = []
             for i, p in enumerate(grads_from):

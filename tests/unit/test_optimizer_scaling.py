@@ -126,6 +126,48 @@ def test_extra_found_inf_skips_without_touching_the_scaler():
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_late_tied_embedding_gradient_gives_the_same_step(fp16):
+    """The last stage's copy of the tied embedding (``shared``) may be taken after the
+    agreement started (``begin_step(late=...)`` then ``take_late_grads``): the same
+    statistics (it counts in none) and the same update, masters and loss scale
+    included.  It may not be left out of a step, and nothing else may be late."""
+    dtype = torch.float16 if fp16 else torch.float32
+    pcfg = PrecisionConfig(fp16=fp16, initial_loss_scale=64.0)
+    cfg = sgd(clip=0.1)
+
+    def run(late):
+        params = params_of(dtype)
+        params[2].shared = True
+        opt = get_megatron_optimizer(cfg, pcfg, params)
+        grads = grads_of(params, scale=opt.loss_scale)
+        set_grads(params, grads)
+        final = params[2].grad.clone()
+        if late:  # the summed gradient arrives only after the agreement started
+            params[2].grad.fill_(float("nan"))
+        pending = opt.begin_step(params, late=(2,) if late else ())
+        stats = pending.stats.clone()
+        if late:
+            params[2].grad.copy_(final)
+            opt.take_late_grads(pending)
+        info = opt.finish_step(pending, params, params, lr=1.0)
+        return stats, info, [p.detach().clone() for p in params]
+
+    (s0, i0, w0), (s1, i1, w1) = run(False), run(True)
+    assert torch.equal(s0, s1) and i0 == i1 and not i1.skipped
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+    params = params_of(dtype)
+    params[2].shared = True
+    opt = get_megatron_optimizer(cfg, pcfg, params)
+    set_grads(params, grads_of(params))
+    with pytest.raises(ValueError, match="late gradients"):
+        opt.begin_step(params, late=(0,))
+    pending = opt.begin_step(params, late=(2,))
+    with pytest.raises(RuntimeError, match="never taken"):
+        opt.finish_step(pending, params, params, lr=1.0)
+
+
 # -- clipping --------------------------------------------------------------------------
 @pytest.mark.parametrize("clip", [0.5, 1e6])
 def test_clipping_matches_torch_clip_grad_norm(clip):
