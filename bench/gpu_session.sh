@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU measurement of this project in two commands that fit a one-GPU lease
-# (at most 10 minutes a command, 30 minutes of device time a session):
+# Every GPU measurement of this project, in commands that fit a one-GPU lease (at most
+# 10 minutes a command, 30 minutes of device time a session):
 #
 #   bash bench/gpu_session.sh 1 OUT          # install, whole test suite, GPT-345M MFU and
-#                                            # b=1 vs compiled GPT-2, planner on the GPU,
-#                                            # torch.profiler tables   (~9 min on an H100)
+#                                            # b=1 vs compiled GPT-2, the fused loss's
+#                                            # gain, planner on the GPU, torch.profiler
+#                                            # tables: ~12 min on an H100, more than one
+#                                            # command; split it with GPU_SESSION_STEPS:
+#   GPU_SESSION_STEPS=tests bash bench/gpu_session.sh 1 OUT                 # ~5 min
+#   GPU_SESSION_STEPS="throughput cross_entropy_fusion planner_validation gpu_profile" \
+#       bash bench/gpu_session.sh 1 OUT                                     # ~7 min
+#                                            # (install always runs)
 #   bash bench/gpu_session.sh 2 OUT DATA     # GPT 12 x 768 convergence, Flush vs 2BW and
 #                                            # the mitigations, on DATA (bench/convergence_gpu.py
 #                                            # --prepare-data DATA, made beforehand on a CPU)
@@ -21,11 +27,15 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 log="$out/session.log"
 dry=${GPU_SESSION_DRY:-}
+only=${GPU_SESSION_STEPS:-}
 export PYTHONPATH=.
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2 start rc
     shift 2
+    if [ -n "$only" ] && [ "$name" != install ] && [[ " $only " != *" $name "* ]]; then
+        return 0
+    fi
     start=$(date +%s)
     echo "== $name (limit ${limit} s): $*" | tee -a "$log"
     timeout "$limit" "$@" >> "$log" 2>&1
@@ -42,12 +52,15 @@ case "$part" in
         step install 120 python3 -m pip install --no-deps --no-build-isolation -q -e .
         # -n: pytest-xdist is on the GPU machine; the suite is mostly CPU-bound gloo ranks
         step tests 330 python3 -m pytest -q -p no:cacheprovider -n 8
-        step throughput 150 python3 bench/throughput.py --cuda-only --out-dir "$out"
-        step planner_validation 60 python3 bench/planner_validation.py --cuda --out-dir "$out"
-        step gpu_profile 60 python3 bench/gpu_profile.py --out-dir "$out"
+        step throughput 330 python3 -u bench/throughput.py --cuda-only --out-dir "$out"
+        step cross_entropy_fusion 240 python3 -u bench/cross_entropy_fusion.py --out-dir "$out"
+        step planner_validation 90 python3 -u bench/planner_validation.py --cuda --out-dir "$out"
+        step gpu_profile 120 python3 -u bench/gpu_profile.py --out-dir "$out"
     else
         step throughput 300 python3 bench/throughput.py --cuda-only --gpu-dry-run \
             --out-dir "$out"
+        step cross_entropy_fusion 300 python3 bench/cross_entropy_fusion.py --dry-run \
+            --rounds 1 --out-dir "$out"
         step planner_validation 300 python3 bench/planner_validation.py --cuda --dry-run \
             --out-dir "$out"
         step gpu_profile 300 python3 bench/gpu_profile.py --dry-run --out-dir "$out"

@@ -179,13 +179,18 @@ GPT_345M = {"layers": 24, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 502
 DRY_RUN_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "seq": 64, "vocab": 512}
 # (name, precision, micro batch, global batch, extra trainer flags or None for the plain
 # PyTorch GPT-2 under torch.compile): MFU at b=8, and the trainer against the plain
-# model at b=1 (what pipelines run), side by side in one process
-GPU_ROWS = (("trainer", "bf16", 8, 32, []), ("trainer", "fp16", 8, 32, []),
-            ("trainer --compile-layers", "bf16", 8, 32, ["--compile-layers"]),
+# model at b=1 (what pipelines run), side by side in one process.  The rows the goals
+# read come first: a GPU lease that runs out still leaves them in the JSON.
+FUSION = "--cross-entropy-loss-fusion"
+GPU_ROWS = (("trainer", "bf16", 8, 32, []),
+            (f"trainer {FUSION}", "bf16", 8, 32, [FUSION]),
             ("plain GPT-2, torch.compile", "bf16", 8, 32, None),
             ("trainer", "bf16", 1, 4, []),
-            ("trainer --compile-layers", "bf16", 1, 4, ["--compile-layers"]),
-            ("plain GPT-2, torch.compile", "bf16", 1, 4, None))
+            (f"trainer {FUSION}", "bf16", 1, 4, [FUSION]),
+            ("plain GPT-2, torch.compile", "bf16", 1, 4, None),
+            (f"trainer {FUSION} --compile-layers", "bf16", 8, 32, [FUSION, "--compile-layers"]),
+            (f"trainer {FUSION} --compile-layers", "bf16", 1, 4, [FUSION, "--compile-layers"]),
+            ("trainer", "fp16", 8, 32, []))
 
 
 def gpu_trainer_argv(model: Dict[str, int], precision: str, mb: int, gbs: int, iters: int,
@@ -255,13 +260,17 @@ def _plain_period(model: Dict[str, int], precision: str, mb: int, gbs: int, iter
 
 def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False,
                     micro_batch_sizes: Sequence[int] = (8, 1), compile_layers: bool = True,
-                    dropout: float = 0.1) -> Dict[str, Any]:
+                    dropout: float = 0.1,
+                    progress: Optional[Callable[[Dict[str, Any]], None]] = None
+                    ) -> Dict[str, Any]:
     """GPT-345M on one GPU: the trainer (bf16, fp16, with and without --compile-layers)
     at micro batch 8 and 1, and a plain PyTorch GPT-2 of the same shape under
     torch.compile beside it (skipped without CUDA).
 
     ``dry_run``: the same code on the CPU with a 2-layer model, three iterations and no
-    compilation, to check on a machine without a GPU that the section runs."""
+    compilation of layers or of the plain model, to check on a machine without a GPU that
+    the section runs.  ``progress``: called with the result so far after every row (and
+    each row is printed as it is measured)."""
     import torch
 
     from bench.common import gpt_config
@@ -277,57 +286,75 @@ def bench_cuda_345m(iters: int = 8, warmup: int = 2, dry_run: bool = False,
     plan = [r for r in plan if r[2] in micro_batch_sizes
             and (compile_layers or "--compile-layers" not in (r[4] or []))]
     peak = _peak_flops(name)
-    rows = []
-    for label, precision, mb, gbs, extra in plan:
-        cfg, _ = gpt_config(gpu_trainer_argv(model, precision, mb, gbs, iters, [], dropout))
-        flops = gpt_flops_per_iteration(cfg.model, gbs, cfg.model.seq_length)
-        if extra is None:
-            period = _plain_period(model, precision, mb, gbs, iters, warmup, device,
-                                   compile_model=not dry_run, dropout=dropout)
-        else:
-            period = _trainer_period(model, precision, mb, gbs, iters, warmup, extra, dropout)
-        achieved = flops / period
-        rows.append({"name": label, "precision": precision, "micro_batch_size": mb,
-                     "global_batch_size": gbs, "seconds_per_iteration": period,
-                     "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-                     "argv": gpu_trainer_argv(model, precision, mb, gbs, iters, extra or [],
-                                              dropout)
-                     if extra is not None else None})
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+    rows: List[Dict[str, Any]] = []
 
     def period(label: str, mb: int) -> Optional[float]:
         hit = [r["seconds_per_iteration"] for r in rows
                if r["name"] == label and r["micro_batch_size"] == mb and r["precision"] == "bf16"]
         return hit[0] if hit else None
 
-    plain1 = period("plain GPT-2, torch.compile", 1)
-    ratios = {}
-    for label in ("trainer", "trainer --compile-layers"):
-        ours = period(label, 1)
-        if ours is not None and plain1:
-            ratios[label] = ours / plain1
-    return {"status": "dry run" if dry_run else "measured", "device": name, "peak_flops": peak,
-            "peak_note": "dense tensor-core peak assumed from the device name",
-            "model": (f"GPT ({model['layers']} layers, hidden {model['hidden']}, "
-                      f"{model['heads']} heads, seq {model['seq']}, vocab {model['vocab']}, "
-                      f"dropout {dropout:g})"), "dropout": dropout,
-            "rows": rows, "b1_trainer_over_plain_compiled": ratios,
-            "goals": "bf16 b=8 MFU >= 0.40; b=1 trainer step <= 0.9x plain compiled step"}
+    def result(done: bool) -> Dict[str, Any]:
+        plain1 = period("plain GPT-2, torch.compile", 1)
+        ratios = {}
+        for label in dict.fromkeys(r["name"] for r in rows if r["argv"] is not None):
+            ours = period(label, 1)
+            if ours is not None and plain1:
+                ratios[label] = ours / plain1
+        return {"status": ("dry run" if dry_run else "measured") if done else "partial",
+                "device": name, "peak_flops": peak,
+                "peak_note": "dense tensor-core peak assumed from the device name",
+                "model": (f"GPT ({model['layers']} layers, hidden {model['hidden']}, "
+                          f"{model['heads']} heads, seq {model['seq']}, vocab {model['vocab']}, "
+                          f"dropout {dropout:g})"), "dropout": dropout,
+                "rows": list(rows), "b1_trainer_over_plain_compiled": ratios,
+                "goals": "bf16 b=8 MFU >= 0.40; b=1 trainer step <= 0.9x plain compiled step"}
+
+    for label, precision, mb, gbs, extra in plan:
+        cfg, _ = gpt_config(gpu_trainer_argv(model, precision, mb, gbs, iters, [], dropout))
+        flops = gpt_flops_per_iteration(cfg.model, gbs, cfg.model.seq_length)
+        t0 = time.perf_counter()
+        if extra is None:
+            period_s = _plain_period(model, precision, mb, gbs, iters, warmup, device,
+                                     compile_model=not dry_run, dropout=dropout)
+        else:
+            period_s = _trainer_period(model, precision, mb, gbs, iters, warmup, extra, dropout)
+        achieved = flops / period_s
+        rows.append({"name": label, "precision": precision, "micro_batch_size": mb,
+                     "global_batch_size": gbs, "seconds_per_iteration": period_s,
+                     "tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
+                     "row_seconds": time.perf_counter() - t0,
+                     "argv": gpu_trainer_argv(model, precision, mb, gbs, iters, extra or [],
+                                              dropout)
+                     if extra is not None else None})
+        mfu = f"{achieved / peak:.3f}" if peak else "-"
+        print(f"  {label}, {precision}, b={mb}: {period_s:.4f} s/iteration, "
+              f"{achieved / 1e12:.1f} TFLOP/s, MFU {mfu} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if progress is not None:
+            progress(result(done=False))
+    return result(done=True)
 
 
 def cuda_only(args: argparse.Namespace, argv: Optional[List[str]], t0: float) -> Dict[str, Any]:
     """Section (c) alone (a GPU session's run): its own JSON, nothing else rewritten."""
+    command = ("PYTHONPATH=. python bench/throughput.py "
+               + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+               ).strip()
+
+    def payload_of(cuda: Dict[str, Any]) -> Dict[str, Any]:
+        return {"command": command, "cuda_gpt_345m": cuda, "git": git_revision(),
+                "bench_seconds": time.perf_counter() - t0}
+
     cuda = bench_cuda_345m(dry_run=args.gpu_dry_run, micro_batch_sizes=args.cuda_micro_batch_sizes,
                            compile_layers=not args.cuda_skip_compile_layers,
-                           dropout=args.dropout)
+                           dropout=args.dropout,
+                           progress=lambda partial: write_results(
+                               "throughput_cuda", payload_of(partial), args.out_dir))
     print_cuda(cuda)
-    payload = {
-        "command": ("PYTHONPATH=. python bench/throughput.py "
-                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-                   ).strip(),
-        "cuda_gpt_345m": cuda, "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
+    payload = payload_of(cuda)
     path = write_results("throughput_cuda", payload, args.out_dir)
     print(f"wrote {path} ({payload['bench_seconds']:.0f} s)")
     return payload

@@ -67,6 +67,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each transformer layer (opt-in; the first batch pays "
                         "the compilation, minutes on a CPU).")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="Compute the language-model loss with torch.compile'd kernels that "
+                        "never write float32 logits to memory (opt-in; compiles on the first "
+                        "batch; the gradient needs a second logits-sized buffer).")
 
 
 def _add_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -712,7 +716,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         params_dtype=args.params_dtype,
         num_tokentypes=getattr(args, "num_tokentypes", 0) or 0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers)
+        recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -56,6 +56,9 @@ class ModelConfig:
     """Layers per checkpointed chunk (uniform) or number of checkpointed layers (block)."""
     compile_layers: bool = False
     """torch.compile every transformer layer (in place: parameter names do not change)."""
+    cross_entropy_loss_fusion: bool = False
+    """The language-model loss through torch.compile: fused kernels, no float32 logits in
+    memory (``vocab_parallel_cross_entropy(fused=True)``)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

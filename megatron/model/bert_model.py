@@ -201,7 +201,8 @@ class BertModel(PipelineStage):
             if lm_labels is None:
                 lm_output = logits.transpose(0, 1).contiguous()
             else:
-                loss = vocab_parallel_cross_entropy(logits, lm_labels.transpose(0, 1), self.tp,
-                                                    inplace_backward=True)
+                loss = vocab_parallel_cross_entropy(
+                    logits, lm_labels.transpose(0, 1), self.tp, inplace_backward=True,
+                    fused=self.config.cross_entropy_loss_fusion)
                 lm_output = loss.transpose(0, 1).contiguous()
         return lm_output, binary_logits

@@ -119,5 +119,6 @@ class GPTModel(PipelineStage):
             return logits.transpose(0, 1).contiguous()
         # the logits are a temporary: the loss may write their gradient in place
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp,
-                                            inplace_backward=True)
+                                            inplace_backward=True,
+                                            fused=self.config.cross_entropy_loss_fusion)
         return loss.transpose(0, 1).contiguous()

@@ -120,11 +120,12 @@ def _layers_worker(rank: int, world_size: int) -> bool:
     full = logits.clone().requires_grad_()
     ref = F.cross_entropy(full.view(-1, 10), target.view(-1), reduction="none").view(4, 3)
     (ref * upstream).sum().backward()
-    part = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(part, target, tp)
-    (loss * upstream).sum().backward()
-    _close(loss, ref.detach(), "cross-entropy loss")
-    _close(part.grad, full.grad.chunk(2, dim=-1)[rank], "cross-entropy grad")
+    for fused in (False, True):  # the chunked code and the torch.compile'd kernels
+        part = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(part, target, tp, fused=fused)
+        (loss * upstream).sum().backward()
+        _close(loss, ref.detach(), f"cross-entropy loss (fused={fused})")
+        _close(part.grad, full.grad.chunk(2, dim=-1)[rank], f"cross-entropy grad (fused={fused})")
 
     # Linear layers and embedding against their tp=1 twins (same init keys).
     x = torch.randn(5, 2, 8, generator=gen, dtype=dt)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -60,7 +61,22 @@ def gpu_results(tmp_path_factory) -> Path:
           "--active", "1", "--out-dir", str(out)], root)
     _run(["bench/delay_stability.py", "--out-dir", str(out), "--figure",
           str(root / "stability.png")], root)
+    _run(["bench/cross_entropy_fusion.py", "--dry-run", "--rounds", "1", "--out-dir", str(out)],
+         root)
     return root
+
+
+def test_cross_entropy_fusion_dry_run(gpu_results: Path):
+    """Both ways of the loss give the same loss; the trainer ran both ways at b=8 and 1."""
+    data = json.loads((gpu_results / "gpu" / "cross_entropy_fusion.json").read_text())
+    assert data["status"] == "dry run" and data["command"].endswith("--out-dir " + str(
+        gpu_results / "gpu"))
+    assert [r["micro_batch_size"] for r in data["loss_alone"]] == [1, 8]
+    for r in data["loss_alone"]:
+        assert r["mean_loss_fused"] == pytest.approx(r["mean_loss_chunked"], rel=1e-5)
+        assert r["chunked_ms"] > 0 and r["fused_ms"] > 0
+    assert [r["micro_batch_size"] for r in data["trainer"]] == [8, 1]
+    assert all(r["default_s"] > 0 and r["fused_s"] > 0 for r in data["trainer"])
 
 
 def test_throughput_cuda_only_dry_run(gpu_results: Path):
@@ -68,8 +84,10 @@ def test_throughput_cuda_only_dry_run(gpu_results: Path):
     cuda = data["cuda_gpt_345m"]
     assert cuda["status"] == "dry run" and cuda["dropout"] == 0.1
     assert {r["micro_batch_size"] for r in cuda["rows"]} == {1}
-    assert {r["name"] for r in cuda["rows"]} == {"trainer", "plain GPT-2, torch.compile"}
-    assert set(cuda["b1_trainer_over_plain_compiled"]) == {"trainer"}
+    fused = "trainer --cross-entropy-loss-fusion"
+    assert {r["name"] for r in cuda["rows"]} == {"trainer", fused, "plain GPT-2, torch.compile"}
+    assert set(cuda["b1_trainer_over_plain_compiled"]) == {"trainer", fused}
+    assert all(r["seconds_per_iteration"] > 0 for r in cuda["rows"])
 
 
 def test_gpu_profile_dry_run(gpu_results: Path):
@@ -78,7 +96,8 @@ def test_gpu_profile_dry_run(gpu_results: Path):
     assert run["micro_batch_size"] == 1 and run["active_iterations"] == 1
     names = {x["name"] for x in run["top_cpu"]}
     assert any(n.startswith("aten::") for n in names), names
-    assert run["device_ms_total"] is None  # no kernels on the CPU
+    # the dry run's trainer takes the GPU where there is one: kernels are counted there
+    assert (run["device_ms_total"] is None) == (not torch.cuda.is_available())
 
 
 @pytest.mark.skipif(not (GPT2 / "encoder.json").is_file(), reason="needs ../shared/data/gpt2")
@@ -104,7 +123,8 @@ def test_convergence_gpu_smoke_and_page(gpu_results: Path, tmp_path: Path):
     from tools.make_results import build_page
 
     page = build_page(gpu_results, tmp_path / "RESULTS.md")
-    for section in ("gpu_convergence_gpu", "gpu_throughput_cuda", "gpu_gpu_profile"):
+    for section in ("gpu_convergence_gpu", "gpu_throughput_cuda", "gpu_gpu_profile",
+                    "gpu_cross_entropy_fusion"):
         assert f"## {section}" in page, section
     assert "does not have the fields" not in page
 
@@ -124,9 +144,14 @@ def test_gpu_session_script_dry_run_and_bad_arguments(tmp_path: Path):
     res = run("1", str(tmp_path / "out"))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert files == ["gpu_profile.json", "planner_validation_cuda.json", "session.log",
-                     "throughput_cuda.json"]
-    assert res.stdout.count(": exit 0 after") == 3
+    assert files == ["cross_entropy_fusion.json", "gpu_profile.json",
+                     "planner_validation_cuda.json", "session.log", "throughput_cuda.json"]
+    assert res.stdout.count(": exit 0 after") == 4
+    env["GPU_SESSION_STEPS"] = "gpu_profile"  # one step alone
+    one = run("1", str(tmp_path / "one"))
+    assert one.returncode == 0 and one.stdout.count(": exit 0 after") == 1
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["gpu_profile.json",
+                                                                      "session.log"]
     bad = run("3", str(tmp_path / "x"))
     assert bad.returncode == 2 and "part must be 1 or 2, got '3'" in bad.stderr
     nodata = run("2", str(tmp_path / "y"))

@@ -44,6 +44,55 @@ def test_cross_entropy_half_logits_compute_in_fp32():
         vocab_parallel_cross_entropy(logits, torch.arange(5))
 
 
+def _fused_against_chunked(device: str, dtype: torch.dtype) -> None:
+    from megatron.tensor_parallel.cross_entropy import _COMPILED
+    gen = torch.Generator().manual_seed(3)
+    # large logits (the max subtraction must hold) and a target in every position class
+    full = (torch.randn(6, 5, 131, generator=gen) * 30).to(dtype).to(device)
+    target = torch.randint(0, 131, (6, 5), generator=gen).to(device)
+    target[0, 0], target[0, 1] = 0, 130
+    upstream = torch.rand(6, 5, generator=gen).to(device)
+    grads, losses = [], []
+    for fused in (False, True):
+        logits = full.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(logits, target, chunk_rows=4, fused=fused)
+        (loss * upstream).sum().backward()
+        losses.append(loss)
+        grads.append(logits.grad)
+    assert losses[1].dtype == torch.float32 and grads[1].dtype == dtype
+    # the same float32 math; only exp() may round differently inside the compiled kernel
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grads[1].float(), grads[0].float(), rtol=0.02, atol=1e-3)
+    assert set(_COMPILED) == {"forward", "backward"}  # it did go through torch.compile
+
+
+def test_fused_cross_entropy_math_matches_the_chunked_reference():
+    """The fused functions, run eagerly, against the chunked code: exact in float64."""
+    from megatron.tensor_parallel.cross_entropy import _fused_grad, _fused_lse_and_target
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 23, generator=gen, dtype=torch.float64) * 20
+    target = torch.randint(0, 23, (9,), generator=gen)
+    inside = torch.ones(9, dtype=torch.float64)
+    inside[2] = 0.0  # a token whose target lives on another TP rank: no one-hot there
+    g = torch.rand(9, generator=gen, dtype=torch.float64)
+    lse, tl = _fused_lse_and_target(x, target, torch.float64)
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=0, atol=0)
+    torch.testing.assert_close(tl, x[torch.arange(9), target], rtol=0, atol=0)
+    want = torch.softmax(x, -1)
+    want[torch.arange(9), target] -= inside
+    torch.testing.assert_close(_fused_grad(x, lse, target, inside, g), want * g[:, None],
+                               rtol=0, atol=1e-14)
+
+
+def test_fused_cross_entropy_compiled_on_cpu_matches_the_chunked_path():
+    _fused_against_chunked("cpu", torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_cross_entropy_compiled_on_cuda_matches_the_chunked_path():
+    _fused_against_chunked("cuda", torch.bfloat16)
+
+
 def test_layers_tp1_are_plain_linear_and_embedding():
     tp = TPInfo.single()
     x = torch.randn(2, 3, 8, dtype=torch.float64)

@@ -98,6 +98,22 @@ def test_stage_sums_layers_embedding_head_and_step():
     assert prof.stage_stash_bytes(2, False, True, 4, recompute=True) == last.recompute_stash_bytes
 
 
+def test_stage_step_pays_the_fixed_part_once():
+    """A profile with a fixed optimizer-step part (tools/profile_model.py's
+    optimizer_step_model): each stage pays it once, whatever its layers; the pieces'
+    marginal costs add up as before."""
+    data = make_profile()
+    data["optimizer_step_s"]["fixed"] = 5e-3
+    prof = Profile(data)
+    old = Profile(make_profile())  # written before the fixed part existed: 0
+    assert old.optimizer_step_s["fixed"] == 0.0
+    for layers, first, last in ((2, True, False), (2, False, True), (4, True, True)):
+        assert prof.stage(layers, first, last, 4, d=2).step_s == pytest.approx(
+            5e-3 + old.stage(layers, first, last, 4, d=2).step_s)
+    assert prof.scaled(3.0).stage(2, True, False, 4).step_s == pytest.approx(
+        3 * prof.stage(2, True, False, 4).step_s)
+
+
 def with_stages(data: dict, extra_f, extra_b, layers: int = 2) -> dict:
     """``data`` with timed stages of ``layers`` blocks costing the pieces plus
     ``extra_f[kind] * b`` / ``extra_b[kind] * b`` seconds (both clocks)."""

@@ -155,7 +155,10 @@ def test_times_are_positive_and_json_round_trips(tmp_path):
             piece = row[name]
             assert piece["forward_s"] > 0 and piece["backward_s"] > 0
             assert piece["forward_cpu_s"] >= 0 and len(piece["forward_samples_s"]) == 2
-    assert all(v > 0 for v in data["optimizer_step_s"].values())
+    assert all(v > 0 for v in data["optimizer_step_calls_s"].values())
+    assert all(v >= 0 for v in data["optimizer_step_s"].values())
+    assert set(data["optimizer_step_s"]) == {"fixed", "block", "embedding", "head",
+                                             "tied_embedding"}
     prof = Profile.load(out)
     assert prof.micro_batch_sizes == (1, 2)
     assert prof.model_spec().hidden_size == 32
@@ -204,8 +207,10 @@ def test_bad_flags_give_one_clear_error(tmp_path, capsys):
 def test_runs_per_sync_queues_runs_and_keeps_the_stash_count():
     """Several forwards queued per synchronisation (the CUDA default, 8): per-run times,
     the same stash bytes, and the count recorded; 0 is an error."""
-    one = profile_model(_config(torch.float32), [2], warmup=0, repeat=1)
-    three = profile_model(_config(torch.float32), [2], warmup=0, repeat=1, runs_per_sync=3)
+    cpu = torch.device("cpu")  # the default is 8 on a CUDA device, 1 on the CPU
+    one = profile_model(_config(torch.float32), [2], warmup=0, repeat=1, device=cpu)
+    three = profile_model(_config(torch.float32), [2], warmup=0, repeat=1, runs_per_sync=3,
+                          device=cpu)
     assert one["settings"]["runs_per_sync"] == 1 and three["settings"]["runs_per_sync"] == 3
     for name in ("block", "embedding", "head"):
         a, b = one["microbatches"][0][name], three["microbatches"][0][name]
@@ -260,3 +265,21 @@ def test_default_chain_fits_a_small_gpu():
     assert default_chain_blocks(cfg, cpu, free_bytes=4 * 2 * layer) == 2
     assert default_chain_blocks(cfg, cpu, free_bytes=4 * layer) == 1
     assert default_chain_blocks(cfg, cpu, free_bytes=10) == 1
+
+
+def test_optimizer_step_model_splits_a_fixed_cost_from_per_block_costs():
+    """A step costs a fixed part once per stage plus a part per parameter: the chain of
+    blocks separates them, and a 24-block stage is predicted from one and four blocks."""
+    from tools.profile_model import optimizer_step_model
+    fixed, per_block = 0.9e-3, 0.05e-3
+    calls = {"block": fixed + per_block, "blocks": fixed + 4 * per_block,
+             "embedding": fixed + 0.2e-3, "head": fixed / 2, "tied_embedding": fixed + 0.2e-3}
+    got = optimizer_step_model(calls, chain=4)
+    assert got["fixed"] == pytest.approx(fixed) and got["block"] == pytest.approx(per_block)
+    assert got["embedding"] == pytest.approx(0.2e-3) and got["head"] == 0.0  # clamped
+    stage = got["fixed"] + 24 * got["block"] + got["embedding"]
+    assert stage == pytest.approx(fixed + 24 * per_block + 0.2e-3)
+    # one block: nothing separates the parts, each piece is its whole call (as before)
+    one = optimizer_step_model({k: v for k, v in calls.items() if k != "blocks"}, chain=1)
+    assert one["fixed"] == 0.0 and one["block"] == calls["block"]
+    assert one["embedding"] == calls["embedding"]

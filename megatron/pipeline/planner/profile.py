@@ -131,6 +131,8 @@ class Profile:
             self.optimizer_step_s: Dict[str, float] = dict(data[f"optimizer_step{suffix}"])
             for key in (*PIECES, "tied_embedding"):
                 num(self.optimizer_step_s[key], f"optimizer_step{suffix}.{key}")
+            # once per stage (profiles written before it existed: 0, pieces whole calls)
+            num(self.optimizer_step_s.setdefault("fixed", 0.0), f"optimizer_step{suffix}.fixed")
             rows = list(data["microbatches"])
             for i, r in enumerate(rows):
                 where = f"microbatches[{i}]"
@@ -272,7 +274,7 @@ class Profile:
         if t > 1:
             stash = inp + round((stash - inp) / t)
         steps = self.optimizer_step_s
-        step = layers * steps["block"] + (steps["embedding"] if first else 0.0)
+        step = steps["fixed"] + layers * steps["block"] + (steps["embedding"] if first else 0.0)
         if last:
             step += steps["head"] + (steps["tied_embedding"] if d > 1 else 0.0)
         return ProfiledStage(forward_s=fwd, backward_s=bwd, recompute_s=fwd,
