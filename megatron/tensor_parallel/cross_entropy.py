@@ -20,7 +20,7 @@ once for the log-sum-exp and the target logit, the backward pass one kernel that
 them again and writes the low-precision gradient.  The float32 values never reach
 memory, so no chunking is needed; the price is a second logits-sized buffer during the
 backward pass (the gradient is a new tensor, not written over the logits), and the
-compilation (seconds, once per shape).  The chunked eager code stays the default and the
+compilation (seconds: once for the first shape, once more for all other shapes).  The chunked eager code stays the default and the
 reference the fused path is tested against.
 """
 from __future__ import annotations
@@ -66,12 +66,14 @@ _COMPILED: dict = {}
 
 
 def _compiled(name: str):
-    """The fused functions under ``torch.compile`` (built on first use, one per process;
-    a new logits shape recompiles, past dynamo's limit it runs eagerly, still exact)."""
+    """The fused functions under ``torch.compile`` (built on first use, one per process).
+    The first logits shape gets a static kernel; a second shape (evaluation, a task with
+    other lengths) recompiles once with dynamic shapes that serve every later one.  Not
+    ``fullgraph``: were dynamo's recompile limit ever hit (a new dtype, say) it runs the
+    same functions eagerly, still exact, instead of failing the run."""
     fn = _COMPILED.get(name)
     if fn is None:
-        fn = torch.compile({"forward": _fused_lse_and_target, "backward": _fused_grad}[name],
-                           dynamic=False, fullgraph=True)
+        fn = torch.compile({"forward": _fused_lse_and_target, "backward": _fused_grad}[name])
         _COMPILED[name] = fn
     return fn
 

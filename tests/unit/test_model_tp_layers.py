@@ -88,6 +88,21 @@ def test_fused_cross_entropy_compiled_on_cpu_matches_the_chunked_path():
     _fused_against_chunked("cpu", torch.bfloat16)
 
 
+def test_fused_cross_entropy_takes_any_number_of_shapes():
+    """More logits shapes than dynamo's recompile limit (8): evaluation or a task with
+    other lengths must neither fail the run nor change the loss."""
+    gen = torch.Generator().manual_seed(9)
+    for n in range(1, 11):
+        logits = torch.randn(n, 2, 19, generator=gen).to(torch.bfloat16).requires_grad_()
+        target = torch.randint(0, 19, (n, 2), generator=gen)
+        loss = vocab_parallel_cross_entropy(logits, target, fused=True)
+        loss.sum().backward()
+        ref = F.cross_entropy(logits.detach().float().view(-1, 19), target.view(-1),
+                              reduction="none").view(n, 2)
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        assert logits.grad.shape == logits.shape and torch.isfinite(logits.grad.float()).all()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fused_cross_entropy_compiled_on_cuda_matches_the_chunked_path():
     _fused_against_chunked("cuda", torch.bfloat16)
