@@ -209,7 +209,10 @@ def run(argv: Optional[List[str]] = None) -> int:
         rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         fastest = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         best, warmup, passed = choose_for_run(rows, model, hw, kwargs["options"], profile)
+        # a profile of the fused loss was timed with it: the command must run it too
+        fused = bool(profile and profile.model.get("cross_entropy_loss_fusion"))
         cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server,
+                           extra_args=["--cross-entropy-loss-fusion"] if fused else [],
                            precision=planned_precision(
                                hw.name, profile.model.get("dtype") if profile else None))
     except (PlanningError, ValueError) as exc:

@@ -49,7 +49,8 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                   "runs_per_sync": int, "chain_blocks": int},
      "model": {"kind": "gpt", "num_layers", "hidden_size", "num_attention_heads",
                "seq_length", "ffn_hidden_size", "vocab_size" (padded), "dtype",
-               "dtype_bytes", "hidden_dropout", "attention_dropout", "optimizer"},
+               "dtype_bytes", "hidden_dropout", "attention_dropout", "optimizer",
+               "cross_entropy_loss_fusion"},
      "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
                  "head_params", "head_bytes",
                  "tied_embedding_params", "tied_embedding_bytes"},
@@ -462,7 +463,8 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   "ffn_hidden_size": config.ffn_hidden_size,
                   "vocab_size": config.padded_vocab_size, "dtype": dtype_name,
                   "dtype_bytes": dtype_bytes, "hidden_dropout": config.hidden_dropout,
-                  "attention_dropout": config.attention_dropout, "optimizer": optimizer},
+                  "attention_dropout": config.attention_dropout, "optimizer": optimizer,
+                  "cross_entropy_loss_fusion": config.cross_entropy_loss_fusion},
         "weights": {"block_params": bp, "block_bytes": bb, "embedding_params": ep,
                     "embedding_bytes": eb, "head_params": hp, "head_bytes": hp * dtype_bytes,
                     "tied_embedding_params": word.numel(),
@@ -499,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in DTYPES:
         d.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="profile the head with the fused loss, as the trainer's flag runs it "
+                        "(recorded; tools/plan.py's command then passes the flag)")
     m = p.add_argument_group("measurement")
     m.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     m.add_argument("--warmup", type=int, default=2)
@@ -532,7 +537,8 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         padded_vocab_size=vocab_size_with_padding(args.vocab_size,
                                                   args.make_vocab_size_divisible_by, 1),
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        params_dtype=DTYPES[args.dtype or "fp32"])
+        params_dtype=DTYPES[args.dtype or "fp32"],
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
 
 
 def summary(profile: Dict[str, Any]) -> str:

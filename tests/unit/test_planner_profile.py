@@ -249,6 +249,17 @@ def test_plan_cli_takes_a_profile(tmp_path):
     assert "costs:   profile" in res.stdout and "hidden 32" in res.stdout
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["profile"] == str(path) and data["best"]["fits"]
+    assert "--cross-entropy-loss-fusion" not in res.stdout
+    # a profile taken with the fused loss: the planned command runs the fused loss too
+    fused = make_profile()
+    fused["model"]["cross_entropy_loss_fusion"] = True
+    path.write_text(json.dumps(fused))
+    res = subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), "--profile",
+                          str(path), "--cluster", "cpu", "--num-gpus", "4",
+                          "--max-batch-size", "32"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--cross-entropy-loss-fusion" in res.stdout
     bad = copy.deepcopy(make_profile())
     bad["schema"] = "nope"
     path.write_text(json.dumps(bad))

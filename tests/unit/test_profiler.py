@@ -283,3 +283,18 @@ def test_optimizer_step_model_splits_a_fixed_cost_from_per_block_costs():
     one = optimizer_step_model({k: v for k, v in calls.items() if k != "blocks"}, chain=1)
     assert one["fixed"] == 0.0 and one["block"] == calls["block"]
     assert one["embedding"] == calls["embedding"]
+
+
+def test_fused_loss_flag_reaches_the_head_and_the_profile():
+    """--cross-entropy-loss-fusion: the head is timed with the fused loss, and the profile
+    says so (tools/plan.py then passes the flag on)."""
+    from tools.profile_model import HeadPiece, build_parser, config_from_args
+    base = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
+            "--seq-length", "8", "--vocab-size", "64"]
+    plain = config_from_args(build_parser().parse_args(base))
+    fused = config_from_args(build_parser().parse_args(base + ["--cross-entropy-loss-fusion"]))
+    assert not plain.cross_entropy_loss_fusion and fused.cross_entropy_loss_fusion
+    assert HeadPiece(fused).fused and not HeadPiece(plain).fused
+    prof = profile_model(fused, [1], warmup=0, repeat=1, device=torch.device("cpu"),
+                         stages=False)
+    assert prof["model"]["cross_entropy_loss_fusion"] is True
