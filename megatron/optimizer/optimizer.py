@@ -286,9 +286,9 @@ class MegatronOptimizer:
         """Gradients times ``inv`` (1 / the loss scale): new fp32 tensors for masters, else
         in place.  ``skip``: indices left untouched (None in the list)."""
         if self.use_masters:
-            # float32 copies as views of one allocation, filled by one multi-tensor copy
-            # on an accelerator (a cast per parameter was hundreds of launches per step)
-            # (on the CPU a cast per parameter is cheaper than making the views)
+            # On an accelerator: float32 copies as views of one allocation, filled by one
+            # multi-tensor copy (a cast per parameter was hundreds of launches per step).
+            # On the CPU a cast per parameter is cheaper than making the views.
             take = [i for i, p in enumerate(grads_from) if p.grad is not None and i not in skip]
             out: List[Optional[torch.Tensor]] = [None] * len(grads_from)
             if take and not use_foreach([grads_from[take[0]].grad]):

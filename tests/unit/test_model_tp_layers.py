@@ -82,6 +82,12 @@ def test_fused_cross_entropy_math_matches_the_chunked_reference():
     want[torch.arange(9), target] -= inside
     torch.testing.assert_close(_fused_grad(x, lse, target, inside, g), want * g[:, None],
                                rtol=0, atol=1e-14)
+    # each is one graph without breaks, so torch.compile fuses it whole (the code is not
+    # compiled with fullgraph=True, which would fail a run past the recompile limit)
+    for fn, args in ((_fused_lse_and_target, (x, target, torch.float64)),
+                     (_fused_grad, (x, lse, target, inside, g))):
+        ex = torch._dynamo.explain(fn)(*args)
+        assert (ex.graph_count, ex.graph_break_count) == (1, 0), fn.__name__
 
 
 def test_fused_cross_entropy_compiled_on_cpu_matches_the_chunked_path():
