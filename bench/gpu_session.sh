@@ -10,6 +10,8 @@
 #   GPU_SESSION_STEPS=tests bash bench/gpu_session.sh 1 OUT                 # ~5 min
 #   GPU_SESSION_STEPS="throughput cross_entropy_fusion planner_validation gpu_profile" \
 #       bash bench/gpu_session.sh 1 OUT                                     # ~7 min
+#   GPU_SESSION_STEPS="grad_accumulation compile_diagnosis" \
+#       bash bench/gpu_session.sh 1 OUT                                     # ~5 min
 #                                            # (install always runs)
 #   bash bench/gpu_session.sh 2 OUT DATA     # GPT 12 x 768 convergence, Flush vs 2BW and
 #                                            # the mitigations, on DATA (bench/convergence_gpu.py
@@ -56,6 +58,13 @@ case "$part" in
         step cross_entropy_fusion 240 python3 -u bench/cross_entropy_fusion.py --out-dir "$out"
         step planner_validation 90 python3 -u bench/planner_validation.py --cuda --out-dir "$out"
         step gpu_profile 120 python3 -u bench/gpu_profile.py --out-dir "$out"
+        step grad_accumulation 200 python3 -u bench/grad_accumulation.py --cuda --rounds 2 \
+            --out-dir "$out"
+        # why --compile-layers made the fused-loss step slower (session 12): dynamo's
+        # recompiles and graph breaks into session.log, the compiled step's kernel table
+        step compile_diagnosis 240 env TORCH_LOGS=recompiles,graph_breaks python3 -u \
+            bench/gpu_profile.py --micro-batch-size 8 \
+            --extra "--cross-entropy-loss-fusion --compile-layers" --out-dir "$out/compiled"
     else
         step throughput 300 python3 bench/throughput.py --cuda-only --gpu-dry-run \
             --out-dir "$out"
@@ -64,6 +73,8 @@ case "$part" in
         step planner_validation 300 python3 bench/planner_validation.py --cuda --dry-run \
             --out-dir "$out"
         step gpu_profile 300 python3 bench/gpu_profile.py --dry-run --out-dir "$out"
+        step grad_accumulation 300 python3 bench/grad_accumulation.py --quick --rounds 1 \
+            --out-dir "$out"
     fi
     ;;
 2)

@@ -210,8 +210,7 @@ def predict_samples_per_s(cfg: Dict[str, Any], profile, bandwidth: float,
     hw = get_hardware("cpu").with_overrides(intra_server_bandwidth=bandwidth)
     # w = 1: no data-parallel all-reduce; the executor sums the tied embedding gradient
     # inside STEP, synchronously, so nothing is hidden behind the next batch.
-    options = CostOptions(grad_bytes_per_param=float(profile.model["dtype_bytes"]),
-                          overlap_grad_reduce_2bw=False)
+    options = profile.cost_options(CostOptions(overlap_grad_reduce_2bw=False))
     config = Config(w=1, d=cfg["d"], b=MICRO_BATCH, m=cfg["m"], recompute=cfg["recompute"],
                     schedule=cfg["schedule"])
     cm = CostModel(model, hw, options, profile)

@@ -22,6 +22,7 @@ import torch
 
 from megatron.errors import UserError
 from megatron.config import (
+    GRAD_DTYPE_SUPPORTED,
     PIPELINE_SCHEDULES,
     DataConfig,
     MegatronConfig,
@@ -153,6 +154,10 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
                    help="Steps without overflow before the dynamic scale doubles.")
     g.add_argument("--hysteresis", type=int, default=2,
                    help="Overflows tolerated before the dynamic scale halves.")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Accumulate the fp16/bf16 weights' gradients over microbatches, "
+                        "and all-reduce them, in float32 (on by default with --bf16, as in "
+                        "Megatron-LM; needs torch >= 2.10 for Tensor.grad_dtype).")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
@@ -449,6 +454,20 @@ def _check_precision(args: argparse.Namespace) -> None:
     _require(args.min_loss_scale <= args.initial_loss_scale,
              f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
              f"({args.initial_loss_scale})")
+    if args.accumulate_allreduce_grads_in_fp32:
+        _require(GRAD_DTYPE_SUPPORTED,
+                 f"--accumulate-allreduce-grads-in-fp32 needs torch >= 2.10 (Tensor.grad_dtype); "
+                 f"this is torch {torch.__version__}")
+    elif args.bf16:
+        # Megatron-LM: bf16 gradients are accumulated and all-reduced in fp32.  A sum of
+        # many microbatches' bf16 gradients in bf16 loses about one part in 100 at
+        # m = 64 (bench/grad_accumulation.py).
+        if GRAD_DTYPE_SUPPORTED:
+            args.accumulate_allreduce_grads_in_fp32 = True
+        else:
+            print(f"warning: --bf16 gradients accumulate in bf16: fp32 accumulation needs "
+                  f"torch >= 2.10 (Tensor.grad_dtype), this is torch {torch.__version__}",
+                  file=sys.stderr)
     if args.fp16:
         args.params_dtype = torch.float16
     elif args.bf16:
@@ -732,7 +751,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         fp16=args.fp16, bf16=args.bf16, fp64=args.fp64, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        fp32_master_weights=args.fp16 or args.bf16)
+        fp32_master_weights=args.fp16 or args.bf16,
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32)
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,

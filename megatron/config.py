@@ -14,6 +14,9 @@ import torch
 
 PIPELINE_SCHEDULES = ("none", "gpipe", "flush", "2bw")
 
+GRAD_DTYPE_SUPPORTED = hasattr(torch.Tensor, "grad_dtype")
+"""Whether this torch lets a parameter's gradient have another dtype (torch >= 2.10)."""
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -141,6 +144,17 @@ class PrecisionConfig:
     """Overflows tolerated before the dynamic scale halves."""
     fp32_master_weights: bool = True
     """Keep an fp32 copy for the optimizer when the model runs in fp16/bf16."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Gradients of fp16/bf16 weights accumulate over microbatches, are averaged over
+    data-parallel replicas and summed between tied-embedding stages in float32
+    (``Tensor.grad_dtype``); Megatron-LM's flag, which ``--bf16`` turns on."""
+
+    @property
+    def grad_dtype(self) -> Optional[torch.dtype]:
+        """dtype the weights' gradients accumulate in (None: the weights' own)."""
+        if self.accumulate_allreduce_grads_in_fp32 and (self.fp16 or self.bf16):
+            return torch.float32
+        return None
 
     @property
     def params_dtype(self) -> torch.dtype:

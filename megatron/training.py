@@ -277,7 +277,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         get_rng_state=get_rng_state, set_rng_state=set_rng_state,
         fault_injection=fault_injection,
         memory_count_interval=cfg.training.measure_memory_interval,
-        flush_warmup_iters=par.tbw_flush_warmup_iters if par.tbw_mitigation == "warmup" else 0)
+        flush_warmup_iters=par.tbw_flush_warmup_iters if par.tbw_mitigation == "warmup" else 0,
+        grad_dtype=cfg.precision.grad_dtype)
     return model, optimizer, scheduler, engine
 
 

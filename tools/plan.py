@@ -205,7 +205,9 @@ def run(argv: Optional[List[str]] = None) -> int:
                      "layer": ("uniform",), "all": (False, True, "uniform")}[args.recompute]
         kwargs = dict(schedules=schedules, tensor_parallel=args.tensor_parallel,
                       max_microbatch_size=args.max_microbatch_size, recompute=recompute,
-                      options=CostOptions(c_extra=args.c_extra), profile=profile)
+                      options=(profile.cost_options(CostOptions(c_extra=args.c_extra))
+                               if profile else CostOptions(c_extra=args.c_extra)),
+                      profile=profile)
         rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         fastest = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         best, warmup, passed = choose_for_run(rows, model, hw, kwargs["options"], profile)

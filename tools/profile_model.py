@@ -50,7 +50,8 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
      "model": {"kind": "gpt", "num_layers", "hidden_size", "num_attention_heads",
                "seq_length", "ffn_hidden_size", "vocab_size" (padded), "dtype",
                "dtype_bytes", "hidden_dropout", "attention_dropout", "optimizer",
-               "cross_entropy_loss_fusion"},
+               "cross_entropy_loss_fusion",
+               "grad_bytes"},  # 4 under bf16: the trainer accumulates gradients in fp32
      "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
                  "head_params", "head_bytes",
                  "tied_embedding_params", "tied_embedding_bytes"},
@@ -178,6 +179,26 @@ def make_batch(config: ModelConfig, b: int, device: torch.device,
     return get_batch({"text": text}, device)
 
 
+def trainer_grad_dtype(config: ModelConfig) -> Optional[torch.dtype]:
+    """The dtype the trainer's gradients of ``config``'s weights accumulate in by
+    default: float32 under bf16 (``--bf16`` turns --accumulate-allreduce-grads-in-fp32
+    on), else the weights' own (None)."""
+    from megatron.config import GRAD_DTYPE_SUPPORTED
+    if config.params_dtype == torch.bfloat16 and GRAD_DTYPE_SUPPORTED:
+        return torch.float32
+    return None
+
+
+def _widen_grads(module: nn.Module, grad_dtype: Optional[torch.dtype]) -> None:
+    """Gradients of ``module`` accumulate in ``grad_dtype`` (as the trainer's do): the
+    backward pays the same cast per parameter."""
+    if grad_dtype is None:
+        return
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != grad_dtype:
+            p.grad_dtype = grad_dtype
+
+
 def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
              module: nn.Module, weight_ptrs: set, device: torch.device, warmup: int,
              repeat: int, per_sync: int = 1, units: int = 1) -> Dict[str, Any]:
@@ -270,10 +291,14 @@ def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
                            fp64=dtype == torch.float64, loss_scale=1.0)
     params = [nn.Parameter(p.detach().clone()) for p in params]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer), prec, params)
+    grad_dtype = trainer_grad_dtype(config) or dtype
     times, cpu = [], []
     for i in range(warmup + repeat):
         for p in params:
-            p.grad = torch.full_like(p, 1e-3)
+            p.grad = None
+            if grad_dtype != p.dtype:
+                p.grad_dtype = grad_dtype
+            p.grad = torch.full_like(p, 1e-3, dtype=grad_dtype)
         _sync(device)
         c0, t0 = time.thread_time(), time.perf_counter()
         opt.step(grads_from=params, write_to=params, base=params, lr=1e-4)
@@ -326,6 +351,7 @@ def _profile_stages(config: ModelConfig, rows: List[Dict[str, Any]], chain: int,
         model = GPTModel(stage_config, TPInfo.single(), pre_process=pre, post_process=post,
                          layer_numbers=range(start, start + chain), seed=seed).to(device)
         model.train()
+        _widen_grads(model, trainer_grad_dtype(config))
         for row in rows:
             b = row["micro_batch_size"]
             # what the data loader hands the executor: token ids on the host
@@ -405,6 +431,7 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     head = HeadPiece(config).to(device)
     for m in (blocks, embedding, head):
         m.train()
+        _widen_grads(m, trainer_grad_dtype(config))
 
     def run_blocks(x: torch.Tensor) -> torch.Tensor:
         for layer in blocks:
@@ -464,6 +491,7 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   "vocab_size": config.padded_vocab_size, "dtype": dtype_name,
                   "dtype_bytes": dtype_bytes, "hidden_dropout": config.hidden_dropout,
                   "attention_dropout": config.attention_dropout, "optimizer": optimizer,
+                  "grad_bytes": (trainer_grad_dtype(config) or dtype).itemsize,
                   "cross_entropy_loss_fusion": config.cross_entropy_loss_fusion},
         "weights": {"block_params": bp, "block_bytes": bb, "embedding_params": ep,
                     "embedding_bytes": eb, "head_params": hp, "head_bytes": hp * dtype_bytes,

@@ -215,9 +215,10 @@ class MegatronOptimizer:
                 if p.grad is None:
                     pending.grads[i] = None
                 elif self.use_masters:
-                    pending.grads[i] = p.grad.to(torch.float32, copy=True)
+                    pending.grads[i] = (p.grad if p.grad.dtype == torch.float32
+                                        else p.grad.to(torch.float32, copy=True))
                 else:
-                    pending.grads[i] = p.grad
+                    pending.grads[i] = p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
             scale_grads_([pending.grads[i] for i in pending.late], pending.inv_scale)
         pending.late = ()
 
@@ -283,14 +284,24 @@ class MegatronOptimizer:
 
     def _unscaled_grads(self, grads_from: Sequence[nn.Parameter], inv: float,
                         skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
-        """Gradients times ``inv`` (1 / the loss scale): new fp32 tensors for masters, else
-        in place.  ``skip``: indices left untouched (None in the list)."""
+        """Gradients times ``inv`` (1 / the loss scale): for masters in float32 (fp32
+        gradients in place, others as fp32 copies), else in place in the weights' dtype.
+        ``skip``: indices left untouched (None in the list)."""
         if self.use_masters:
-            # On an accelerator: float32 copies as views of one allocation, filled by one
-            # multi-tensor copy (a cast per parameter was hundreds of launches per step).
-            # On the CPU a cast per parameter is cheaper than making the views.
-            take = [i for i, p in enumerate(grads_from) if p.grad is not None and i not in skip]
+            # Gradients already in float32 (accumulated so, --accumulate-allreduce-grads-
+            # in-fp32) are used as they are: the step releases them anyway.  Others are
+            # copied: on an accelerator into views of one float32 allocation, filled by
+            # one multi-tensor copy (a cast per parameter was hundreds of launches per
+            # step); on the CPU a cast per parameter is cheaper than making the views.
             out: List[Optional[torch.Tensor]] = [None] * len(grads_from)
+            take = []
+            for i, p in enumerate(grads_from):
+                if p.grad is None or i in skip:
+                    continue
+                if p.grad.dtype == torch.float32:
+                    out[i] = p.grad
+                else:
+                    take.append(i)
             if take and not use_foreach([grads_from[take[0]].grad]):
                 for i in take:
                     out[i] = grads_from[i].grad.to(torch.float32, copy=True)
@@ -307,7 +318,11 @@ class MegatronOptimizer:
                     out[i] = v
             scale_grads_(out, inv)
             return out
-        grads = [None if i in skip else p.grad for i, p in enumerate(grads_from)]
+        # the update runs in the weights' dtype: a gradient accumulated in another
+        # (fp32 gradients of bf16 weights without masters) is cast to it
+        grads = [None if i in skip or p.grad is None
+                 else p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
+                 for i, p in enumerate(grads_from)]
         scale_grads_(grads, inv)
         return grads
 

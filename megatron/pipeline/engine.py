@@ -34,7 +34,7 @@ from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
 from megatron.pipeline.p2p import P2PCommunicator, available_cores, prepost_pays
 from megatron.pipeline.schedules import build_schedule
-from megatron.pipeline.weights import WeightBuffers
+from megatron.pipeline.weights import WeightBuffers, grad_dtype_of, zero_grad_like
 
 ForwardStep = Callable[[Iterator[Any], nn.Module], Any]
 
@@ -122,8 +122,9 @@ class GradientReduction:
         size = 0
         for i in reversed(range(len(self.params))):
             p = self.params[i]
-            nbytes = p.numel() * p.element_size()
-            if bucket and (p.dtype != self.params[bucket[0]].dtype
+            dtype = grad_dtype_of(p)
+            nbytes = p.numel() * dtype.itemsize
+            if bucket and (dtype != grad_dtype_of(self.params[bucket[0]])
                            or size + nbytes > bucket_bytes):
                 self._buckets.append(bucket)
                 bucket, size = [], 0
@@ -160,7 +161,7 @@ class GradientReduction:
         for i in self._buckets[b]:
             p = self.params[i]
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = zero_grad_like(p)
             grads.append(p.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
         flat.div_(self.world)
@@ -206,10 +207,13 @@ class PipelineEngine:
                  set_rng_state: Optional[Callable[[Any], None]] = None,
                  fault_injection: Optional[Callable[[int, int], bool]] = None,
                  memory_count_interval: int = 0, flush_warmup_iters: int = 0,
-                 prepost_receives: Optional[bool] = None) -> None:
+                 prepost_receives: Optional[bool] = None,
+                 grad_dtype: Optional[torch.dtype] = None) -> None:
         """``prepost_receives``: post each receive ahead of its action (see
         ``megatron.pipeline.p2p``); default: on gloo when this node's ranks have a core
-        per compute thread (``prepost_pays``)."""
+        per compute thread (``prepost_pays``).  ``grad_dtype``: dtype the gradients of
+        weights of another dtype accumulate, are averaged and summed in (float32 for
+        --accumulate-allreduce-grads-in-fp32); None: the weights' own."""
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -229,6 +233,8 @@ class PipelineEngine:
         # semantics on buffer 0, later ones under 2BW (see ``schedule_at``).
         self.flush_warmup_iters = flush_warmup_iters if schedule == "2bw" else 0
         self.weights = WeightBuffers(model, 2 if schedule == "2bw" else 1)
+        if grad_dtype is not None:
+            self.weights.set_grad_dtype(grad_dtype)
         self.tracker = StashTracker(self.weights.storage_ptrs())
         self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
         # Saved-tensor hooks run on the first batch this engine trains, and on
@@ -651,7 +657,7 @@ class PipelineEngine:
         j = self.buffer_for(t)
         for p in self.weights.params(j):
             if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = zero_grad_like(p)
         reducer = self._reducers[j]
         reducer.launch_remaining()
         self._reductions[t] = reducer
@@ -767,12 +773,12 @@ class PipelineEngine:
             if exchange_pays(self.groups.embedding):
                 p = self._shared_embedding(params)
                 self._embedding_exchange = ExchangeSum(self.groups.embedding, p.shape,
-                                                       p.dtype, p.device)
+                                                       grad_dtype_of(p), p.device)
         if not self._embedding_exchange:
             return self._allreduce_embedding_grads(params, async_op=True)
         p = self._shared_embedding(params)
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = zero_grad_like(p)
         return self._embedding_exchange.start(p.grad)
 
     def _shared_embedding(self, params: List[nn.Parameter]) -> nn.Parameter:
@@ -789,7 +795,7 @@ class PipelineEngine:
             return None
         p = self._shared_embedding(params)
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = zero_grad_like(p)
         return dist.all_reduce(p.grad, group=self.groups.embedding, async_op=async_op)
 
     def _dp_mean(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:

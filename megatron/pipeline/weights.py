@@ -31,6 +31,18 @@ def _clone_param(p: nn.Parameter) -> nn.Parameter:
     return q
 
 
+def grad_dtype_of(p: torch.Tensor) -> torch.dtype:
+    """dtype of ``p``'s gradient: its ``grad_dtype`` where set (float32 gradients of bf16
+    weights under --accumulate-allreduce-grads-in-fp32), else its own dtype."""
+    dtype = getattr(p, "grad_dtype", None)
+    return p.dtype if dtype is None else dtype
+
+
+def zero_grad_like(p: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for ``p`` (a parameter no microbatch produced a gradient for)."""
+    return torch.zeros_like(p, dtype=grad_dtype_of(p))
+
+
 class WeightBuffers:
     """Holds ``num_buffers`` versions of a module's parameters and swaps them in."""
 
@@ -70,6 +82,21 @@ class WeightBuffers:
 
     def params(self, j: int) -> List[nn.Parameter]:
         return self.buffers[j]
+
+    @torch.no_grad()
+    def set_grad_dtype(self, dtype: torch.dtype) -> None:
+        """Every buffer's floating-point parameters of another dtype get gradients of
+        ``dtype``: autograd casts each microbatch's gradient and accumulates in ``dtype``
+        (``Tensor.grad_dtype``, torch >= 2.10).  A gradient already present is cast."""
+        for buf in self.buffers:
+            for p in buf:
+                if not p.requires_grad or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                g = p.grad
+                p.grad = None
+                p.grad_dtype = dtype
+                if g is not None:
+                    p.grad = g.to(dtype)
 
     def bytes_per_buffer(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.buffers[0])

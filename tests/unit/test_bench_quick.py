@@ -159,3 +159,15 @@ def test_p2p_prepost_quick(tmp_path: Path) -> None:
         row["period_s_when_needed"] / row["period_s_ahead_after_wait"])
     assert min(row["period_s_ahead"], row["period_s_when_needed"],
                row["period_s_ahead_after_wait"]) > 0
+
+
+def test_grad_accumulation_quick(tmp_path: Path) -> None:
+    from megatron.config import GRAD_DTYPE_SUPPORTED
+    if not GRAD_DTYPE_SUPPORTED:
+        pytest.skip("Tensor.grad_dtype needs torch >= 2.10")
+    data = _run_bench("grad_accumulation.py", tmp_path, timeout=180)
+    assert [r["microbatches"] for r in data["errors"]] == [4, 16]
+    for r in data["errors"]:
+        # float32 sums of bf16 gradients: rounding far below bf16's 2^-8
+        assert r["fp32_rel_error"] < 1e-6 < 1e-4 < r["bf16_rel_error"]
+    assert data["step_cost"][0]["fp32_s"] > 0 and data["step_cost"][0]["bf16_s"] > 0

@@ -130,7 +130,7 @@ def test_convergence_gpu_smoke_and_page(gpu_results: Path, tmp_path: Path):
 
 
 def test_gpu_session_script_dry_run_and_bad_arguments(tmp_path: Path):
-    """bench/gpu_session.sh: part 1 on a CPU (GPU_SESSION_DRY=1) runs the three GPU benches'
+    """bench/gpu_session.sh: part 1 on a CPU (GPU_SESSION_DRY=1) runs the GPU benches'
     dry runs into OUT, at most 8 files (what the device tool returns); bad arguments stop
     with one line and exit 2."""
     import os
@@ -144,9 +144,9 @@ def test_gpu_session_script_dry_run_and_bad_arguments(tmp_path: Path):
     res = run("1", str(tmp_path / "out"))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert files == ["cross_entropy_fusion.json", "gpu_profile.json",
+    assert files == ["cross_entropy_fusion.json", "gpu_profile.json", "grad_accumulation.json",
                      "planner_validation_cuda.json", "session.log", "throughput_cuda.json"]
-    assert res.stdout.count(": exit 0 after") == 4
+    assert res.stdout.count(": exit 0 after") == 5
     env["GPU_SESSION_STEPS"] = "gpu_profile"  # one step alone
     one = run("1", str(tmp_path / "one"))
     assert one.returncode == 0 and one.stdout.count(": exit 0 after") == 1

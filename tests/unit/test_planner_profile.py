@@ -347,3 +347,27 @@ def test_a_wrong_typed_value_names_the_file_and_the_field(edit, field):
     edit(data)
     with pytest.raises(ValueError, match=f"--profile my.json: {field}"):
         Profile(data, "my.json")
+
+
+def test_profile_gradient_width_reaches_the_all_reduce_and_the_optimizer_state():
+    bf16 = make_profile()
+    bf16["model"].update(dtype="bf16", dtype_bytes=2, grad_bytes=4)  # fp32 accumulation
+    base = CostOptions()
+    opts = Profile(bf16).cost_options(base)
+    assert opts.grad_bytes_per_param == 4.0
+    assert opts.optimizer_bytes_per_param == base.optimizer_bytes_per_param + 2.0
+    # a profile written before grad_bytes existed: the weights' width
+    old = make_profile()
+    assert Profile(old).grad_bytes() == 4.0
+    old["model"].update(dtype="fp16", dtype_bytes=2)
+    assert Profile(old).cost_options(base) == base
+    # wider gradients: a longer data-parallel all-reduce and more memory per GPU
+    model = Profile(bf16).model_spec()
+    cfg = Config(w=2, d=2, b=4, m=8, schedule="flush")
+    slow = HardwareSpec(name="slow", gpus_per_server=8, gpu_memory_bytes=16e9,
+                        peak_flops=1e12, achieved_flops=1e12, intra_server_bandwidth=1e6,
+                        inter_server_bandwidth=1e6)
+    slim = CostModel(model, slow, base).estimate(cfg)
+    wide = CostModel(model, slow, opts).estimate(cfg)
+    assert wide.batch_time_s > slim.batch_time_s
+    assert wide.memory_per_gpu_bytes > slim.memory_per_gpu_bytes

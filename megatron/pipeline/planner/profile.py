@@ -38,9 +38,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from .cost_model import CostOptions
 
 SCHEMA = "megatron-pipedream-profile/1"
 PIECES = ("block", "embedding", "head")
@@ -288,6 +291,21 @@ class Profile:
         return st.recompute_stash_bytes if recompute else st.stash_bytes
 
     # -- the model it was taken of ------------------------------------------------------
+    def grad_bytes(self) -> float:
+        """Bytes per gradient element in the trainer the profile stands for: 4 under
+        bf16 (gradients accumulate in float32), else the weights' (older profiles: the
+        weights')."""
+        return float(self.model.get("grad_bytes", self.model.get("dtype_bytes", 2)))
+
+    def cost_options(self, options: "CostOptions") -> "CostOptions":
+        """``options`` with this profile's gradient width: in the data-parallel
+        all-reduce and, in place of the default fp16 gradient, in the optimizer state."""
+        from dataclasses import replace
+        g = self.grad_bytes()
+        return replace(options, grad_bytes_per_param=g,
+                       optimizer_bytes_per_param=(options.optimizer_bytes_per_param
+                                                  - options.grad_bytes_per_param + g))
+
     def model_spec(self, num_layers: Optional[int] = None, name: str = "") -> ModelSpec:
         """The ``ModelSpec`` of the profiled shape (``num_layers`` defaults to the profile's)."""
         m = self.model
