@@ -192,11 +192,9 @@ def trainer_grad_dtype(config: ModelConfig) -> Optional[torch.dtype]:
 def _widen_grads(module: nn.Module, grad_dtype: Optional[torch.dtype]) -> None:
     """Gradients of ``module`` accumulate in ``grad_dtype`` (as the trainer's do): the
     backward pays the same cast per parameter."""
-    if grad_dtype is None:
-        return
-    for p in module.parameters():
-        if p.requires_grad and p.dtype != grad_dtype:
-            p.grad_dtype = grad_dtype
+    from megatron.pipeline.weights import set_grad_dtype
+    if grad_dtype is not None:
+        set_grad_dtype(module.parameters(), grad_dtype)
 
 
 def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
@@ -292,12 +290,11 @@ def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
     params = [nn.Parameter(p.detach().clone()) for p in params]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer), prec, params)
     grad_dtype = trainer_grad_dtype(config) or dtype
+    for p in params:
+        p.grad_dtype = grad_dtype
     times, cpu = [], []
     for i in range(warmup + repeat):
         for p in params:
-            p.grad = None
-            if grad_dtype != p.dtype:
-                p.grad_dtype = grad_dtype
             p.grad = torch.full_like(p, 1e-3, dtype=grad_dtype)
         _sync(device)
         c0, t0 = time.thread_time(), time.perf_counter()

@@ -14,7 +14,7 @@ buffer.  At most two versions exist at any time and no third copy is made.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +41,21 @@ def grad_dtype_of(p: torch.Tensor) -> torch.dtype:
 def zero_grad_like(p: torch.Tensor) -> torch.Tensor:
     """A zero gradient for ``p`` (a parameter no microbatch produced a gradient for)."""
     return torch.zeros_like(p, dtype=grad_dtype_of(p))
+
+
+@torch.no_grad()
+def set_grad_dtype(params: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
+    """The floating-point ``params`` of another dtype get gradients of ``dtype``: autograd
+    casts each microbatch's gradient and accumulates in ``dtype`` (``Tensor.grad_dtype``,
+    torch >= 2.10).  A gradient already present is cast."""
+    for p in params:
+        if not p.requires_grad or not p.is_floating_point() or p.dtype == dtype:
+            continue
+        g = p.grad
+        p.grad = None
+        p.grad_dtype = dtype
+        if g is not None:
+            p.grad = g.to(dtype)
 
 
 class WeightBuffers:
@@ -83,20 +98,10 @@ class WeightBuffers:
     def params(self, j: int) -> List[nn.Parameter]:
         return self.buffers[j]
 
-    @torch.no_grad()
     def set_grad_dtype(self, dtype: torch.dtype) -> None:
-        """Every buffer's floating-point parameters of another dtype get gradients of
-        ``dtype``: autograd casts each microbatch's gradient and accumulates in ``dtype``
-        (``Tensor.grad_dtype``, torch >= 2.10).  A gradient already present is cast."""
+        """``set_grad_dtype`` on every buffer's parameters."""
         for buf in self.buffers:
-            for p in buf:
-                if not p.requires_grad or not p.is_floating_point() or p.dtype == dtype:
-                    continue
-                g = p.grad
-                p.grad = None
-                p.grad_dtype = dtype
-                if g is not None:
-                    p.grad = g.to(dtype)
+            set_grad_dtype(buf, dtype)
 
     def bytes_per_buffer(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.buffers[0])

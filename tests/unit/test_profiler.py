@@ -298,3 +298,17 @@ def test_fused_loss_flag_reaches_the_head_and_the_profile():
     prof = profile_model(fused, [1], warmup=0, repeat=1, device=torch.device("cpu"),
                          stages=False)
     assert prof["model"]["cross_entropy_loss_fusion"] is True
+
+
+def test_bf16_profile_times_float32_gradients_as_the_trainer_accumulates_them():
+    """Under bf16 the trainer sums gradients in float32: the profile's pieces pay that
+    cast, its optimizer step gets float32 gradients, and it records 4-byte gradients."""
+    from megatron.config import GRAD_DTYPE_SUPPORTED
+    if not GRAD_DTYPE_SUPPORTED:
+        pytest.skip("Tensor.grad_dtype needs torch >= 2.10")
+    prof = profile_model(_config(torch.bfloat16), [1], warmup=0, repeat=1,
+                         device=torch.device("cpu"), stages=False)
+    assert prof["model"]["dtype_bytes"] == 2 and prof["model"]["grad_bytes"] == 4
+    assert Profile(prof).grad_bytes() == 4.0
+    assert profile_model(_config(torch.float32), [1], warmup=0, repeat=1,
+                         device=torch.device("cpu"), stages=False)["model"]["grad_bytes"] == 4
