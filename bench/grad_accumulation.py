@@ -36,8 +36,8 @@ from bench.common import RESULTS_DIR, format_table, write_results  # noqa: E402
 from bench.convergence import git_revision  # noqa: E402
 from bench.throughput import GPT_345M, _trainer_period  # noqa: E402
 
-ERROR_MODEL = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 8192}
-CPU_MODEL = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 8192}
+MODEL = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 8192}
+"""The GPT of (a), and of (b) on the CPU."""
 
 
 def accumulation_error(ms: List[int], micro_batch: int = 2, seed: int = 3) -> List[Dict[str, Any]]:
@@ -48,7 +48,7 @@ def accumulation_error(ms: List[int], micro_batch: int = 2, seed: int = 3) -> Li
     from megatron.pipeline.weights import WeightBuffers
     from megatron.tensor_parallel import TPInfo
 
-    m_ = ERROR_MODEL
+    m_ = MODEL
     cfg = ModelConfig(num_layers=m_["layers"], hidden_size=m_["hidden"],
                       num_attention_heads=m_["heads"], seq_length=m_["seq"],
                       padded_vocab_size=m_["vocab"], hidden_dropout=0.0,
@@ -155,11 +155,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         [[r["microbatches"], f"{r['bf16_rel_error']:.2e}", f"{r['fp32_rel_error']:.2e}"]
          for r in errors],
         title=f"(a) batch gradient's relative L2 error against the exact sum, bf16 GPT "
-              f"{ERROR_MODEL}"))
+              f"{MODEL}"))
     if args.cuda:
         model, name, bs, iters, warmup = GPT_345M, torch.cuda.get_device_name(0), [8, 1], 8, 2
     else:
-        model, name, bs, iters, warmup = CPU_MODEL, "CPU", [2], 6, 2
+        model, name, bs, iters, warmup = MODEL, "CPU", [2], 6, 2
     cost = step_cost(model, bs, 8 if not args.cuda else 4, rounds, iters, warmup)
     print(format_table(
         ["micro batch", "global batch", "fp32 acc. s/it", "bf16 acc. s/it", "fp32 / bf16"],
@@ -170,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     command = "PYTHONPATH=. python bench/grad_accumulation.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     payload = {"command": command.strip(), "quick": args.quick, "device": name,
-               "torch": torch.__version__, "error_model": ERROR_MODEL, "errors": errors,
+               "torch": torch.__version__, "error_model": MODEL, "errors": errors,
                "cost_model": model, "step_cost": cost, "rounds": rounds,
                "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     out = Path(args.out_dir) if args.out_dir else (RESULTS_DIR / "gpu" if args.cuda

@@ -300,15 +300,33 @@ def test_fused_loss_flag_reaches_the_head_and_the_profile():
     assert prof["model"]["cross_entropy_loss_fusion"] is True
 
 
-def test_bf16_profile_times_float32_gradients_as_the_trainer_accumulates_them():
-    """Under bf16 the trainer sums gradients in float32: the profile's pieces pay that
-    cast, its optimizer step gets float32 gradients, and it records 4-byte gradients."""
+def test_bf16_profile_times_float32_gradients_as_the_trainer_accumulates_them(monkeypatch):
+    """Under bf16 the trainer sums gradients in float32: the profile's pieces are widened
+    (their backward pays that cast), its optimizer step gets float32 gradients, and it
+    records 4-byte gradients; other dtypes keep the weights' own width."""
     from megatron.config import GRAD_DTYPE_SUPPORTED
+    from megatron.optimizer.optimizer import MegatronOptimizer
     if not GRAD_DTYPE_SUPPORTED:
         pytest.skip("Tensor.grad_dtype needs torch >= 2.10")
+    widened, stepped = [], []
+    import megatron.pipeline.weights as weights
+    real_set = weights.set_grad_dtype
+    monkeypatch.setattr(weights, "set_grad_dtype",
+                        lambda params, dtype: (widened.append(dtype), real_set(params, dtype)))
+    real_begin = MegatronOptimizer.begin_step
+
+    def begin(self, grads_from, **kw):
+        stepped.extend(p.grad.dtype for p in grads_from if p.grad is not None)
+        return real_begin(self, grads_from, **kw)
+
+    monkeypatch.setattr(MegatronOptimizer, "begin_step", begin)
     prof = profile_model(_config(torch.bfloat16), [1], warmup=0, repeat=1,
                          device=torch.device("cpu"), stages=False)
     assert prof["model"]["dtype_bytes"] == 2 and prof["model"]["grad_bytes"] == 4
     assert Profile(prof).grad_bytes() == 4.0
-    assert profile_model(_config(torch.float32), [1], warmup=0, repeat=1,
-                         device=torch.device("cpu"), stages=False)["model"]["grad_bytes"] == 4
+    assert widened == [torch.float32] * 3  # blocks, embedding, head
+    assert stepped and set(stepped) == {torch.float32}
+    widened.clear()
+    fp64 = profile_model(_config(torch.float64), [1], warmup=0, repeat=1,
+                         device=torch.device("cpu"), stages=False)
+    assert fp64["model"]["grad_bytes"] == 8 and not widened
