@@ -44,13 +44,16 @@ except ImportError:  # pragma: no cover - checkpointing without manifests
 
 
 def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: int,
-                  stage: int, padded_vocab: Optional[int] = None
+                  stage: int, padded_vocab: Optional[int] = None,
+                  counts: Optional[Sequence[int]] = None
                   ) -> Tuple[Dict[str, Tuple[torch.Size, Optional[int]]], int]:
     """Local (shape, dim) of a stage's names when no module is available, in the stage
     module's parameter order.  ``padded_vocab``: rows of the vocabulary tables in the
-    target layout (default: as in ``full``)."""
-    per = num_layers // pp
-    offset = stage * per
+    target layout (default: as in ``full``).  ``counts``: layers of each stage (default:
+    an even split)."""
+    counts = list(counts) if counts is not None else [num_layers // pp] * pp
+    per = counts[stage]
+    offset = sum(counts[:stage])
     targets = {}
     for gname, tensor in full.items():
         m = LAYER_NAME.match(gname)
@@ -426,10 +429,55 @@ def _write_atomically(save: str, iteration: int, write_files) -> str:
     return final
 
 
+def source_stage_counts(state: FullState) -> List[int]:
+    """Layers of each stage of the checkpoint ``state`` was read from."""
+    num_layers, pp = state.ckpt.num_layers, state.layout[1]
+    offsets = list(getattr(state.ckpt, "stage_offsets", None) or [])
+    if len(offsets) != pp:
+        return [num_layers // pp] * pp
+    return [b - a for a, b in zip(offsets, offsets[1:] + [num_layers])]
+
+
+def split_flags(counts: Sequence[int]) -> Tuple[Optional[int], Optional[int]]:
+    """(--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers) that
+    give the stage split ``counts`` (None where a stage has the even share)."""
+    counts = list(counts)
+    if len(set(counts)) <= 1:
+        return None, None
+    if len(counts) == 2:
+        return counts[0], None
+    middle = counts[1]
+    return (counts[0] if counts[0] != middle else None,
+            counts[-1] if counts[-1] != middle else None)
+
+
+def target_stage_counts(state: FullState, pp: int, first: Optional[int] = None,
+                        last: Optional[int] = None) -> List[int]:
+    """Layers of each stage of the written checkpoint: ``first``/``last`` as the trainer's
+    --decoder-first/last-pipeline-num-layers; without them the source's split when the
+    stage count is unchanged (an uneven split stays uneven), else an even one."""
+    from megatron.model.utils import stage_layer_counts
+
+    num_layers = state.ckpt.num_layers
+    if first is None and last is None and pp == state.layout[1]:
+        return source_stage_counts(state)
+    try:
+        return stage_layer_counts(num_layers, pp, first, last)
+    except ValueError as exc:
+        msg = (str(exc).replace("--decoder-", "--target-decoder-")
+               .replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
+               .replace("--num-layers", "the checkpoint's num_layers"))
+        raise UserError(msg) from None
+
+
 def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int] = None,
                  *, true_vocab: Optional[int] = None, source: Optional[str] = None,
-                 allow_unsafe: bool = False, divisible_by: Optional[int] = None) -> str:
+                 allow_unsafe: bool = False, divisible_by: Optional[int] = None,
+                 first: Optional[int] = None, last: Optional[int] = None) -> str:
     """Write ``state`` as a checkpoint for (tp, pp, dp) under ``save``.
+
+    Stage split: ``first``/``last`` layers on the first/last stage, as the trainer's
+    --decoder-first/last-pipeline-num-layers (``target_stage_counts``).
 
     RNG files: a rank whose (tensor rank, stage) position and data-parallel rank exist
     in the source with the same t and d gets its own RNG state back; every other rank
@@ -437,9 +485,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     does not describe another: dropout masks are drawn per rank and per slice).
     """
     num_layers = state.ckpt.num_layers
-    if num_layers % pp:
-        raise UserError(f"--target-pipeline-parallel-size {pp}: expected a divisor of the "
-                        f"{num_layers} layers")
+    counts = target_stage_counts(state, pp, first, last)
     src_t, src_p, src_w = state.layout
     dp = dp or src_w
     config = _config_copy(state.common.get("config"))
@@ -450,7 +496,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
             if WORD_EMBEDDING in state.model else None)
     for stage in range(pp):  # every weight splits by tp: fail before any note or file
-        _name_targets(state.model, num_layers, tp, pp, stage, rows)
+        _name_targets(state.model, num_layers, tp, pp, stage, rows, counts)
     if rows is not None and rows != state.model[WORD_EMBEDDING].shape[0]:
         have = state.model[WORD_EMBEDDING].shape[0]
         keep = _divisor_keeping(have, real, config, src_t, tp)
@@ -461,11 +507,12 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
               f"{hint}", file=sys.stderr)
     if config:
         config = dict(config)
-        # the written checkpoint has an even stage split
+        first_layers, last_layers = (split_flags(counts) if len(set(counts)) == 1
+                                     or (first is None and last is None) else (first, last))
         config["parallel"] = dict(config.get("parallel") or {}, tensor_model_parallel_size=tp,
                                   pipeline_model_parallel_size=pp, world_size=tp * pp * dp,
-                                  decoder_first_pipeline_num_layers=None,
-                                  decoder_last_pipeline_num_layers=None)
+                                  decoder_first_pipeline_num_layers=first_layers,
+                                  decoder_last_pipeline_num_layers=last_layers)
         if rows is not None:
             config["model"] = dict(config.get("model") or {}, padded_vocab_size=rows)
     model = _repad(state.model, rows, real) if rows else state.model
@@ -475,13 +522,13 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
 
     def write_files(staging: str) -> None:
         for stage in range(pp):
-            targets, offset = _name_targets(model, num_layers, tp, pp, stage, rows)
+            targets, offset = _name_targets(model, num_layers, tp, pp, stage, rows, counts)
             for t in range(tp):
                 payload = dict(state.common)
                 payload.update({
                     "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
                     "layout": {"tensor": tp, "pipeline": pp, "data": dp,
-                               "layers": [offset, offset + num_layers // pp]},
+                               "layers": [offset, offset + counts[stage]]},
                     "model": _split(model, targets, offset, t, tp),
                     "model_shadow": (_split(shadow, targets, offset, t, tp)
                                      if shadow is not None else None),
@@ -522,9 +569,12 @@ def _config_copy(config: Any) -> dict:
 
 def convert(load: str, save: str, tp: int, pp: int, iteration: Optional[int] = None,
             dp: Optional[int] = None, true_vocab: Optional[int] = None,
-            allow_unsafe: bool = False) -> str:
-    """Rewrite checkpoint ``load`` (full state) for layout (tp, pp, dp) under ``save``."""
+            allow_unsafe: bool = False, first: Optional[int] = None,
+            last: Optional[int] = None) -> str:
+    """Rewrite checkpoint ``load`` (full state) for layout (tp, pp, dp) under ``save``;
+    ``first``/``last``: the stage split (see ``write_layout``)."""
     check_save_path(load, save)
     state = read_full_state(load, iteration, allow_unsafe=allow_unsafe)
     return write_layout(state, save, tp, pp, dp, true_vocab=true_vocab,
-                        source=os.path.abspath(load), allow_unsafe=allow_unsafe)
+                        source=os.path.abspath(load), allow_unsafe=allow_unsafe,
+                        first=first, last=last)

@@ -671,13 +671,27 @@ def _write_error(root: str, iteration: int, exc: OSError) -> str:
             f"({reason}); {latest}")
 
 
-def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups) -> CheckpointError:
+def _split_text(first: Optional[int], last: Optional[int], prefix: str) -> str:
+    """' --{prefix}decoder-first-pipeline-num-layers N ...' for the given counts."""
+    return "".join(f" --{prefix}decoder-{which}-pipeline-num-layers {n}"
+                   for which, n in (("first", first), ("last", last)) if n is not None)
+
+
+def _convert_command(root: str, groups: ParallelGroups,
+                     split: Tuple[Optional[int], Optional[int]]) -> str:
+    """The tools/checkpoint_util.py line that rewrites ``root`` for this run's layout."""
+    return (f"python tools/checkpoint_util.py --load {root} --save NEW_DIR "
+            f"--target-tensor-parallel-size {groups.tp_size} --target-pipeline-parallel-size "
+            f"{groups.pp_size}{_split_text(*split, prefix='target-')}")
+
+
+def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups,
+                  split: Tuple[Optional[int], Optional[int]] = (None, None)) -> CheckpointError:
     return CheckpointError(
         f"--load {root}: {os.path.basename(base)} was saved with {saved}, this run uses tensor "
         f"{groups.tp_size} x pipeline {groups.pp_size} (--tensor-model-parallel-size/"
-        f"--pipeline-model-parallel-size); convert it with python tools/checkpoint_util.py "
-        f"--load {root} --save NEW_DIR --target-tensor-parallel-size {groups.tp_size} "
-        f"--target-pipeline-parallel-size {groups.pp_size}")
+        f"--pipeline-model-parallel-size); convert it with "
+        f"{_convert_command(root, groups, split)}")
 
 
 def _state_dict_like(value: Any) -> bool:
@@ -722,13 +736,17 @@ def check_model_payload(payload: Any, stem: str, resume: bool = False) -> Dict[s
 
 def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[int] = None,
                     map_location: Any = "cpu", allow_unsafe: bool = False,
-                    stage_layers: Optional[range] = None) -> Optional[Dict[str, Any]]:
+                    stage_layers: Optional[range] = None,
+                    split: Tuple[Optional[int], Optional[int]] = (None, None)
+                    ) -> Optional[Dict[str, Any]]:
     """Read and verify this rank's checkpoint files; None when ``root`` holds no checkpoint.
 
     Raises ``CheckpointError`` (one line) for a checkpoint of another tensor/pipeline
     layout, missing, truncated or corrupt files, and old pickle files without
     ``allow_unsafe``, and for a stage whose saved layers (``stage_layers``: this run's
-    global layer numbers of the stage) differ from this run's split.
+    global layer numbers of the stage) differ from this run's split.  ``split``: this
+    run's --decoder-first/last-pipeline-num-layers, for the conversion command the
+    errors print.
     """
     if iteration is None:
         iteration = find_checkpoint(root).iteration
@@ -746,14 +764,14 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         saved = manifest.get("layout", {})
         if saved.get("tensor") != groups.tp_size or saved.get("pipeline") != groups.pp_size:
             raise _layout_error(root, base, f"tensor {saved.get('tensor')} x pipeline "
-                                f"{saved.get('pipeline')}", groups)
+                                f"{saved.get('pipeline')}", groups, split)
     my_dir = next((d for d in _rank_dir_candidates(base, groups.tp_rank, groups.pp_rank,
                                                    groups.pp_size)
                    if payload_exists(os.path.join(d, "model_optim_rng"))), None)
     if my_dir is None:
         present = sorted(d for d in os.listdir(base) if d.startswith("mp_rank_"))
         if manifest is None and present:
-            raise _layout_error(root, base, f"the rank directories {present}", groups)
+            raise _layout_error(root, base, f"the rank directories {present}", groups, split)
         raise CheckpointError(f"--load {root}: {base} holds no model file for tensor rank "
                               f"{groups.tp_rank}, stage {groups.pp_rank} (found {present})")
     stem = os.path.join(my_dir, "model_optim_rng")
@@ -767,15 +785,23 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
     layout = payload.get("layout") or {}
     if layout.get("tensor") != groups.tp_size or layout.get("pipeline") != groups.pp_size:
         raise _layout_error(root, base, f"tensor {layout.get('tensor')} x pipeline "
-                            f"{layout.get('pipeline')}", groups)
+                            f"{layout.get('pipeline')}", groups, split)
     saved = layout.get("layers")
     if stage_layers is not None and saved is not None and \
             list(saved) != [stage_layers.start, stage_layers.stop]:
+        config = payload.get("config")
+        par = config.get("parallel") if isinstance(config, dict) else None
+        par = par if isinstance(par, dict) else {}
+        theirs = _split_text(*(n if type(n) is int else None
+                               for n in (par.get("decoder_first_pipeline_num_layers"),
+                                         par.get("decoder_last_pipeline_num_layers"))),
+                             prefix="").strip() or "neither: an even split"
         raise CheckpointError(
             f"--load {root}: pipeline stage {groups.pp_rank} of the checkpoint holds layers "
             f"{saved[0]}..{saved[1] - 1}, this run's split gives it {stage_layers.start}.."
-            f"{stage_layers.stop - 1}; use the --decoder-first/last-pipeline-num-layers of "
-            f"the run that saved it (or convert with tools/checkpoint_util.py)")
+            f"{stage_layers.stop - 1}; resume with the --decoder-first/last-pipeline-num-"
+            f"layers of the run that saved it{' (' + theirs + ')' if par else ''}, or "
+            f"convert the checkpoint with {_convert_command(root, groups, split)}")
     rng_stem = os.path.join(my_dir, f"rng_dp_{groups.dp_rank:03d}")
     payload["rng_state"] = (load_payload(rng_stem, allow_unsafe=allow_unsafe)
                             if payload_exists(rng_stem) else None)
@@ -838,7 +864,8 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
 
 
 def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe: bool = False,
-                 stage_layers: Optional[range] = None
+                 stage_layers: Optional[range] = None,
+                 split: Tuple[Optional[int], Optional[int]] = (None, None)
                  ) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """What ``--load root`` gives this rank: (payload or None for a fresh start, a line to
     print or None).  Collective: a rank that finds its file corrupt, missing or of
@@ -850,7 +877,8 @@ def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe:
         message = where.message
         if where.iteration is not None:
             payload = load_checkpoint(root, groups, iteration=where.iteration,
-                                      allow_unsafe=allow_unsafe, stage_layers=stage_layers)
+                                      allow_unsafe=allow_unsafe, stage_layers=stage_layers,
+                                      split=split)
             check_model_shape(root, payload.get("config"), model)
     except CheckpointError as exc:
         error = str(exc)

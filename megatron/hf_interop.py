@@ -38,7 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullState,
-                                         read_full_state, true_vocab_size, write_layout)
+                                         read_full_state, split_flags, target_stage_counts,
+                                         true_vocab_size, write_layout)
 from megatron.errors import CheckpointError, UserError
 
 _ATTN = "self_attention.query_key_value"
@@ -445,9 +446,11 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
 
 
 def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
-              divisible_by: int = 128, allow_unsafe: bool = False) -> str:
+              divisible_by: int = 128, allow_unsafe: bool = False,
+              first: Optional[int] = None, last: Optional[int] = None) -> str:
     """Write HF GPT-2 directory ``hf_dir`` as an iteration-0 checkpoint under ``save``.
-    ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only unpickler)."""
+    ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only unpickler).
+    ``first``/``last``: layers of the first/last pipeline stage (default: even)."""
 
     full, model_cfg, vocab = hf_gpt2_to_ours(hf_dir, divisible_by, tp, allow_unsafe)
     layers = model_cfg["num_layers"]
@@ -469,7 +472,11 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
                               "lr_scheduler": None, "config": config},
                       layout=(1, 1, 1), ckpt=ckpt)
     out = write_layout(state, save, tp, pp, 1, true_vocab=vocab,
-                       source=os.path.abspath(hf_dir))
+                       source=os.path.abspath(hf_dir), first=first, last=last)
+    split = "".join(f" --decoder-{which}-pipeline-num-layers {n}"
+                    for which, n in zip(("first", "last"),
+                                        split_flags(target_stage_counts(state, pp, first, last)))
+                    if n is not None)
     tok = (f"--tokenizer-type GPT2BPETokenizer --vocab-file {tokenizer['vocab_file']} "
            f"--merge-file {tokenizer['merge_file']}" if "vocab_file" in tokenizer
            else f"--tokenizer-type NullTokenizer --vocab-size {vocab}")
@@ -479,6 +486,6 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
          f"{model_cfg['max_position_embeddings']} --layernorm-epsilon "
          f"{model_cfg['layernorm_epsilon']}{' --openai-gelu' if model_cfg['openai_gelu'] else ''} "
          f"--make-vocab-size-divisible-by {divisible_by} "
-         f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} {tok} "
+         f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}{split} {tok} "
          f"--load {save} [--finetune]")
     return out

@@ -357,7 +357,9 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
         return state
     payload, message = load_for_run(
         tr.load, groups, cfg.model, allow_unsafe=tr.allow_unsafe_checkpoint,
-        stage_layers=cfg.parallel.stage_layers(cfg.model.num_layers, groups.pp_rank))
+        stage_layers=cfg.parallel.stage_layers(cfg.model.num_layers, groups.pp_rank),
+        split=(cfg.parallel.decoder_first_pipeline_num_layers,
+               cfg.parallel.decoder_last_pipeline_num_layers))
     if message:
         print_rank_last(message)
     if payload is None:

@@ -52,6 +52,7 @@ from megatron.errors import UserError  # noqa: E402
 _EPILOG = """workflows:
   reshard   --load CKPT --save OUT --target-tensor-parallel-size T
             --target-pipeline-parallel-size D [--target-data-parallel-size W]
+            [--target-decoder-first/last-pipeline-num-layers N]  (an uneven stage split)
   export    --load CKPT --to-hf HF_DIR          (GPT-2 or Megatron-BERT for transformers)
   import    --from-hf HF_DIR --save OUT --target-tensor-parallel-size T
             --target-pipeline-parallel-size D   (then train with --load OUT [--finetune])
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-data-parallel-size", type=int, default=None, metavar="W",
                    help="w the resumed run will use (default: the source's); decides which "
                         "RNG files are carried over")
+    p.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
+                   metavar="N", help="transformer layers of the first stage of the written "
+                   "checkpoint, as the resumed run's --decoder-first-pipeline-num-layers "
+                   "(default: the source's split when d is unchanged, else an even one)")
+    p.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
+                   metavar="N", help="transformer layers of its last stage, as "
+                   "--decoder-last-pipeline-num-layers")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--true-vocab-size", type=int, default=None, metavar="N",
                    help="unpadded vocabulary size, when the tokenizer files recorded in the "
@@ -114,11 +122,19 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
             out = import_hf(args.from_hf, args.save, tp=args.target_tensor_parallel_size or 1,
                             pp=args.target_pipeline_parallel_size or 1,
                             divisible_by=args.make_vocab_size_divisible_by or 128,
-                            allow_unsafe=args.allow_unsafe_checkpoint)
+                            allow_unsafe=args.allow_unsafe_checkpoint,
+                            first=args.target_decoder_first_pipeline_num_layers,
+                            last=args.target_decoder_last_pipeline_num_layers)
         elif not args.load:
             p.error(f"{modes[0]} needs --load CHECKPOINT")
         elif args.to_hf:
             from megatron.hf_interop import export_hf
+            split = [f for f in ("--target-decoder-first-pipeline-num-layers",
+                                 "--target-decoder-last-pipeline-num-layers")
+                     if getattr(args, f[2:].replace("-", "_")) is not None]
+            if split:
+                p.error(f"{split[0]} applies to resharding and --from-hf, not --to-hf (a "
+                        "transformers model has no pipeline stages)")
             check_save_path(args.load, args.to_hf)
             out = export_hf(args.load, args.to_hf, iteration=args.iteration,
                             true_vocab=args.true_vocab_size,
@@ -133,7 +149,9 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                                true_vocab=args.true_vocab_size,
                                source=os.path.abspath(args.load),
                                allow_unsafe=args.allow_unsafe_checkpoint,
-                               divisible_by=args.make_vocab_size_divisible_by)
+                               divisible_by=args.make_vocab_size_divisible_by,
+                               first=args.target_decoder_first_pipeline_num_layers,
+                               last=args.target_decoder_last_pipeline_num_layers)
     except UserError as exc:
         exit_with_user_error(exc)  # as run_entry_point would: callers of main() exit too
     print(f"wrote {out}")

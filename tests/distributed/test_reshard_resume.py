@@ -15,9 +15,14 @@ from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY, train_configs
 from tools.checkpoint_util import convert, main, read_checkpoint
 
-# (schedule, source (t, d, w), target (t, d, w)); sources run on 2 ranks, targets on 4.
-CASES = [("flush", (1, 2, 1), (2, 1, 2)),   # pp 2 -> 1 with a tp change and a dp change
-         ("2bw", (1, 1, 2), (2, 2, 1))]     # pp 1 -> 2 with a tp change
+# (schedule, source (t, d, w), target (t, d, w), target's first-stage layers); sources
+# run on 2 ranks, targets on 4.
+CASES = [("flush", (1, 2, 1), (2, 1, 2), None),  # pp 2 -> 1 with a tp change and a dp change
+         ("2bw", (1, 1, 2), (2, 2, 1), 3)]       # pp 1 -> 2, uneven (3 + 1), tp change
+
+
+def _split(first):
+    return [] if first is None else ["--decoder-first-pipeline-num-layers", str(first)]
 
 
 def _argv(schedule, layout, *extra):
@@ -48,21 +53,24 @@ def _import_hf_gpt2(tmp_path) -> "torch.Tensor":
 def test_reshard_then_resume_matches_uninterrupted_run(tmp_path):
     first = [(f"{s}-first", _argv(s, src, "--save", str(tmp_path / f"{s}-src"),
                                   "--exit-interval", "3"), None)
-             for s, src, _ in CASES]
+             for s, src, _, _ in CASES]
     run_distributed(train_configs, 2, args=(first,), timeout=300)
-    for s, _, (t, d, w) in CASES:
-        out = convert(str(tmp_path / f"{s}-src"), str(tmp_path / f"{s}-dst"), tp=t, pp=d, dp=w)
+    for s, _, (t, d, w), first in CASES:
+        out = convert(str(tmp_path / f"{s}-src"), str(tmp_path / f"{s}-dst"), tp=t, pp=d, dp=w,
+                      first=first)
         assert os.path.basename(out) == "iter_0000003"
         ckpt = read_checkpoint(str(tmp_path / f"{s}-dst"))
         assert (ckpt.tensor, ckpt.pipeline) == (t, d)
+        assert ckpt.stage_offsets == ([0] if d == 1 else [0, first])
         payload = ckpt.payloads[(0, 0)]
         assert payload["consumed_train_samples"] == 24 and payload["optimizer"] is not None
         assert (payload["model_shadow"] is not None) == (s == "2bw")
     hf_wte = _import_hf_gpt2(tmp_path)
     second = []
-    for s, _, dst in CASES:
-        second.append((f"{s}-full", _argv(s, dst), None))
-        second.append((f"{s}-resumed", _argv(s, dst, "--load", str(tmp_path / f"{s}-dst")), None))
+    for s, _, dst, first in CASES:
+        second.append((f"{s}-full", _argv(s, dst, *_split(first)), None))
+        second.append((f"{s}-resumed", _argv(s, dst, *_split(first), "--load",
+                                             str(tmp_path / f"{s}-dst")), None))
     # an imported Hugging Face GPT-2 (iteration 0, t2 d2) works as --load and --finetune
     hf_layout = (2, 2, 1)
     second.append(("hf-finetune", _argv("flush", hf_layout, "--load", str(tmp_path / "hf-ours"),
@@ -76,7 +84,7 @@ def test_reshard_then_resume_matches_uninterrupted_run(tmp_path):
     assert got.shape == (64, 32)
     assert torch.equal(got[:32], hf_wte[64:96].to(got.dtype)) and torch.all(got[32:] == 0)
     assert res["hf-load"]["iteration"] == 2 and sorted(res["hf-load"]["losses"]) == [1, 2]
-    for s, _, _ in CASES:
+    for s, _, _, _ in CASES:
         full, resumed = res[f"{s}-full"]["losses"], res[f"{s}-resumed"]["losses"]
         assert sorted(resumed) == [4, 5, 6], (s, sorted(resumed))
         for it in (4, 5, 6):

@@ -231,3 +231,8 @@ def test_stage_split_is_recorded_and_checked(tmp_path):
     assert payload["layout"]["layers"] == [0, 3]
     with pytest.raises(CheckpointError, match="decoder-first/last-pipeline-num-layers"):
         load_checkpoint(str(tmp_path), groups, stage_layers=range(0, 2))
+    # the conversion command it prints writes this run's split
+    with pytest.raises(CheckpointError, match=r"checkpoint_util.py --load .* "
+                       r"--target-pipeline-parallel-size 1 "
+                       r"--target-decoder-first-pipeline-num-layers 2$"):
+        load_checkpoint(str(tmp_path), groups, stage_layers=range(0, 2), split=(2, None))

@@ -350,25 +350,36 @@ def test_name_targets_follow_the_stage_modules_parameter_order(cls):
             assert list(targets) == [n for n, _ in stage.named_parameters()], (cls, d, p)
             assert [tuple(s) for s, _ in targets.values()] == \
                 [tuple(v.shape) for v in stage.parameters()]
-def test_merge_reads_an_uneven_stage_split(tmp_path):
-    """Stages of 1 and 3 layers (--decoder-first-pipeline-num-layers 1) merge back into
-    the full model: the split comes from the saved config."""
+def _write_first_stage_of_one(root: str, layers: bool = True) -> GPTModel:
+    """A d=2 checkpoint at ``root`` whose stages hold 1 and 3 layers
+    (--decoder-first-pipeline-num-layers 1); returns the full model it was cut from.
+    ``layers``: record each stage's layers in its layout (as training saves do)."""
     cfg = _cfg()
     full = GPTModel(cfg, TP, seed=3)
     stages = [GPTModel(cfg, TP, pre_process=True, post_process=False,
                        layer_numbers=range(0, 1), seed=3),
               GPTModel(cfg, TP, pre_process=False, post_process=True,
                        layer_numbers=range(1, LAYERS), seed=3)]
-    base = os.path.join(tmp_path, "iter_0000005")
+    base = os.path.join(root, "iter_0000005")
     for p, st in enumerate(stages):
         path = os.path.join(base, f"mp_rank_00_{p:03d}")
         os.makedirs(path)
-        save_payload({"model": st.state_dict(), "layout": {"tensor": 1, "pipeline": 2},
+        layout = {"tensor": 1, "pipeline": 2}
+        if layers:
+            layout["layers"] = [[0, 1], [1, LAYERS]][p]
+        save_payload({"model": st.state_dict(), "layout": layout,
                       "config": {"model": {"num_layers": LAYERS},
                                  "parallel": {"decoder_first_pipeline_num_layers": 1}},
                       "iteration": 5}, os.path.join(path, "model_optim_rng"))
-    with open(os.path.join(tmp_path, "latest_checkpointed_iteration.txt"), "w") as fh:
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write("5")
+    return full
+
+
+def test_merge_reads_an_uneven_stage_split(tmp_path):
+    """Stages of 1 and 3 layers (--decoder-first-pipeline-num-layers 1) merge back into
+    the full model: the split comes from the saved config."""
+    full = _write_first_stage_of_one(str(tmp_path), layers=False)
     ckpt = read_checkpoint(str(tmp_path))
     assert ckpt.stage_offsets == [0, 1]
     merged = merge_checkpoint(ckpt)
@@ -432,3 +443,61 @@ def test_a_checkpoint_of_another_model_kind_is_one_line_naming_the_flag(tmp_path
         load_into_stage(Classification(cfg, TP, num_classes=3, seed=5), root, layer_offset=0,
                         tp_rank=0, tp_size=1, allow_missing=("classification_head.",),
                         flag="--pretrained-checkpoint")
+
+
+def test_reshard_writes_the_requested_uneven_stage_split(tmp_path):
+    """--target-decoder-first/last-pipeline-num-layers: the written stages hold the layers
+    the trainer's --decoder-first/last-pipeline-num-layers give them, and the config and
+    layout record it.  Without them an unchanged d keeps the source's (uneven) split and
+    a new d gets an even one; a split that does not fit is one error naming the flag."""
+    from megatron.errors import UserError
+    from megatron.model.utils import stage_layer_numbers
+    from tools.checkpoint_util import main as util_main
+
+    src = str(tmp_path / "src")
+    full = _write_first_stage_of_one(src)
+
+    def layers_of(root):
+        ckpt = read_checkpoint(root)
+        return ([ckpt.payloads[(0, p)]["layout"]["layers"] for p in range(ckpt.pipeline)],
+                ckpt.payloads[(0, 0)]["config"]["parallel"])
+
+    ref = full.state_dict()
+    cases = [(["--target-pipeline-parallel-size", "2"], [[0, 1], [1, 4]], (1, None)),
+             (["--target-pipeline-parallel-size", "2",
+               "--target-decoder-last-pipeline-num-layers", "1"], [[0, 3], [3, 4]], (None, 1)),
+             (["--target-pipeline-parallel-size", "3",
+               "--target-decoder-first-pipeline-num-layers", "2"],
+              [[0, 2], [2, 3], [3, 4]], (2, None)),
+             (["--target-pipeline-parallel-size", "4"], [[p, p + 1] for p in range(4)],
+              (None, None)),
+             (["--target-pipeline-parallel-size", "2", "--target-decoder-first-pipeline-num-"
+               "layers", "2"], [[0, 2], [2, 4]], (None, None))]  # even: no flags needed
+    for i, (flags, want, (first, last)) in enumerate(cases):
+        out = str(tmp_path / f"out{i}")
+        util_main(["--load", src, "--save", out, *flags])
+        layers, par = layers_of(out)
+        assert layers == want, (flags, layers)
+        assert (par["decoder_first_pipeline_num_layers"],
+                par["decoder_last_pipeline_num_layers"]) == (first, last), flags
+        d = len(want)
+        for p, (a, b) in enumerate(want):  # the trainer's split from the recorded flags
+            r = stage_layer_numbers(LAYERS, d, p, first, last)
+            assert [r.start, r.stop] == [a, b], (flags, p)
+        merged = merge_checkpoint(read_checkpoint(out))
+        assert set(merged) == set(ref)
+        for name, value in ref.items():
+            assert torch.equal(merged[name], value), (flags, name)
+
+    from megatron.checkpoint_convert import read_full_state, write_layout
+    state = read_full_state(src)
+    for pp, first, last, match in (
+            (2, 4, None, "--target-decoder-first-pipeline-num-layers must be between 1 and"),
+            (3, None, None, "divisible by --target-pipeline-parallel-size"),
+            (1, None, 1, "need --target-pipeline-parallel-size > 1")):
+        with pytest.raises(UserError, match=match):
+            write_layout(state, str(tmp_path / "bad"), 1, pp, first=first, last=last)
+        assert not os.path.exists(tmp_path / "bad"), (pp, first, last)
+    with pytest.raises(SystemExit):
+        util_main(["--load", src, "--to-hf", str(tmp_path / "hf"),
+                   "--target-decoder-first-pipeline-num-layers", "1"])
