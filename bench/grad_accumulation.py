@@ -16,6 +16,15 @@ accumulation, alternating rounds: seconds per iteration and their ratio.  The bf
 runs are what a torch without ``Tensor.grad_dtype`` does (the bench switches the
 support off for them).  With ``--cuda``: GPT-345M at micro batch 8 and 1 on the GPU.
 
+(c) Fusion probe.  What Megatron-LM's gradient-accumulation fusion would save: for each
+weight of a GPT-345M layer (qkv, proj, fc1, fc2) and the tokens of one microbatch, the
+weight-gradient GEMM in bf16 followed by the float32 accumulation (the cast and the add
+that autograd runs for ``grad_dtype``) against one GEMM that adds into the float32
+gradient itself, ``torch.addmm(main_grad, dy^T, x, out_dtype=torch.float32,
+out=main_grad)``.  It reports whether this torch has that kernel for the device (this
+CPU build has none), the fused result's error against the unfused one, and both times
+per layer and microbatch.  Only ``--cuda`` times it; on the CPU it only probes.
+
 Results: bench/results/grad_accumulation.json (--cuda: bench/results/gpu/).
 """
 from __future__ import annotations
@@ -129,6 +138,64 @@ def step_cost(model: Dict[str, int], micro_batches: List[int], m: int, rounds: i
     return rows
 
 
+LAYER_WEIGHTS = {"qkv": (3, 1), "proj": (1, 1), "fc1": (4, 1), "fc2": (1, 4)}
+"""(out, in) of each weight of a transformer layer, in units of the hidden size."""
+
+
+def fusion_probe(device: str, hidden: int, tokens: List[int], reps: int = 20
+                 ) -> Dict[str, Any]:
+    """(c): is there an ``addmm`` into a float32 output from bf16 inputs on ``device``,
+    and what it saves per layer and microbatch at each token count (``reps`` > 0)."""
+    import torch
+
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, torch.bfloat16)
+
+    dy, x = rand(8, 16), rand(8, 32)
+    main = torch.randn(16, 32, generator=gen).to(dev)
+    want = main + (dy.t().float() @ x.float())
+    got = main.clone()
+    try:  # in place, as the fusion would use it
+        torch.addmm(got, dy.t(), x, out_dtype=torch.float32, out=got)
+    except (NotImplementedError, RuntimeError, TypeError) as exc:
+        return {"device": device, "supported": False,
+                "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    out: Dict[str, Any] = {"device": device, "supported": True,
+                           "max_abs_error_small": float((got - want).abs().max()), "rows": []}
+    if reps <= 0:
+        return out
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    for n in tokens:
+        unfused_s = fused_s = 0.0
+        errors = []
+        for name, (o, i) in LAYER_WEIGHTS.items():
+            dy, x = rand(n, o * hidden), rand(n, i * hidden)
+            acc = torch.zeros(o * hidden, i * hidden, device=dev)
+            fused = acc.clone()
+            unfused_s += timed(lambda: acc.add_((dy.t() @ x).to(torch.float32)))
+            fused_s += timed(lambda: torch.addmm(fused, dy.t(), x, out_dtype=torch.float32,
+                                                 out=fused))
+            scale = float(acc.abs().max()) or 1.0
+            errors.append(float((fused - acc).abs().max()) / scale)
+        out["rows"].append({"tokens": n, "unfused_ms": 1e3 * unfused_s,
+                            "fused_ms": 1e3 * fused_s, "fused_over_unfused": fused_s / unfused_s,
+                            "max_rel_difference": max(errors)})
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer microbatch counts and rounds")
@@ -167,11 +234,26 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
           r["fp32_over_bf16"]] for r in cost],
         title=f"(b) the trainer, bf16 GPT {model}, d=1, {name}, median of {rounds} "
               f"alternating rounds"))
+    probe = fusion_probe("cuda" if args.cuda else "cpu", GPT_345M["hidden"],
+                         [b * GPT_345M["seq"] for b in (8, 1)], reps=20 if args.cuda else 0)
+    if not probe["supported"]:
+        print(f"(c) fusion probe on {probe['device']}: no float32-output addmm "
+              f"({probe['reason']})")
+    elif probe["rows"]:
+        print(format_table(
+            ["tokens", "GEMM + fp32 add ms", "addmm into fp32 ms", "fused / unfused",
+             "max rel. difference"],
+            [[r["tokens"], r["unfused_ms"], r["fused_ms"], r["fused_over_unfused"],
+              f"{r['max_rel_difference']:.1e}"] for r in probe["rows"]],
+            title=f"(c) weight gradients of one GPT-345M layer per microbatch, {name}"))
+    else:
+        print(f"(c) fusion probe on {probe['device']}: supported (not timed here)")
     command = "PYTHONPATH=. python bench/grad_accumulation.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     payload = {"command": command.strip(), "quick": args.quick, "device": name,
                "torch": torch.__version__, "error_model": MODEL, "errors": errors,
                "cost_model": model, "step_cost": cost, "rounds": rounds,
+               "fusion_probe": probe,
                "git": git_revision(), "bench_seconds": time.perf_counter() - t0}
     out = Path(args.out_dir) if args.out_dir else (RESULTS_DIR / "gpu" if args.cuda
                                                    else RESULTS_DIR)

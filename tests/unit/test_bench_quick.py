@@ -171,3 +171,40 @@ def test_grad_accumulation_quick(tmp_path: Path) -> None:
         # float32 sums of bf16 gradients: rounding far below bf16's 2^-8
         assert r["fp32_rel_error"] < 1e-6 < 1e-4 < r["bf16_rel_error"]
     assert data["step_cost"][0]["fp32_s"] > 0 and data["step_cost"][0]["bf16_s"] > 0
+    probe = data["fusion_probe"]
+    assert probe["device"] == "cpu" and "supported" in probe
+
+
+def test_grad_accumulation_fusion_probe(monkeypatch) -> None:
+    """(c) of bench/grad_accumulation.py: where torch has no float32-output addmm it says
+    so; where it has one (emulated here, as CUDA's) it times both ways per weight and
+    checks that the fused sum is the unfused one."""
+    import torch
+
+    from bench.grad_accumulation import LAYER_WEIGHTS, fusion_probe
+
+    real = torch.addmm
+    try:
+        real(torch.zeros(2, 2), torch.ones(2, 3, dtype=torch.bfloat16),
+             torch.ones(3, 2, dtype=torch.bfloat16), out_dtype=torch.float32)
+        has_kernel = True
+    except (NotImplementedError, RuntimeError, TypeError):
+        has_kernel = False
+    if not has_kernel:
+        probe = fusion_probe("cpu", 8, [4], reps=1)
+        assert probe == {"device": "cpu", "supported": False, "reason": probe["reason"]}
+        assert "addmm" in probe["reason"]
+
+    def emulated(inp, a, b, out_dtype=None, *, out=None):
+        res = inp + a.to(out_dtype) @ b.to(out_dtype)
+        return out.copy_(res) if out is not None else res
+
+    monkeypatch.setattr(torch, "addmm", emulated)
+    probe = fusion_probe("cpu", 8, [4, 16], reps=2)
+    assert probe["supported"] and probe["max_abs_error_small"] < 1e-5
+    assert [r["tokens"] for r in probe["rows"]] == [4, 16] and len(LAYER_WEIGHTS) == 4
+    for r in probe["rows"]:
+        assert r["unfused_ms"] > 0 and r["fused_ms"] > 0
+        assert r["fused_over_unfused"] == pytest.approx(r["fused_ms"] / r["unfused_ms"])
+        # both sums ran reps + 1 times over the same bf16 inputs: only rounding differs
+        assert r["max_rel_difference"] < 1e-2
