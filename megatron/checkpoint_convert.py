@@ -451,6 +451,16 @@ def split_flags(counts: Sequence[int]) -> Tuple[Optional[int], Optional[int]]:
             counts[-1] if counts[-1] != middle else None)
 
 
+def recorded_split(counts: Sequence[int], first: Optional[int], last: Optional[int]
+                   ) -> Tuple[Optional[int], Optional[int]]:
+    """The --decoder-first/last-pipeline-num-layers a checkpoint of stage split ``counts``
+    records: those asked for (``first``/``last``), else ones that give ``counts``; none
+    for an even split."""
+    if len(set(counts)) == 1 or (first is None and last is None):
+        return split_flags(counts)
+    return first, last
+
+
 def target_stage_counts(state: FullState, pp: int, first: Optional[int] = None,
                         last: Optional[int] = None) -> List[int]:
     """Layers of each stage of the written checkpoint: ``first``/``last`` as the trainer's
@@ -507,8 +517,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
               f"{hint}", file=sys.stderr)
     if config:
         config = dict(config)
-        first_layers, last_layers = (split_flags(counts) if len(set(counts)) == 1
-                                     or (first is None and last is None) else (first, last))
+        first_layers, last_layers = recorded_split(counts, first, last)
         config["parallel"] = dict(config.get("parallel") or {}, tensor_model_parallel_size=tp,
                                   pipeline_model_parallel_size=pp, world_size=tp * pp * dp,
                                   decoder_first_pipeline_num_layers=first_layers,

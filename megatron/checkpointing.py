@@ -671,7 +671,7 @@ def _write_error(root: str, iteration: int, exc: OSError) -> str:
             f"({reason}); {latest}")
 
 
-def _split_text(first: Optional[int], last: Optional[int], prefix: str) -> str:
+def split_text(first: Optional[int], last: Optional[int], prefix: str = "") -> str:
     """' --{prefix}decoder-first-pipeline-num-layers N ...' for the given counts."""
     return "".join(f" --{prefix}decoder-{which}-pipeline-num-layers {n}"
                    for which, n in (("first", first), ("last", last)) if n is not None)
@@ -682,7 +682,7 @@ def _convert_command(root: str, groups: ParallelGroups,
     """The tools/checkpoint_util.py line that rewrites ``root`` for this run's layout."""
     return (f"python tools/checkpoint_util.py --load {root} --save NEW_DIR "
             f"--target-tensor-parallel-size {groups.tp_size} --target-pipeline-parallel-size "
-            f"{groups.pp_size}{_split_text(*split, prefix='target-')}")
+            f"{groups.pp_size}{split_text(*split, prefix='target-')}")
 
 
 def _layout_error(root: str, base: str, saved: str, groups: ParallelGroups,
@@ -792,10 +792,9 @@ def load_checkpoint(root: str, groups: ParallelGroups, *, iteration: Optional[in
         config = payload.get("config")
         par = config.get("parallel") if isinstance(config, dict) else None
         par = par if isinstance(par, dict) else {}
-        theirs = _split_text(*(n if type(n) is int else None
-                               for n in (par.get("decoder_first_pipeline_num_layers"),
-                                         par.get("decoder_last_pipeline_num_layers"))),
-                             prefix="").strip() or "neither: an even split"
+        theirs = [par.get(f"decoder_{which}_pipeline_num_layers") for which in ("first", "last")]
+        theirs = split_text(*(n if type(n) is int else None for n in theirs)).strip() \
+            or "neither: an even split"
         raise CheckpointError(
             f"--load {root}: pipeline stage {groups.pp_rank} of the checkpoint holds layers "
             f"{saved[0]}..{saved[1] - 1}, this run's split gives it {stage_layers.start}.."

@@ -38,8 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullState,
-                                         read_full_state, split_flags, target_stage_counts,
-                                         true_vocab_size, write_layout)
+                                         read_full_state, recorded_split,
+                                         target_stage_counts, true_vocab_size, write_layout)
+from megatron.checkpointing import split_text
 from megatron.errors import CheckpointError, UserError
 
 _ATTN = "self_attention.query_key_value"
@@ -473,10 +474,8 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
                       layout=(1, 1, 1), ckpt=ckpt)
     out = write_layout(state, save, tp, pp, 1, true_vocab=vocab,
                        source=os.path.abspath(hf_dir), first=first, last=last)
-    split = "".join(f" --decoder-{which}-pipeline-num-layers {n}"
-                    for which, n in zip(("first", "last"),
-                                        split_flags(target_stage_counts(state, pp, first, last)))
-                    if n is not None)
+    split = split_text(*recorded_split(target_stage_counts(state, pp, first, last), first,
+                                       last))
     tok = (f"--tokenizer-type GPT2BPETokenizer --vocab-file {tokenizer['vocab_file']} "
            f"--merge-file {tokenizer['merge_file']}" if "vocab_file" in tokenizer
            else f"--tokenizer-type NullTokenizer --vocab-size {vocab}")
