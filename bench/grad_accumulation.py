@@ -181,7 +181,7 @@ def fusion_probe(device: str, hidden: int, tokens: List[int], reps: int = 20
     for n in tokens:
         unfused_s = fused_s = 0.0
         errors = []
-        for name, (o, i) in LAYER_WEIGHTS.items():
+        for o, i in LAYER_WEIGHTS.values():
             dy, x = rand(n, o * hidden), rand(n, i * hidden)
             acc = torch.zeros(o * hidden, i * hidden, device=dev)
             fused = acc.clone()
