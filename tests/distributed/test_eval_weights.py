@@ -52,3 +52,29 @@ def test_2bw_evaluates_the_weights_it_saves(tmp_path):
     alone = _run("--pipeline-schedule", "flush", "--load", str(ckpt), "--skip-train", iters=4)
     assert list(alone) == [4]
     assert alone[4] == pytest.approx(tbw[4], rel=1e-12)
+
+
+def test_evaluation_holds_no_tensor_per_microbatch(monkeypatch):
+    """Regression: evaluation kept every microbatch's loss (seg.outputs on the last stage)
+    and a new float64 sum per batch until the segment ended.  Each small tensor pinned
+    the heap above that forward's freed activations, so a process grew by about one
+    activation per microbatch: 862 MB against 377 MB at --eval-iters 400 (t=2, CPU),
+    and an OOM kill (11 GB) in a WikiText-103 evaluation.  What a segment holds during
+    evaluation must not grow with the number of batches."""
+    import torch
+
+    from megatron.pipeline.engine import PipelineEngine
+
+    held: List[int] = []
+    original = PipelineEngine._forward
+
+    def counting(self, action, seg):
+        original(self, action, seg)
+        if not seg.train:
+            held.append(sum(torch.is_tensor(v) for v in seg.outputs.values())
+                        + sum(len(s) for s in seg.loss_sums.values()))
+
+    monkeypatch.setattr(PipelineEngine, "_forward", counting)
+    _run("--pipeline-schedule", "2bw", "--eval-iters", "12", iters=4)
+    assert len(held) == 2 * 12 * 2  # two evaluations (iteration 4, end) x 12 batches x m=2
+    assert max(held) == 1  # one running sum of "lm loss"
