@@ -8,6 +8,7 @@ micro-batches the uninterrupted run would have seen.
 """
 from __future__ import annotations
 
+import signal
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -69,6 +70,18 @@ def collate_samples(samples: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor
             for k in samples[0]}
 
 
+def _loader_worker_ignores_sigterm(worker_id: int) -> None:
+    """DataLoader workers outlive a SIGTERM; the rank decides what it means.
+
+    SLURM, torchrun and ``kill -- -PGID`` send SIGTERM to every process of a rank, loader
+    workers included.  A worker that died of it failed the rank's next read, so
+    --exit-signal-handler could not finish its batch and save.  An ignored SIGTERM costs
+    nothing: workers still exit when the loader shuts them down or their parent dies
+    (torch's worker watchdog), and SIGKILL still kills them."""
+    del worker_id
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build_pretraining_data_loader(dataset: Optional[torch.utils.data.Dataset],
                                   consumed_samples: int, micro_batch_size: int,
                                   dp_rank: int, dp_size: int, num_workers: int = 2
@@ -85,6 +98,7 @@ def build_pretraining_data_loader(dataset: Optional[torch.utils.data.Dataset],
         dataset, batch_sampler=sampler, num_workers=num_workers,
         collate_fn=collate_samples, pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        worker_init_fn=_loader_worker_ignores_sigterm if num_workers > 0 else None,
         # its own generator: creating an iterator must not draw from the global RNG,
         # or dropout streams would depend on when iterators were made (breaks resume)
         generator=torch.Generator().manual_seed(0))

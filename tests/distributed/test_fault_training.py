@@ -496,14 +496,22 @@ def _wait_for(pattern: str, path: Path, proc, timeout: float) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(tmp_path):
+@pytest.mark.parametrize("loader_workers", [0, 2])
+def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(loader_workers,
+                                                                          tmp_path):
     """torchrun, 2 pipeline stages: SIGTERM to ONE worker; both agree, save the same
-    iteration, and the job exits 0 (old code: killed, nothing saved)."""
+    iteration, and the job exits 0 (old code: killed, nothing saved).
+
+    With DataLoader workers (the default --num-workers 2) the signal goes to every
+    process of that rank, loader workers included, as SLURM and a process-group kill
+    deliver it.  Regression: the loader workers died of it and the rank failed on its
+    next read ("DataLoader worker ... killed by signal: Terminated"), saving nothing."""
     ckpt, log = tmp_path / "ck", tmp_path / "out.txt"
     # gloo: two CPU ranks also where one GPU is visible (NCCL would need two)
     argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "flush",
                  "--distributed-backend", "gloo", "--eval-iters", "0", "--log-interval", "1", "--exit-signal-handler",
                  "--save", str(ckpt), "--save-interval", "1000", iters=100000)
+    argv[argv.index("--num-workers") + 1] = str(loader_workers)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                                  "2", "--master-port", str(_port()), str(REPO / "pretrain_gpt.py"),
@@ -512,7 +520,10 @@ def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(tmp_pa
         _wait_for("iteration        2/", log, proc, 90)
         workers = _children(proc.pid)
         assert len(workers) == 2, workers
-        os.kill(workers[0], signal.SIGTERM)
+        loaders = _children(workers[0])
+        assert len(loaders) >= loader_workers, loaders
+        for pid in [workers[0], *loaders]:
+            os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
