@@ -483,6 +483,8 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
     _require(not (args.lr_decay_iters is not None and args.lr_decay_samples is not None),
              "--lr-decay-iters and --lr-decay-samples are mutually exclusive")
     _require_positive(args, "lr_decay_iters", "lr_decay_samples")
+    decay_iters_given = args.lr_decay_iters is not None
+    frac = args.lr_warmup_fraction
     if args.lr_decay_samples is not None:
         args.lr_decay_iters = _samples_to_iters(args, "lr_decay_samples")
     if args.lr_decay_iters is None:
@@ -505,11 +507,36 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
     elif args.lr_warmup_iters is None:
         args.lr_warmup_iters = 0
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    _sample_based_schedule(args, decay_iters_given, frac)
     if args.lr_decay_iters is not None and args.lr_decay_style != "constant":
         _require(args.lr_warmup_iters < args.lr_decay_iters,
                  f"LR warmup ({args.lr_warmup_iters} iterations, --lr-warmup-iters) must be "
                  f"shorter than the LR decay ({args.lr_decay_iters} iterations, --lr-decay-iters "
                  f"or --train-iters) for --lr-decay-style {args.lr_decay_style}")
+
+
+def _sample_based_schedule(args: argparse.Namespace, decay_iters_given: bool,
+                           frac: Optional[float]) -> None:
+    """A --train-samples run counts its LR schedule in samples, as Megatron does: warmup
+    and decay stay where the user put them when --global-batch-size changes on resume.
+    The iteration values above remain (checks, banner); the samples are what is used."""
+    args.lr_schedule_unit = "iterations"
+    if args.train_samples is None:
+        return
+    gbs = args.global_batch_size
+    args.lr_schedule_unit = "samples"
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = (args.lr_decay_iters * gbs if decay_iters_given
+                                 else args.train_samples)
+    if frac is not None:
+        args.lr_warmup_samples = int(round(frac * args.lr_decay_samples))
+    elif args.lr_warmup_samples is None:
+        args.lr_warmup_samples = args.lr_warmup_iters * gbs
+    if args.lr_decay_style != "constant":
+        _require(args.lr_warmup_samples < args.lr_decay_samples,
+                 f"LR warmup ({args.lr_warmup_samples} samples) must be shorter than the LR "
+                 f"decay ({args.lr_decay_samples} samples, --lr-decay-samples or "
+                 f"--train-samples) for --lr-decay-style {args.lr_decay_style}")
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:
@@ -756,7 +783,9 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
     optimizer = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
-        lr_warmup_iters=args.lr_warmup_iters, weight_decay=args.weight_decay,
+        lr_warmup_iters=args.lr_warmup_iters, lr_schedule_unit=args.lr_schedule_unit,
+        lr_decay_samples=args.lr_decay_samples, lr_warmup_samples=args.lr_warmup_samples,
+        weight_decay=args.weight_decay,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
         override_opt_param_scheduler=args.override_opt_param_scheduler,

@@ -180,6 +180,13 @@ class OptimizerConfig:
     lr_decay_iters: Optional[int] = None
     """Iterations over which the LR decays; defaults to train_iters."""
     lr_warmup_iters: int = 0
+    lr_schedule_unit: str = "iterations"
+    """'samples' for a --train-samples run (Megatron's sample-based schedule): the schedule
+    counts consumed samples, so it stays right when --global-batch-size changes on resume."""
+    lr_decay_samples: Optional[int] = None
+    """With lr_schedule_unit 'samples': samples over which the LR decays."""
+    lr_warmup_samples: Optional[int] = None
+    """With lr_schedule_unit 'samples': warmup samples."""
     weight_decay: float = 0.01
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""

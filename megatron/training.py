@@ -218,7 +218,10 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
     gbs = tr.global_batch_size
     train_iters = tr.train_iters or 0
     eval_runs = (train_iters // tr.eval_interval + 1) if tr.eval_interval else 1
-    n_train = train_iters * gbs
+    # a resumed run reads on from its consumed samples (more or fewer than
+    # iteration x gbs when --global-batch-size changed)
+    n_train = max(train_iters * gbs,
+                  state.consumed_train_samples + (train_iters - state.iteration) * gbs)
     n_valid = eval_runs * tr.eval_iters * gbs
     n_test = tr.eval_iters * gbs
     train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, (n_train, n_valid, n_test))
@@ -402,7 +405,10 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
                                       override=oc.override_opt_param_scheduler,
                                       # evaluation only: no step, nothing to disagree on
                                       use_checkpoint=(oc.use_checkpoint_opt_param_scheduler
-                                                      or tr.skip_train))
+                                                      or tr.skip_train),
+                                      samples_per_iteration=(
+                                          state.consumed_train_samples / state.iteration
+                                          if state.iteration else tr.global_batch_size))
         except ValueError as exc:
             raise CheckpointError(f"--load {tr.load}: {exc}") from None
     if not tr.no_load_rng and payload.get("rng_state") is not None:
@@ -537,7 +543,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
 
     def on_step(report: StepReport) -> None:
         if not report.skipped:
-            scheduler.step()
+            scheduler.step_batch(gbs)
         state.iteration = report.iteration + 1
         state.consumed_train_samples += gbs
         result.reports.append(report)
@@ -681,6 +687,7 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         cfg, groups, device, model_provider, forward_step,
         trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)
     state = maybe_load(cfg, groups, engine, optimizer, scheduler)
+    count_iterations_from_samples(cfg, state)
     check_iterations_left(cfg, state)
     train_iter, valid_iter, test_iter = build_data_iterators(cfg, groups, tokenizer,
                                                              datasets_provider, state)
@@ -724,6 +731,17 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
     return result
 
 
+def count_iterations_from_samples(cfg: MegatronConfig, state: TrainState) -> None:
+    """--train-samples counts samples, not iterations: a resumed run trains the batches
+    that fit in what is left of it at this run's --global-batch-size (the iteration
+    count the arguments derived assumed the batch size never changed)."""
+    tr = cfg.training
+    if tr.train_samples is None or tr.skip_train:
+        return
+    left = max(0, tr.train_samples - state.consumed_train_samples)
+    tr.train_iters = state.iteration + left // tr.global_batch_size
+
+
 def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
     """Training was asked for: the loaded checkpoint must leave iterations to train.
 
@@ -731,6 +749,12 @@ def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
     loaders are positioned past the end and before any collective of training."""
     tr = cfg.training
     train_iters = tr.train_iters or 0
+    if not tr.skip_train and state.iteration >= train_iters and tr.train_samples is not None:
+        raise UserError(f"nothing to train: the checkpoint in --load {tr.load} has consumed "
+                        f"{state.consumed_train_samples} samples and --train-samples is "
+                        f"{tr.train_samples}, less than one more batch of "
+                        f"--global-batch-size {tr.global_batch_size}; raise --train-samples "
+                        "to continue, or pass --skip-train to only evaluate")
     if not tr.skip_train and state.iteration >= train_iters:
         raise UserError(f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
                         f"{state.iteration} and --train-iters is {train_iters}; raise "

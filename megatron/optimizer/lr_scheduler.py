@@ -8,6 +8,11 @@ the warmup), so after warmup the decay ratio is
 
 The schedule is a pure function of the step (``get_lr(step)``), so the trainer can ask
 for the rate of any iteration; ``step()`` only advances the stored counter.
+
+A step is an iteration, or, for a ``--train-samples`` run (``unit="samples"``), a
+sample: the counter then advances by the global batch size per applied batch, as in
+Megatron-LM, and warmup and decay stay put when the batch size changes on resume.
+A checkpoint of the other unit is converted on load with its own samples per iteration.
 """
 from __future__ import annotations
 
@@ -18,13 +23,16 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 # Hyper-parameters stored in a checkpoint and compared on load.
 _HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+UNITS = ("iterations", "samples")
 
 
 class OptimizerParamScheduler:
     """Megatron-style learning-rate schedule over optimizer steps."""
 
     def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                 decay_style: str) -> None:
+                 decay_style: str, unit: str = "iterations") -> None:
+        if unit not in UNITS:
+            raise ValueError(f"lr scheduler unit must be one of {', '.join(UNITS)}, got {unit!r}")
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, "
                              f"got {decay_style!r}")
@@ -41,11 +49,15 @@ class OptimizerParamScheduler:
         self.warmup_steps = int(warmup_steps)
         self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
+        self.unit = unit
         self.num_steps = 0
 
     @classmethod
     def from_config(cls, opt_cfg: Any, train_iters: Optional[int]) -> "OptimizerParamScheduler":
         """Build from an ``OptimizerConfig``; decay defaults to the whole run."""
+        if getattr(opt_cfg, "lr_schedule_unit", "iterations") == "samples":
+            return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_samples,
+                       opt_cfg.lr_decay_samples, opt_cfg.lr_decay_style, unit="samples")
         decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
         if decay is None:
             if opt_cfg.lr_decay_style != "constant":
@@ -76,24 +88,39 @@ class OptimizerParamScheduler:
         self.num_steps += increment
         return self.get_lr()
 
+    def step_batch(self, global_batch_size: int) -> float:
+        """One applied batch: one step, or its samples under ``unit="samples"``."""
+        return self.step(global_batch_size if self.unit == "samples" else 1)
+
     def state_dict(self) -> Dict[str, Any]:
         sd = {name: getattr(self, name) for name in _HPARAMS}
         sd["num_steps"] = self.num_steps
+        sd["unit"] = self.unit
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any], *, override: bool = False,
-                        use_checkpoint: bool = False) -> None:
+                        use_checkpoint: bool = False,
+                        samples_per_iteration: Optional[float] = None) -> None:
         """Restore the step counter, checking the schedule's hyper-parameters.
 
         ``override``: keep this run's hyper-parameters whatever the checkpoint says.
         ``use_checkpoint``: adopt the checkpoint's hyper-parameters.
         Otherwise any difference is an error naming the field.
+        ``samples_per_iteration``: the checkpoint's consumed samples per iteration, to
+        convert a state counted in the other unit (a state without ``unit`` counts
+        iterations).
         """
         if override and use_checkpoint:
             raise ValueError("lr scheduler: override and use_checkpoint are mutually exclusive")
         missing = [k for k in _HPARAMS + ("num_steps",) if k not in sd]
         if missing:
             raise ValueError(f"lr scheduler checkpoint state lacks {missing}")
+        theirs_unit = sd.get("unit", "iterations")
+        if theirs_unit not in UNITS:
+            raise ValueError(f"lr scheduler checkpoint state has unit {theirs_unit!r}, "
+                             f"expected one of {', '.join(UNITS)}")
+        if theirs_unit != self.unit:
+            sd = _convert_units(sd, self.unit, samples_per_iteration)
         # decay length means nothing to a constant schedule on both sides
         constant = self.decay_style == sd["decay_style"] == "constant"
         for name in _HPARAMS:
@@ -103,6 +130,25 @@ class OptimizerParamScheduler:
             elif not override and ours != theirs and not (constant and name == "decay_steps"):
                 raise ValueError(
                     f"lr scheduler: checkpoint has {name}={theirs!r} but this run has "
-                    f"{name}={ours!r}; pass --override-opt_param-scheduler to keep this run's "
-                    f"value or --use-checkpoint-opt_param-scheduler to take the checkpoint's")
+                    f"{name}={ours!r}{f' ({self.unit})' if name in _STEP_FIELDS else ''}; "
+                    "pass --override-opt_param-scheduler to keep this run's value or "
+                    "--use-checkpoint-opt_param-scheduler to take the checkpoint's")
         self.num_steps = int(sd["num_steps"])
+
+
+_STEP_FIELDS = ("warmup_steps", "decay_steps", "num_steps")
+
+
+def _convert_units(sd: Dict[str, Any], unit: str,
+                   samples_per_iteration: Optional[float]) -> Dict[str, Any]:
+    """``sd``'s step counts in ``unit`` (iterations <-> samples)."""
+    if not samples_per_iteration or samples_per_iteration <= 0:
+        raise ValueError(f"lr scheduler: the checkpoint counts its schedule in "
+                         f"{sd.get('unit', 'iterations')} and this run in {unit}, and the "
+                         "checkpoint's samples per iteration are unknown")
+    factor = samples_per_iteration if unit == "samples" else 1.0 / samples_per_iteration
+    out = dict(sd)
+    for name in _STEP_FIELDS:
+        out[name] = int(round(sd[name] * factor))
+    out["unit"] = unit
+    return out

@@ -35,3 +35,42 @@ def test_resume_is_bit_identical(tmp_path, schedule):
         assert first[t] == full[t]
     for t in (4, 5, 6):
         assert second[t] == full[t], (t, second[t], full[t])
+
+
+def _one_process(argv):
+    import contextlib
+    import io
+
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                          pretrain_gpt.forward_step, argv=list(argv))
+    return result, out.getvalue()
+
+
+def test_train_samples_counts_samples_across_a_batch_size_change(tmp_path):
+    """--train-samples 64: 4 batches of 8, then resume at --global-batch-size 16.  The
+    run goes on for the 32 samples left (2 batches, not 64 // 16 - 4 = 0: "nothing to
+    train"), and the linear LR decay over 64 samples continues from sample 32."""
+    ckpt = str(tmp_path / "ckpt")
+    base = [a for a in TINY]
+    del base[base.index("--train-iters"):base.index("--train-iters") + 2]
+    base += ["--train-samples", "64", "--lr-decay-style", "linear", "--min-lr", "0",
+             "--distributed-backend", "gloo", "--save", ckpt]
+    first, _ = _one_process(base + ["--exit-interval", "4"])
+    assert first.iteration == 4 and [r.lr for r in first.reports] == pytest.approx(
+        [1e-3 * (1 - s / 64) for s in (0, 8, 16, 24)], rel=1e-12)
+    gbs = base.index("--global-batch-size") + 1
+    base[gbs] = "16"
+    second, log = _one_process(base + ["--load", ckpt, "--log-interval", "1"])
+    assert second.iteration == 6, log[-2000:]
+    assert [r.lr for r in second.reports] == pytest.approx([1e-3 * (1 - s / 64)
+                                                            for s in (32, 48)], rel=1e-12)
+    assert "iteration        6/       6" in log
+    # nothing left: one error line naming --train-samples, not --train-iters
+    from megatron.errors import UserError
+
+    with pytest.raises(UserError, match="--train-samples is 64"):
+        _one_process(base + ["--load", ckpt])

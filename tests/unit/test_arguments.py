@@ -226,6 +226,21 @@ def test_samples_become_iterations():
     assert args.train_iters == 100 // 8
     assert args.lr_decay_iters == 10
     assert args.lr_warmup_iters == 3  # ceil(20 / 8)
+    # ... but the schedule a --train-samples run uses counts samples, as Megatron's does
+    assert (args.lr_schedule_unit, args.lr_decay_samples, args.lr_warmup_samples) == (
+        "samples", 80, 20)
+
+
+def test_sample_based_schedule_defaults():
+    argv = without(BASE, "--train-iters") + ["--train-samples", "100", "--global-batch-size", "8"]
+    args = check(argv + ["--lr-warmup-fraction", "0.05"])
+    assert (args.lr_decay_samples, args.lr_warmup_samples) == (100, 5)  # not whole batches
+    args = check(argv + ["--lr-decay-iters", "10", "--lr-warmup-iters", "2"])
+    assert (args.lr_decay_samples, args.lr_warmup_samples) == (80, 16)
+    assert check(BASE).lr_schedule_unit == "iterations"
+    cfg = build_config(check(argv)).optimizer
+    assert (cfg.lr_schedule_unit, cfg.lr_decay_samples, cfg.lr_warmup_samples) == (
+        "samples", 100, 0)
 
 
 def test_warmup_fraction_of_decay():

@@ -77,3 +77,33 @@ def test_bad_input_and_from_config():
     cfg = OptimizerConfig(lr=3e-4, min_lr=3e-5, lr_warmup_iters=5, lr_decay_style="cosine")
     s = OptimizerParamScheduler.from_config(cfg, train_iters=100)
     assert s.decay_steps == 100 and s.get_lr(5) == pytest.approx(3e-4)
+
+
+def test_sample_based_schedule_steps_by_batches_and_converts_old_states():
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear",
+                          lr_schedule_unit="samples", lr_decay_samples=64, lr_warmup_samples=16)
+    s = OptimizerParamScheduler.from_config(cfg, train_iters=8)
+    assert (s.unit, s.warmup_steps, s.decay_steps) == ("samples", 16, 64)
+    s.step_batch(8)
+    assert s.num_steps == 8 and s.get_lr() == pytest.approx(0.5)
+    s.step_batch(16)  # a larger batch after a resume moves the schedule further
+    assert s.num_steps == 24 and s.get_lr() == pytest.approx(1 - 8 / 48)
+    assert s.state_dict()["unit"] == "samples"
+    # an iteration-counted state (no "unit": written before units existed) at iteration 3
+    # of batches of 8: the same schedule, converted with its samples per iteration
+    old = {"max_lr": 1.0, "min_lr": 0.0, "warmup_steps": 2, "decay_steps": 8,
+           "decay_style": "linear", "num_steps": 3}
+    s.load_state_dict(old, samples_per_iteration=8.0)
+    assert s.num_steps == 24
+    # and back: a samples state loaded by an iteration-counted run
+    it = OptimizerParamScheduler(1.0, 0.0, 2, 8, "linear")
+    it.load_state_dict(s.state_dict(), samples_per_iteration=8.0)
+    assert it.num_steps == 3 and it.get_lr() == pytest.approx(1 - 1 / 6)
+    with pytest.raises(ValueError, match=r"decay_steps=64 but this run has decay_steps=32 "
+                                         r"\(samples\)"):
+        OptimizerParamScheduler(1.0, 0.0, 16, 32, "linear", unit="samples").load_state_dict(
+            s.state_dict())
+    with pytest.raises(ValueError, match="samples per iteration are unknown"):
+        OptimizerParamScheduler(1.0, 0.0, 16, 64, "linear", unit="samples").load_state_dict(old)
+    with pytest.raises(ValueError, match="unit"):
+        OptimizerParamScheduler(1.0, 0.0, 2, 8, "linear", unit="epochs")
