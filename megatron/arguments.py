@@ -11,6 +11,7 @@ instead of leaving some ranks waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import socket
@@ -449,6 +450,9 @@ def _check_precision(args: argparse.Namespace) -> None:
              "--fp64 cannot be combined with --fp16 or --bf16")
     if args.loss_scale is not None:
         _require(args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")
+        if not (args.fp16 or args.bf16):
+            print(f"warning: --loss-scale {args.loss_scale} is ignored: only --fp16 and --bf16 "
+                  "runs scale the loss", file=sys.stderr)
     _require_positive(args, "initial_loss_scale", "min_loss_scale", "loss_scale_window",
                       "hysteresis", allow_none=False)
     _require(args.min_loss_scale <= args.initial_loss_scale,
@@ -707,6 +711,9 @@ def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
         _check_save_holds_no_other_run(args)
     if args.tensorboard_dir is not None:
         _check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
+        _require(importlib.util.find_spec("tensorboard") is not None,
+                 f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package, "
+                 "which is not installed: pip install tensorboard (or drop the flag)")
     _require(args.max_consecutive_skipped_steps >= 0,
              f"--max-consecutive-skipped-steps must be >= 0 (0 disables the limit), got "
              f"{args.max_consecutive_skipped_steps}")

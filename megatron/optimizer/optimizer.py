@@ -497,7 +497,9 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
             prec_cfg.initial_loss_scale, prec_cfg.min_loss_scale, growth_factor=2.0,
             backoff_factor=0.5, growth_interval=prec_cfg.loss_scale_window,
             hysteresis=prec_cfg.hysteresis)
-    elif prec_cfg.fp16:
+    elif (prec_cfg.fp16 or prec_cfg.bf16) and prec_cfg.loss_scale is not None:
+        # Megatron-LM: --loss-scale is a constant scale under --bf16 as well (bf16 needs
+        # none by default); an fp32 run has no scaler (arguments warn)
         scaler = ConstantGradScaler(prec_cfg.loss_scale)
     else:
         scaler = ConstantGradScaler(1.0)

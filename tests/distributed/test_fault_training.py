@@ -264,7 +264,13 @@ def test_non_finite_float_flag_is_one_error_line(flag, value, capsys):
 
 
 @pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir"])
-def test_unwritable_output_dir_is_found_at_start_up(flag, capsys, tmp_path):
+def test_unwritable_output_dir_is_found_at_start_up(flag, capsys, tmp_path, monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec  # tensorboard need not be installed for this check
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        importlib.machinery.ModuleSpec(name, None) if name == "tensorboard" else real(name, *a)))
     with pytest.raises(SystemExit):
         _validate(_argv(flag, "/proc/nope/ck"))
     err = capsys.readouterr().err.strip()

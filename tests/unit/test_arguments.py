@@ -287,7 +287,17 @@ def test_valid_files_and_weighted_data(files):
     assert check(argv).data_path == [files["a"], files["b"]]
 
 
-def test_build_config_maps_every_field():
+def _pretend_tensorboard_is_installed(monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        importlib.machinery.ModuleSpec(name, None) if name == "tensorboard" else real(name, *a)))
+
+
+def test_build_config_maps_every_field(monkeypatch):
+    _pretend_tensorboard_is_installed(monkeypatch)
     argv = BASE + [
         "--ffn-hidden-size", "96", "--max-position-embeddings", "64", "--hidden-dropout", "0.2",
         "--attention-dropout", "0.3", "--init-method-std", "0.01", "--layernorm-epsilon", "1e-6",
@@ -388,3 +398,21 @@ def test_subprocess_bad_command_line_exits_2_with_one_line():
     assert lines[0].startswith("error: --num-layers (3) must be divisible by "
                                "--pipeline-model-parallel-size (2)")
     assert proc.stdout == ""
+
+
+def test_tensorboard_dir_without_the_package_is_an_argument_error(monkeypatch, tmp_path):
+    """It failed after data set-up, with a traceback on the last rank."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ArgumentError, match="--tensorboard-dir .* needs the tensorboard package"):
+        check(BASE + ["--tensorboard-dir", str(tmp_path / "tb")])
+
+
+def test_loss_scale_without_fp16_or_bf16_warns(capsys):
+    check(BASE + ["--loss-scale", "1024"])
+    assert "--loss-scale 1024.0 is ignored" in capsys.readouterr().err
+    check(BASE + ["--loss-scale", "1024", "--bf16"])
+    assert "ignored" not in capsys.readouterr().err

@@ -115,6 +115,20 @@ def test_nonfinite_gradient_skips_without_loss_scaling(dtype):
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
+@pytest.mark.parametrize("fp16", [True, False])
+def test_loss_scale_flag_is_a_constant_scale_under_fp16_and_bf16(fp16):
+    """Megatron-LM: --loss-scale under --bf16 is a constant scale too (it was ignored)."""
+    params = params_of(torch.float16 if fp16 else torch.bfloat16)
+    opt = get_megatron_optimizer(sgd(), PrecisionConfig(fp16=fp16, bf16=not fp16,
+                                                        loss_scale=1024.0), params)
+    assert isinstance(opt.scaler, ConstantGradScaler) and opt.loss_scale == 1024.0
+    set_grads(params, grads_of(params, scale=1024.0))
+    info = opt.step(params, params, params, lr=1.0)
+    assert not info.skipped and info.loss_scale == 1024.0
+    unscaled = math.sqrt(sum(float((g ** 2).sum()) for g in grads_of(params)))
+    assert info.grad_norm == pytest.approx(unscaled, rel=1e-2)  # divided by the scale
+
+
 def test_extra_found_inf_skips_without_touching_the_scaler():
     pcfg = PrecisionConfig(fp16=True, initial_loss_scale=64.0, hysteresis=1)
     params = params_of(torch.float16)
