@@ -43,6 +43,8 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 class ArgumentError(UserError, ValueError):
     """An inconsistent or incomplete command line; the message names the flag(s)."""
 
+    every_rank_alike = True
+
 
 # --------------------------------------------------------------------------- parsing
 

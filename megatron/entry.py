@@ -150,7 +150,8 @@ def exit_with_user_error(err: BaseException, debug: Optional[bool] = None) -> No
     Python."""
     if debug if debug is not None else debug_requested([]):
         traceback.print_exc()
-    _print_error(f"error: {_one_line(err)}")
+    if not (getattr(err, "every_rank_alike", False) and os.environ.get("RANK", "0") != "0"):
+        _print_error(f"error: {_one_line(err)}")
     _exit(getattr(err, "exit_code", EXIT_USER_ERROR))
 
 

@@ -12,6 +12,11 @@ from __future__ import annotations
 class UserError(Exception):
     """A problem with the user's flags, data or checkpoint; the message is one line."""
 
+    every_rank_alike = False
+    """True where every rank of a job raises the same error (it depends only on the
+    command line and the world size): only rank 0 prints it, instead of one copy per
+    rank in torchrun's output.  The other ranks exit with the same code, silently."""
+
 
 class DataError(UserError):
     """A dataset file (.bin/.idx, index cache, JSON corpus) is missing, corrupt or empty."""

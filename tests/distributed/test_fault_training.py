@@ -315,6 +315,26 @@ def test_entry_point_user_error_and_ctrl_c(debug, capsys, monkeypatch):
     assert _entry(lambda argv: None, [], monkeypatch) == 0
 
 
+def test_argument_errors_are_printed_by_rank_0_only(capsys, monkeypatch):
+    """Every rank validates the same command line: one error line in torchrun's output,
+    not one per rank.  Errors that can differ between ranks still print everywhere."""
+    from megatron.arguments import ArgumentError
+    from megatron.errors import DataError
+
+    def bad_flag(argv):
+        raise ArgumentError("--lr must be >= 0, got -1.0")
+
+    def bad_file(argv):
+        raise DataError("--data-path x: x.idx is missing")
+
+    for rank, printed in (("0", True), ("3", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert _entry(bad_flag, [], monkeypatch) == 2
+        assert ("error: --lr must be >= 0" in capsys.readouterr().err) == printed
+        assert _entry(bad_file, [], monkeypatch) == 2
+        assert "error: --data-path x" in capsys.readouterr().err
+
+
 def test_entry_point_lost_peer_is_one_line_other_errors_keep_their_traceback(capsys,
                                                                              monkeypatch):
     def lost(argv):
