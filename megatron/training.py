@@ -334,6 +334,22 @@ def warmup_switch_note(cfg: MegatronConfig, saved_parallel: Dict[str, Any],
             f"checkpoint's switch")
 
 
+def schedule_change_note(cfg: MegatronConfig, saved_parallel: Dict[str, Any]) -> Optional[str]:
+    """A note when a run resumes a checkpoint under another --pipeline-schedule (allowed:
+    the weights, optimizer and data position carry over); else None."""
+    old, new = saved_parallel.get("pipeline_schedule"), cfg.parallel.pipeline_schedule
+    if old is None or old == new:
+        return None
+    if old == "2bw":
+        what = "training goes on from its newest weights; the older version 2BW kept is dropped"
+    elif new == "2bw":
+        what = "both 2BW weight versions start from its weights"
+    else:
+        what = "both have vanilla semantics, so only the speed and memory change"
+    return (f"note: the checkpoint was trained with --pipeline-schedule {old}, this run "
+            f"uses {new}: {what}")
+
+
 def seq_length_note(cfg: MegatronConfig, saved_model: Dict[str, Any],
                     consumed_samples: int) -> Optional[str]:
     """A warning when a run resumes with another --seq-length than the checkpoint's (the
@@ -375,7 +391,8 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
                         "for finetuning (iteration, optimizer and data position reset)")
         return state
     saved_config = payload.get("config") or {}
-    for note in (warmup_switch_note(cfg, saved_config.get("parallel") or {}, payload["iteration"]),
+    for note in (schedule_change_note(cfg, saved_config.get("parallel") or {}),
+                 warmup_switch_note(cfg, saved_config.get("parallel") or {}, payload["iteration"]),
                  seq_length_note(cfg, saved_config.get("model") or {},
                                  payload["consumed_train_samples"])):
         if note:

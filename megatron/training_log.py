@@ -38,6 +38,9 @@ class TrainingLogger:
         self.cfg = cfg
         self.groups = groups
         self.flops = flops_per_iteration
+        self.total_iterations: Optional[int] = None
+        """The N of 'iteration i/N' when it is not --train-iters (finetuning trains one
+        epoch at a time, each to its own end)."""
         self.world = groups.layout.world_size
         self.active = is_logging_rank()
         self.writer = None
@@ -118,7 +121,8 @@ class TrainingLogger:
         elapsed = time.perf_counter() - self.t_last
         per_iter = elapsed / max(self.steps, 1)
         samples_per_s = tr.global_batch_size / per_iter if per_iter > 0 else 0.0
-        parts = [f" iteration {state.iteration:8d}/{tr.train_iters or 0:8d}",
+        total = self.total_iterations if self.total_iterations is not None else tr.train_iters
+        parts = [f" iteration {state.iteration:8d}/{total or 0:8d}",
                  f"consumed samples: {state.consumed_train_samples:12d}",
                  f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
                  f"samples/s: {samples_per_s:.2f}"]

@@ -271,6 +271,7 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
     else:
         epochs = math.ceil(total / per_epoch)
         gbs = tr.global_batch_size
+        logger.total_iterations = total  # 'iteration i/N': the run's end, not the epoch's
         for epoch in range(state.iteration // per_epoch, epochs):
             skip = state.iteration - epoch * per_epoch
             order = np.random.RandomState(tr.seed + epoch).permutation(len(train_ds))

@@ -80,3 +80,18 @@ def test_finetuning_that_ends_on_nan_steps_fails_and_saves_nothing(tmp_path):
                      "--valid-data", str(mnli / "dev_matched.tsv"),
                      "--save", str(tmp_path / "ck")])
     assert not list((tmp_path / "ck").glob("iter_*"))
+
+
+def test_finetuning_log_counts_to_the_end_of_the_run(capsys):
+    """'iteration i/N' names the run's last iteration, not the current epoch's end."""
+    from tasks.main import main
+    from tests.distributed.test_bert_harness import REAL
+
+    torch.set_num_threads(1)
+    mnli = DATA / "glue" / "MNLI"
+    main(REAL + ["--task", "MNLI", "--global-batch-size", "2", "--epochs", "2",
+                 "--lr", "1e-5", "--log-interval", "1", "--train-data", str(mnli / "train.tsv"),
+                 "--valid-data", str(mnli / "dev_matched.tsv")])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln]
+    ends = {ln.split(" iteration ")[1].split("|")[0].split("/")[1].strip() for ln in lines}
+    assert len(lines) >= 4 and ends == {str(len(lines))}, lines

@@ -217,3 +217,24 @@ def test_resume_warns_when_the_warm_up_switch_moves():
     assert warmup_switch_note(first, saved, 700) is None
     _, plain = parse_and_validate(base[:-2] + ["--train-iters", "2000"])
     assert warmup_switch_note(plain, saved, 700) is None
+
+
+def test_resume_under_another_schedule_is_noted():
+    """A checkpoint may be resumed under another --pipeline-schedule; the log says so and
+    what happens to the weight versions (it was silent)."""
+    from megatron.arguments import parse_and_validate
+    from megatron.training import schedule_change_note
+
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1",
+            "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "32", "--train-iters", "10", "--pipeline-schedule"]
+    cfgs = {s: parse_and_validate(base + [s])[1] for s in ("2bw", "flush", "gpipe")}
+    saved = {s: c.to_dict()["parallel"] for s, c in cfgs.items()}
+    assert schedule_change_note(cfgs["2bw"], saved["2bw"]) is None
+    assert "older version 2BW kept is dropped" in schedule_change_note(cfgs["flush"],
+                                                                       saved["2bw"])
+    assert schedule_change_note(cfgs["2bw"], saved["flush"]).startswith(
+        "note: the checkpoint was trained with --pipeline-schedule flush, this run uses 2bw")
+    assert "vanilla" in schedule_change_note(cfgs["gpipe"], saved["flush"])
+    assert schedule_change_note(cfgs["flush"], {}) is None  # an older checkpoint's config
