@@ -64,12 +64,12 @@ def prepare_data(work_dir: Path, max_chars: Optional[int]) -> Dict[str, str]:
     corpus = work_dir / f"bert_corpus_{tag}.jsonl"
     prefix = work_dir / f"bert_corpus_{tag}"
     source = write_corpus(corpus, *real_text_documents(max_chars), "convergence_bert")
-    if not Path(str(prefix) + "_text_document.idx").is_file():
+    if not Path(str(prefix) + "_text_sentence.idx").is_file():
         run_tool(["tools/preprocess_data.py", "--input", str(corpus), "--json-keys", "text",
                    "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
                    "--vocab-file", str(VOCAB), "--workers", "1", "--output-prefix", str(prefix)],
                  "convergence_bert")
-    return {"data_path": str(prefix) + "_text_document", "source": source}
+    return {"data_path": str(prefix) + "_text_sentence", "source": source}
 
 
 # ---------------------------------------------------------------------------------------

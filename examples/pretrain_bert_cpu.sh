@@ -30,13 +30,13 @@ if [ -n "${DATA:-}" ]; then
   DATA_ARGS=(--data-path "$DATA" --split 949,50,1)
 elif [ -n "${INPUT:-}" ]; then
   mkdir -p "$OUT"
-  if [ ! -s "$OUT/corpus_text_document.idx" ]; then
+  if [ ! -s "$OUT/corpus_text_sentence.idx" ]; then
     echo "[bert] splitting $INPUT into sentences and tokenizing"
     $PY tools/preprocess_data.py --input "$INPUT" --json-keys text --split-sentences \
         --tokenizer-type BertWordPieceLowerCase --vocab-file "$VOCAB" --workers 2 \
         --output-prefix "$OUT/corpus"
   fi
-  DATA_ARGS=(--data-path "$OUT/corpus_text_document" --split 949,50,1)
+  DATA_ARGS=(--data-path "$OUT/corpus_text_sentence" --split 949,50,1)
 fi
 
 OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \

@@ -11,7 +11,9 @@ scales, the run config).  ``write_layout`` cuts it for the target layout:
   a multiple of ``make_vocab_size_divisible_by * t``); new rows copy the last padding
   row (and its moments), rows beyond the new size are dropped;
 * files are written into ``iter_X.tmp`` and renamed into place, the tracker last, with
-  a manifest when ``megatron.checkpointing`` provides one;
+  a manifest when ``megatron.checkpointing`` provides one; a ``save`` directory that
+  already holds checkpoints is refused (``check_save_path``), as the trainer refuses a
+  new run's --save holding another run's, so nothing there is replaced;
 * RNG state (``rng_dp_DDD`` per rank) is carried over only where the (t, d) grid is
   unchanged and the data-parallel rank exists in both layouts; other ranks start from
   the streams ``--seed`` gives them (one layout's generator states do not describe
@@ -20,6 +22,7 @@ scales, the run config).  ``write_layout`` cuts it for the target layout:
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import sys
@@ -33,8 +36,8 @@ from megatron.checkpoint_merge import (LAYER_NAME, MODEL_FILE, OUTPUT_EMBEDDING_
                                        load_stage_payload, megatron_rank_dir, merge_checkpoint,
                                        merge_shards, partition_dim_by_name, read_checkpoint,
                                        split_for_stage, to_global, to_local)
-from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, iteration_dir,
-                                    payload_exists, save_payload)
+from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, existing_checkpoints,
+                                    iteration_dir, payload_exists, save_payload)
 from megatron.errors import CheckpointError, UserError
 
 try:  # the manifest (size + sha256 per file) that training saves write
@@ -389,15 +392,56 @@ def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
             "weight_prediction": opt.weight_prediction}
 
 
-def check_save_path(load: Optional[str], save: str) -> None:
-    """--save must not be --load or inside it: a failed rewrite would mix old and new
-    files in the only copy of the checkpoint."""
+def check_outside(load: Optional[str], out: str, load_flag: str = "--load",
+                  out_flag: str = "--save") -> None:
+    """``out`` must not be ``load`` or inside it: a failed rewrite would mix old and new
+    files in the only copy of the source.  The flags name what the user passed."""
     if load is None:
         return
-    src, dst = os.path.realpath(load), os.path.realpath(save)
+    src, dst = os.path.realpath(load), os.path.realpath(out)
     if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
-        raise UserError(f"--save {save}: expected a directory outside --load {load}, found "
-                        f"{'the same directory' if dst == src else 'a directory inside it'}")
+        raise UserError(f"{out_flag} {out}: expected a directory outside {load_flag} {load}, "
+                        f"found {'the same directory' if dst == src else 'a directory inside it'}")
+
+
+def check_not_a_file(flag: str, path: str) -> None:
+    """A directory will be created at ``path``: a file there, or a file where one of its
+    parents should be, is one error now rather than an OSError traceback later."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file; expected a directory (new or empty) to "
+                        f"write into")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path}: {parent} is a file; expected a directory path")
+
+
+def _checkpoints_in(root: str) -> Optional[str]:
+    """What ``root`` holds that a converted checkpoint would replace (final iteration
+    directories, the tracker, iterations a crashed save moved aside), or None."""
+    found = existing_checkpoints(root)
+    if found is None and os.path.isdir(root):
+        aside = sorted(glob.glob(os.path.join(glob.escape(root), "iter_*.old.*")))
+        if aside:
+            found = (f"an iteration directory a crashed save moved aside, "
+                     f"{os.path.basename(aside[0])}")
+    return found
+
+
+def check_save_path(load: Optional[str], save: str, *, load_flag: str = "--load",
+                    save_flag: str = "--save") -> None:
+    """Where a converted checkpoint may go: outside ``load`` (``load_flag`` names it:
+    --load, --from-hf), not a file, and holding no checkpoint.  As the trainer refuses a
+    new run's --save holding another run's checkpoints: writing there would replace an
+    ``iter_N`` of the same number and move its tracker back to this iteration."""
+    check_outside(load, save, load_flag, save_flag)
+    check_not_a_file(save_flag, save)
+    found = _checkpoints_in(save)
+    if found is not None:
+        raise UserError(f"{save_flag} {save} already holds checkpoints ({found}); writing the "
+                        f"converted checkpoint there would replace them and move {TRACKER}: "
+                        f"choose a new or empty {save_flag} directory")
 
 
 def _write_atomically(save: str, iteration: int, write_files) -> str:
@@ -494,6 +538,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     gets none and keeps the streams ``--seed`` gives it (the RNG state of one layout
     does not describe another: dropout masks are drawn per rank and per slice).
     """
+    check_save_path(None, save)  # before any note or file: never over another checkpoint
     num_layers = state.ckpt.num_layers
     counts = target_stage_counts(state, pp, first, last)
     src_t, src_p, src_w = state.layout

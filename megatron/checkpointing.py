@@ -511,6 +511,35 @@ def existing_checkpoints(root: str) -> Optional[str]:
     return what + (f", and {TRACKER}" if tracker else "")
 
 
+# What a Hugging Face ``save_pretrained`` directory holds: its config and its weights.
+HF_CONFIG = "config.json"
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+              "pytorch_model.bin.index.json")
+
+
+def hf_model_files(root: str) -> List[str]:
+    """The Hugging Face model files in ``root`` (config.json and a weights file), or []
+    when it is not such a directory."""
+    if not os.path.isfile(os.path.join(root, HF_CONFIG)):
+        return []
+    weights = [w for w in HF_WEIGHTS if os.path.isfile(os.path.join(root, w))]
+    return [HF_CONFIG] + weights if weights else []
+
+
+def refuse_hf_model_dir(root: str, flag: str = "--load") -> None:
+    """A transformers model directory is not a checkpoint of this trainer: starting from
+    scratch over it (as over an empty --load) would silently discard the model the user
+    meant to train, so say how to import it."""
+    files = hf_model_files(root)
+    if files:
+        raise CheckpointError(
+            f"{flag} {root} looks like a Hugging Face model directory ({', '.join(files)}), "
+            f"not a checkpoint of this trainer (no {TRACKER}); import it first: python "
+            f"tools/checkpoint_util.py --from-hf {root} --save CKPT "
+            f"--target-tensor-parallel-size T --target-pipeline-parallel-size D, then train "
+            f"with --load CKPT [--finetune] (docs/checkpoint_conversion.md)")
+
+
 @dataclass
 class CheckpointLocation:
     """Which iteration ``--load`` resumes from, and a line saying how it was chosen."""
@@ -522,8 +551,9 @@ class CheckpointLocation:
 def find_checkpoint(root: str) -> CheckpointLocation:
     """Decide what ``--load root`` means before anything is read.
 
-    A file is an error; a missing directory (or one holding nothing) is a fresh start;
-    the tracker names the iteration; without a tracker the newest complete iteration is
+    A file is an error; a missing directory (or one holding nothing) is a fresh start,
+    but a Hugging Face model directory is an error saying how to import it; the tracker
+    names the iteration; without a tracker the newest complete iteration is
     used, and ``iter_*`` directories none of which is complete are an error, so a run
     never starts from scratch over an existing checkpoint.
     """
@@ -537,6 +567,7 @@ def find_checkpoint(root: str) -> CheckpointLocation:
         return CheckpointLocation(iteration)
     candidates = _iteration_dirs(root)
     if not candidates:
+        refuse_hf_model_dir(root)
         return CheckpointLocation(None, f"--load {root} holds no checkpoint (no {TRACKER}, no "
                                         f"iter_* directories); starting from scratch")
     for it in candidates:

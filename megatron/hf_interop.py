@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` model directories <-> our checkpoints.
 
-Export (``tools/checkpoint_util.py --load CKPT --to-hf DIR``):
+Export (``tools/checkpoint_util.py --load CKPT --to-hf DIR``; DIR new or empty, written
+as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no DIR):
 
 * GPT -> ``GPT2LMHeadModel``.  Same architecture: learned positions, pre-LayerNorm
   blocks, GELU (exact: ``activation_function: "gelu"``; with ``--openai-gelu`` the tanh
@@ -38,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullState,
+                                         check_not_a_file, check_outside, check_save_path,
                                          read_full_state, recorded_split,
                                          target_stage_counts, true_vocab_size, write_layout)
 from megatron.checkpointing import split_text
@@ -218,12 +220,41 @@ def _check_exportable(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
         raise UserError("--to-hf: the checkpoint's config lacks num_attention_heads")
 
 
+def check_export_path(load: Optional[str], out_dir: str) -> None:
+    """--to-hf must be a new or empty directory outside --load: the export replaces it as
+    a whole, so nothing of another model (stale tokenizer files) can stay behind."""
+    check_outside(load, out_dir, "--load", "--to-hf")
+    check_not_a_file("--to-hf", out_dir)
+    try:
+        entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    except OSError as exc:
+        raise UserError(f"--to-hf {out_dir}: cannot list it ({exc.strerror}); expected a new "
+                        f"or empty directory") from None
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UserError(f"--to-hf {out_dir}: expected a new or empty directory, found one "
+                        f"holding {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
+                        f"({shown}); remove it or choose another --to-hf")
+
+
+def _publish(staging: str, out_dir: str) -> None:
+    """Rename the finished ``staging`` directory to ``out_dir`` (new or empty)."""
+    try:
+        os.replace(staging, out_dir)  # replaces an empty directory; never a non-empty one
+    except OSError as exc:
+        raise UserError(f"--to-hf {out_dir}: cannot move the export into place "
+                        f"({exc.strerror or type(exc).__name__}); expected a new or empty "
+                        f"directory") from None
+
+
 def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
               true_vocab: Optional[int] = None, allow_unsafe: bool = False) -> str:
-    """Write checkpoint ``load`` as a transformers model directory ``out_dir``."""
+    """Write checkpoint ``load`` as a transformers model directory ``out_dir`` (new or
+    empty).  The files are written into a sibling staging directory that is renamed to
+    ``out_dir`` at the end, so a failed or interrupted export leaves no ``out_dir``."""
     from safetensors.torch import save_file
 
-
+    check_export_path(None, out_dir)
     state = read_full_state(load, iteration, allow_unsafe=allow_unsafe)
     config = state.common.get("config") or {}
     model_cfg = dict(config.get("model") or {})
@@ -263,12 +294,29 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     data_cfg = config.get("data") or {}
     if data_cfg.get("tokenizer_type") == "GPT2BPETokenizer" and not is_bert:
         hf_config.update(bos_token_id=50256, eos_token_id=50256)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(hf_config, fh, indent=2)
-    _say(_tokenizer_files(data_cfg, out_dir, int(model_cfg["max_position_embeddings"])))
+    check_export_path(None, out_dir)  # again: the checkpoint took a while to read
+    # a sibling, so the final rename stays on one file system (atomic)
+    staging = f"{os.path.abspath(out_dir)}.tmp.{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+        if os.path.isdir(staging):  # left by a killed export of a process with this pid
+            shutil.rmtree(staging)
+        os.makedirs(staging)
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                  os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staging, "config.json"), "w") as fh:
+            json.dump(hf_config, fh, indent=2)
+        note = _tokenizer_files(data_cfg, staging, int(model_cfg["max_position_embeddings"]))
+        _publish(staging, out_dir)
+    except OSError as exc:  # unwritable, disk full: nothing half-written stays
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"--to-hf {out_dir}: cannot write the export "
+                        f"({exc.strerror or type(exc).__name__}: "
+                        f"{exc.filename or staging})") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _say(note)
     return out_dir
 
 
@@ -451,8 +499,9 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
               first: Optional[int] = None, last: Optional[int] = None) -> str:
     """Write HF GPT-2 directory ``hf_dir`` as an iteration-0 checkpoint under ``save``.
     ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only unpickler).
-    ``first``/``last``: layers of the first/last pipeline stage (default: even)."""
-
+    ``first``/``last``: layers of the first/last pipeline stage (default: even).  A
+    ``save`` holding checkpoints is refused (``check_save_path``) before anything is read."""
+    check_save_path(hf_dir, save, load_flag="--from-hf")
     full, model_cfg, vocab = hf_gpt2_to_ours(hf_dir, divisible_by, tp, allow_unsafe)
     layers = model_cfg["num_layers"]
     tokenizer = {"make_vocab_size_divisible_by": divisible_by, "vocab_size": vocab}

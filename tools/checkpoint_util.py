@@ -19,7 +19,8 @@ vocabulary is re-padded when t changes its padded size (keep the size, and exact
 with ``--make-vocab-size-divisible-by`` halved when t doubles).  RNG files travel only
 where the (t, d) grid is unchanged; elsewhere ranks use the streams ``--seed`` gives.
 The output is written into a staging directory and renamed into place; ``--save`` may
-not be ``--load`` or inside it.
+not be ``--load`` or inside it, nor a directory that already holds checkpoints (a new or
+empty one), and ``--to-hf`` must be a new or empty directory.
 
 The work is done by ``megatron.checkpoint_merge`` (weights of any layout -> one full
 state dict -> any stage), ``megatron.checkpoint_convert`` (the full training state) and
@@ -64,10 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="checkpoint_util.py", description=__doc__.split("\n\n")[0],
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", help="checkpoint directory written by --save (reshard, export)")
-    p.add_argument("--save", help="where to write the converted checkpoint (reshard, import); "
-                                  "must not be --load or inside it")
+    p.add_argument("--save", help="where to write the converted checkpoint (reshard, import): "
+                                  "a new or empty directory, not --load or inside it")
     p.add_argument("--to-hf", metavar="DIR", help="export --load as a Hugging Face "
-                   "transformers model directory (safetensors, config.json, tokenizer files)")
+                   "transformers model directory (safetensors, config.json, tokenizer files); "
+                   "a new or empty directory, written in place only when complete")
     p.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face GPT-2 directory "
                    "(model.safetensors + config.json) into a checkpoint at --save")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="T",
@@ -100,42 +102,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Iterable[str]] = None) -> str:
-    p = build_parser()
-    args = p.parse_args(list(argv) if argv is not None else None)
+def _workflow(args: argparse.Namespace) -> str:
+    """Check the flags of the chosen workflow (one UserError naming the flags the user
+    gave) and say which: "import", "export" or "reshard"."""
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                  "target_data_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     modes = [m for m, on in (("--to-hf", args.to_hf), ("--from-hf", args.from_hf),
                              ("--save", args.save and not args.from_hf)) if on]
     if len(modes) != 1:
-        p.error("choose one workflow: --load X --save Y (reshard), --load X --to-hf Y "
-                "(export) or --from-hf X --save Y (import)")
+        raise UserError("choose one workflow: --load X --save Y (reshard), --load X --to-hf Y "
+                        "(export) or --from-hf X --save Y (import)")
+    if args.from_hf:
+        if not args.save:
+            raise UserError("--from-hf needs --save (where to write the checkpoint)")
+        if args.load:
+            raise UserError("--load applies to resharding and --to-hf; --from-hf reads the "
+                            "Hugging Face directory it names")
+        return "import"
+    if not args.load:
+        raise UserError(f"{modes[0]} needs --load CHECKPOINT")
+    if args.to_hf:
+        split = [f for f in ("--target-decoder-first-pipeline-num-layers",
+                             "--target-decoder-last-pipeline-num-layers")
+                 if getattr(args, f[2:].replace("-", "_")) is not None]
+        if split:
+            raise UserError(f"{split[0]} applies to resharding and --from-hf, not --to-hf (a "
+                            "transformers model has no pipeline stages)")
+        return "export"
+    return "reshard"
+
+
+def main(argv: Optional[Iterable[str]] = None) -> str:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
-        if args.from_hf:
+        workflow = _workflow(args)
+        if workflow == "import":
             from megatron.hf_interop import import_hf
-            if not args.save:
-                p.error("--from-hf needs --save")
-            check_save_path(args.from_hf, args.save)
+            check_save_path(args.from_hf, args.save, load_flag="--from-hf")
             out = import_hf(args.from_hf, args.save, tp=args.target_tensor_parallel_size or 1,
                             pp=args.target_pipeline_parallel_size or 1,
                             divisible_by=args.make_vocab_size_divisible_by or 128,
                             allow_unsafe=args.allow_unsafe_checkpoint,
                             first=args.target_decoder_first_pipeline_num_layers,
                             last=args.target_decoder_last_pipeline_num_layers)
-        elif not args.load:
-            p.error(f"{modes[0]} needs --load CHECKPOINT")
-        elif args.to_hf:
-            from megatron.hf_interop import export_hf
-            split = [f for f in ("--target-decoder-first-pipeline-num-layers",
-                                 "--target-decoder-last-pipeline-num-layers")
-                     if getattr(args, f[2:].replace("-", "_")) is not None]
-            if split:
-                p.error(f"{split[0]} applies to resharding and --from-hf, not --to-hf (a "
-                        "transformers model has no pipeline stages)")
-            check_save_path(args.load, args.to_hf)
+        elif workflow == "export":
+            from megatron.hf_interop import check_export_path, export_hf
+            check_export_path(args.load, args.to_hf)
             out = export_hf(args.load, args.to_hf, iteration=args.iteration,
                             true_vocab=args.true_vocab_size,
                             allow_unsafe=args.allow_unsafe_checkpoint)

@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
+import re
 import sys
-from typing import List, Optional, Union
+from typing import List, Optional
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron.pipeline.schedules import SCHEDULES, STEP_PLACEMENTS, build_schedule  # noqa: E402
 from megatron.pipeline.simulator import simulate, unit_cost  # noqa: E402
-from megatron.pipeline.timeline_plot import plot_timeline  # noqa: E402
+from megatron.pipeline.timeline_plot import image_path_problem, plot_timeline  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
 from megatron.pipeline.trace import load_traces, save_chrome_trace, window_events  # noqa: E402
+
+
+_RANK_IN_NAME = re.compile(r"rank(\d+)\D*$")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -67,11 +72,12 @@ def _batch_range(text: str) -> List[int]:
 
 def _load_trace_flag(trace: str):
     """load_traces for --trace, with a missing or unreadable file a one-line UserError
-    naming the flag and the pattern rather than a traceback."""
+    naming the flag and the pattern rather than a traceback; a rank or stage of the run
+    with no file or no events is a warning line (the drawing would lack its row)."""
     expected = f"--trace {trace!r}: expected timeline_rank*.json files written by a traced run"
     if any(c in trace for c in "*?["):
-        paths: Union[str, List[str]] = trace
-        if not glob.glob(trace):
+        paths = sorted(glob.glob(trace))
+        if not paths:
             raise UserError(f"{expected}, no file matches it")
     else:
         paths = [p for p in trace.split(",") if p]
@@ -79,13 +85,85 @@ def _load_trace_flag(trace: str):
         if missing or not paths:
             raise UserError(f"{expected}, found no file {', '.join(missing)}".rstrip())
     try:
-        return load_traces(paths)
+        events, meta = load_traces(paths)
     except (OSError, ValueError) as exc:  # unreadable, not JSON, not a trace file
         raise UserError(f"{expected}; cannot read them: {exc}") from exc
+    gaps = _trace_gaps(paths, events, meta)
+    if gaps:
+        print(f"draw_timeline.py: warning: --trace {trace!r}: {gaps}; the drawing lacks "
+              f"their rows", file=sys.stderr)
+    return events, meta
+
+
+def _ranks(values) -> str:
+    return ", ".join(str(v) for v in sorted(values))
+
+
+def _trace_gaps(paths: List[str], events, meta: dict) -> Optional[str]:
+    """Which ranks of the traced run have no file, and which of its stages no event.
+
+    Ranks come from the file names (``timeline_rank{r}.json``, as training writes
+    them); the run had at least the highest rank + 1, and at least stages x
+    data-parallel ranks when the files record those."""
+    notes = []
+    numbers = [_RANK_IN_NAME.search(os.path.basename(p)) for p in paths]
+    stages, data = meta.get("stages"), meta.get("data_parallel")
+    if all(numbers):
+        found = {int(m.group(1)) for m in numbers}
+        total = max(found) + 1
+        if type(stages) is int and type(data) is int:
+            total = max(total, stages * data)
+        missing = set(range(total)) - found
+        if missing:
+            notes.append(f"no file for rank(s) {_ranks(missing)} (found rank(s) {_ranks(found)} "
+                         f"of a run of at least {total})")
+    if type(stages) is int and events:
+        empty = set(range(stages)) - {e.stage for e in events}
+        if empty:
+            notes.append(f"no event of stage(s) {_ranks(empty)} of {stages}")
+    return "; ".join(notes) or None
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """One UserError naming the flag, before anything is simulated, drawn or written."""
+    for flag, path in (("--output", args.output), ("--chrome-trace", args.chrome_trace)):
+        if path:
+            _check_writable_path(flag, path)
+    problem = image_path_problem(args.output)
+    if problem:
+        raise UserError(f"--output {args.output}: {problem}")
+    if not args.schedule:
+        return
+    for flag in ("--stages", "--microbatches", "--batches"):
+        value = getattr(args, flag[2:])
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if args.schedule == "2bw" and args.microbatches < args.stages:
+        raise UserError(f"--microbatches {args.microbatches}: --schedule 2bw needs "
+                        f"--microbatches >= --stages ({args.stages})")
+    for flag, positive in (("--forward-cost", True), ("--backward-cost", True),
+                           ("--comm-latency", False)):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            expected = "a positive number" if positive else "a number >= 0"
+            raise UserError(f"{flag} must be {expected}, got {value:g}")
+
+
+def _check_writable_path(flag: str, path: str) -> None:
+    """A directory at ``path``, or a file where one of its parent directories should be,
+    is one error now rather than an OSError traceback after the drawing."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory; expected a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path}: {parent} is a file; expected a directory path")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    _check_flags(args)
     if args.schedule:
         schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.batches,
                                   step_placement=args.step_placement)
@@ -120,12 +198,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     color_by = args.color_by
     if color_by == "auto":
         color_by = "version" if name == "2bw" else "batch"
-    plot_timeline(events, title=title, color_by=color_by, time_label=time_label,
-                  output=args.output)
-    print(f"wrote {args.output}")
-    if args.chrome_trace:
-        save_chrome_trace(args.chrome_trace, events, time_unit_us=chrome_unit)
-        print(f"wrote {args.chrome_trace}")
+    for flag, path in (("--output", args.output), ("--chrome-trace", args.chrome_trace)):
+        if not path:
+            continue
+        try:
+            if flag == "--output":
+                plot_timeline(events, title=title, color_by=color_by, time_label=time_label,
+                              output=path)
+            else:
+                save_chrome_trace(path, events, time_unit_us=chrome_unit)
+        except OSError as exc:  # unwritable, disk full
+            raise UserError(f"{flag} {path}: cannot write it "
+                            f"({exc.strerror or type(exc).__name__})") from None
+        print(f"wrote {path}")
     return 0
 
 

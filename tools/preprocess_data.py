@@ -5,7 +5,8 @@
         --merge-file gpt2-merges.txt --append-eod --workers 8 --output-prefix my-gpt2
 
 writes ``my-gpt2_text_document.bin`` and ``.idx`` (one per ``--json-keys`` entry), the
-files ``--data-path my-gpt2_text_document`` reads.  Each input line is one JSON object
+files ``--data-path my-gpt2_text_document`` reads; with ``--split-sentences`` (BERT) the
+name ends in ``_sentence`` instead, as Megatron's: ``my-bert_text_sentence``.  Each input line is one JSON object
 holding one document; worker processes tokenize chunks of lines while the main process
 writes them in input order, so the output does not depend on ``--workers``.
 """
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append the end-of-document token to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True,
-                   help="writes {prefix}_{key}_document.bin/.idx")
+                   help="writes {prefix}_{key}_document.bin/.idx ({prefix}_{key}_sentence "
+                        "with --split-sentences)")
     g.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
                    help="accepted for compatibility; only mmap exists")
     g = p.add_argument_group("runtime")
@@ -179,7 +181,10 @@ def _chunks(lines: Iterator[Tuple[int, str]], size: int) -> Iterator[List[Tuple[
 
 
 def output_prefix(args: argparse.Namespace, key: str) -> str:
-    return f"{args.output_prefix}_{key}_document"
+    """Megatron's name: ``{prefix}_{key}_sentence`` with --split-sentences (one sequence
+    per sentence), else ``{prefix}_{key}_document``."""
+    level = "sentence" if args.split_sentences else "document"
+    return f"{args.output_prefix}_{key}_{level}"
 
 
 def _progress(n_docs: int, n_tokens: int, n_bytes: int, elapsed: float) -> str:

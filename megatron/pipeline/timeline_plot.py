@@ -38,6 +38,26 @@ def _colour_key(e: TraceEvent, color_by: str) -> int:
     return e.batch if e.batch is not None else 0
 
 
+def image_formats() -> List[str]:
+    """File extensions (without the dot) ``plot_timeline(output=...)`` can write."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    return sorted(FigureCanvasAgg.get_supported_filetypes())
+
+
+def image_path_problem(output: Union[str, Path]) -> Optional[str]:
+    """What is wrong with ``output`` as an image file name (its extension names no format
+    matplotlib writes), or None.  Checked before drawing: savefig would fail at the end."""
+    ext = Path(output).suffix.lstrip(".").lower()
+    formats = image_formats()
+    if ext in formats:
+        return None
+    others = ", ".join(f".{f}" for f in formats if f not in ("png", "pdf", "svg"))
+    found = f"'.{ext}'" if ext else "no extension"
+    return (f"expected an image file name ending in .png, .pdf or .svg (or {others}), "
+            f"found {found}")
+
+
 def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
                   color_by: str = "batch", time_label: str = "time",
                   output: Optional[Union[str, Path]] = None, dpi: int = 150):
@@ -45,10 +65,13 @@ def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
 
     ``color_by`` is ``"batch"`` or ``"version"`` (the weight version of each F/B, the
     paper's colouring of 2BW).  With ``output`` the figure is saved there (PNG/PDF/SVG by
-    extension) and closed.
+    extension; another extension is a ValueError before anything is drawn) and closed.
     """
     if color_by not in ("batch", "version"):
         raise ValueError(f"plot_timeline: color_by must be 'batch' or 'version', got {color_by!r}")
+    problem = image_path_problem(output) if output is not None else None
+    if problem:
+        raise ValueError(f"plot_timeline: cannot write {str(output)!r}: {problem}")
     stages = sorted({e.stage for e in events})
     if not stages:
         raise ValueError("plot_timeline: no events to draw")

@@ -87,7 +87,25 @@ def _setup(argv: List[str]):
     if raw.train_iters is None and raw.lr_decay_iters is None and raw.lr_decay_samples is None:
         # The (unused) learning-rate schedule would otherwise need a decay length.
         argv = argv + ["--lr-decay-style", "constant"]
-    return parse_and_validate(argv, extra_args_provider=add_task_args)
+    args, cfg = parse_and_validate(argv, extra_args_provider=add_task_args)
+    problem = overlapping_eval_error(args.overlapping_eval, cfg.model.seq_length)
+    if problem:  # now, not after the model and checkpoint are loaded
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    return args, cfg
+
+
+def overlapping_eval_error(stride: Optional[int], seq_length: int) -> Optional[str]:
+    """Why ``--overlapping-eval stride`` cannot be used with ``--seq-length``, or None.
+
+    Window k starts at token k * stride and scores the targets no earlier window did
+    (``LMWindowDataset``): a stride of 0 never advances, and one beyond the window would
+    skip the targets between windows."""
+    if stride is None or 1 <= stride <= seq_length:
+        return None
+    return (f"--overlapping-eval {stride}: expected a window stride in [1, --seq-length "
+            f"{seq_length}] (tokens each evaluation window moves on; omit it for "
+            f"--seq-length, non-overlapping windows)")
 
 
 def evaluate(argv: Optional[Sequence[str]] = None) -> Optional[PerplexityResult]:
@@ -120,7 +138,7 @@ def _evaluate(args, cfg, original: str, tokenizer, groups, device):
                     allow_unsafe=args.allow_unsafe_checkpoint)
 
     seq = cfg.model.seq_length
-    stride = args.overlapping_eval or seq
+    stride = seq if args.overlapping_eval is None else args.overlapping_eval
     windows = LMWindowDataset(tokens, seq, stride, pad_id=tokenizer.eod)
     gbs = cfg.training.global_batch_size
     num_batches = max(1, math.ceil(len(windows) / gbs))

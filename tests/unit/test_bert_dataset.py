@@ -218,7 +218,7 @@ def test_dataset_from_split_sentences_corpus(tmp_path):
     _load_preprocess().main(["--input", str(tmp_path / "in.jsonl"), "--split-sentences",
                              "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
                              str(vocab), "--output-prefix", str(tmp_path / "c")])
-    ds = IndexedDataset(str(tmp_path / "c_text_document"))
+    ds = IndexedDataset(str(tmp_path / "c_text_sentence"))
     assert ds.doc_idx.tolist() == [0, 3, 4, 10]
     tok = BertWordPieceTokenizer(str(vocab))
     assert ds[1].tolist() == tok.tokenize("They talked for 2.5 hours about tea.")

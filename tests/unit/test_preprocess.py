@@ -149,7 +149,27 @@ def test_megatron_index_and_chunked_batches(tmp_path):
         module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type", "CharTokenizer",
                      "--split-sentences", "--append-eod", "--chunk-size", chunk,
                      "--output-prefix", str(tmp_path / f"c{chunk}")])
-    blobs = {(tmp_path / f"c{c}_text_document.idx").read_bytes() for c in ("1", "7", "1000")}
+    blobs = {(tmp_path / f"c{c}_text_sentence.idx").read_bytes() for c in ("1", "7", "1000")}
     assert len(blobs) == 1 and next(iter(blobs))[:9] == b"MMIDIDX\x00\x00"
-    ds = IndexedDataset(str(tmp_path / "c7_text_document"))
+    ds = IndexedDataset(str(tmp_path / "c7_text_sentence"))
     assert len(ds.doc_idx) == 51 and ds[len(ds) - 1].tolist()[-1] == 256  # eod at the end
+
+
+def test_split_sentences_output_is_named_sentence_as_megatron(tmp_path, capsys):
+    """Megatron names a sentence-split dataset {prefix}_{key}_sentence, a document one
+    {prefix}_{key}_document; the examples and docs read those names."""
+    _write_jsonl(tmp_path / "in.jsonl", ["One. Two.", "Three."])
+    module = _load_module()
+    for split, level in ((True, "sentence"), (False, "document")):
+        prefix = tmp_path / ("s" if split else "d")
+        module.main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer-type", "CharTokenizer",
+                     "--output-prefix", str(prefix)] + (["--split-sentences"] if split else []))
+        assert f"Wrote {prefix}_text_{level}.bin/.idx" in capsys.readouterr().out
+        assert sorted(p.name for p in tmp_path.glob(f"{prefix.name}_*")) == \
+            [f"{prefix.name}_text_{level}.bin", f"{prefix.name}_text_{level}.idx"]
+    assert len(IndexedDataset(str(tmp_path / "s_text_sentence"))) == 3
+    assert len(IndexedDataset(str(tmp_path / "d_text_document"))) == 2
+    for script in ("pretrain_bert_cpu.sh", "pretrain_bert_p3_16xlarge.sh"):
+        text = (ROOT / "examples" / script).read_text()
+        assert "--split-sentences" in text and "_text_sentence" in text, script
+        assert "_text_document" not in text, script

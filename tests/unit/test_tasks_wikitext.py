@@ -118,3 +118,37 @@ def test_task_perplexity_equals_direct_loss(tmp_path):
         assert result.ppl == pytest.approx(math.exp(direct / (len(tokens) - 1)), rel=1e-10)
         assert result.adjusted_ppl == pytest.approx(
             math.exp(direct / (len(TEXT.split()) - 1)), rel=1e-9)
+
+
+@pytest.mark.parametrize("stride", ["0", "-2", "17"])
+def test_overlapping_eval_out_of_range_is_one_line_before_the_model(tmp_path, capsys,
+                                                                   monkeypatch, stride):
+    """The stride must be in [1, --seq-length]: checked with the flags, before any process
+    group, model or checkpoint (0 used to fall back to --seq-length silently, 17 to fail
+    with a traceback after loading the model)."""
+    import megatron.training
+    from tasks.main import main
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("--overlapping-eval was not checked before the model setup")
+
+    monkeypatch.setattr(megatron.training, "initialize_megatron", too_late)
+    path = tmp_path / "wiki.test.tokens"
+    path.write_text(TEXT)
+    with pytest.raises(SystemExit) as info:
+        main(MODEL + ["--task", "WIKITEXT103", "--valid-data", str(path), "--load",
+                      str(tmp_path / "ckpt"), "--micro-batch-size", "2",
+                      "--overlapping-eval", stride])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --overlapping-eval {stride}:"), err
+    assert "[1, --seq-length 16]" in err[0], err
+
+
+def test_overlapping_eval_bounds():
+    from tasks.zeroshot_gpt.evaluate import overlapping_eval_error
+
+    assert overlapping_eval_error(None, 16) is None
+    assert overlapping_eval_error(1, 16) is None and overlapping_eval_error(16, 16) is None
+    assert "--overlapping-eval 0" in overlapping_eval_error(0, 16)
+    assert "--seq-length 16" in overlapping_eval_error(17, 16)

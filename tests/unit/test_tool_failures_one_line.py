@@ -117,3 +117,62 @@ def test_draw_timeline_missing_trace_is_one_line(tmp_path, capsys, pattern):
     assert info.value.code == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "--trace" in line and trace in line, line
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--output", "{tmp}/t.xyz"], "--output {tmp}/t.xyz: expected an image file name ending "
+                                  "in .png, .pdf or .svg"),
+    (["--output", "{tmp}/t"], "found no extension"),
+    (["--output", "{tmp}"], "--output {tmp} is a directory"),
+    (["--output", "{tmp}/afile/t.png"], "--output {tmp}/afile/t.png: {tmp}/afile is a file"),
+    (["--chrome-trace", "{tmp}/afile/c.json"], "--chrome-trace {tmp}/afile/c.json: "),
+    (["--stages", "0"], "--stages must be >= 1, got 0"),
+    (["--microbatches", "-1"], "--microbatches must be >= 1, got -1"),
+    (["--batches", "0"], "--batches must be >= 1, got 0"),
+    (["--schedule", "2bw", "--microbatches", "2"], "--microbatches 2: --schedule 2bw needs "
+                                                   "--microbatches >= --stages (4)"),
+    (["--forward-cost", "-1"], "--forward-cost must be a positive number, got -1"),
+    (["--backward-cost", "0"], "--backward-cost must be a positive number, got 0"),
+    (["--backward-cost", "nan"], "--backward-cost must be a positive number, got nan"),
+    (["--comm-latency", "-0.5"], "--comm-latency must be a number >= 0, got -0.5"),
+], ids=["format", "no-extension", "directory", "under-a-file", "chrome-under-a-file",
+        "stages", "microbatches", "batches", "2bw-m<d", "forward", "backward", "nan", "latency"])
+def test_draw_timeline_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, flags,
+                                                                 expect):
+    from tools.draw_timeline import main
+
+    (tmp_path / "afile").write_text("")
+    args = ["--schedule", "flush", "--output", str(tmp_path / "t.png")]
+    args += [f.format(tmp=tmp_path) for f in flags]  # the last --output / --schedule wins
+    with pytest.raises(SystemExit) as info:
+        run_entry_point(main, args)
+    assert info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and expect.format(tmp=tmp_path) in line, line
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_draw_timeline_names_the_ranks_without_a_trace_file(tmp_path, capsys):
+    from megatron.pipeline.schedules import build_schedule
+    from megatron.pipeline.simulator import simulate, unit_cost
+    from megatron.pipeline.trace import save_trace
+    from tools.draw_timeline import main
+
+    # a run of 2 stages x 2 data-parallel ranks; rank r is stage r % 2 here
+    events = simulate(build_schedule("flush", 2, 2), unit_cost()).events
+    meta = {"schedule": "flush", "stages": 2, "data_parallel": 2}
+    for rank in (0, 2):  # ranks 1 and 3 (all of stage 1) did not write their files
+        save_trace(tmp_path / f"timeline_rank{rank}.json",
+                   [e for e in events if e.stage == 0], dict(meta, rank=rank))
+    png = tmp_path / "t.png"
+    assert main(["--trace", str(tmp_path / "timeline_rank*.json"), "--output", str(png)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning: --trace" in err[0], err
+    assert "no file for rank(s) 1, 3 (found rank(s) 0, 2 of a run of at least 4)" in err[0]
+    assert "no event of stage(s) 1 of 2" in err[0]
+    assert png.is_file()
+    for rank in (1, 3):  # every file there: no warning
+        save_trace(tmp_path / f"timeline_rank{rank}.json",
+                   [e for e in events if e.stage == 1], dict(meta, rank=rank))
+    assert main(["--trace", str(tmp_path / "timeline_rank*.json"), "--output", str(png)]) == 0
+    assert capsys.readouterr().err == ""
