@@ -647,7 +647,7 @@ def test_resume_with_another_lr_schedule_needs_megatrons_flag(tmp_path):
     ckpt = str(tmp_path / "ck")
     _train(_argv("--save", ckpt, *linear, iters=2), pretrain_gpt.forward_step)
     with pytest.raises(CheckpointError, match=r"--load .*decay_steps=2 but this run has "
-                                              r"decay_steps=4; pass --override-opt_param-"
+                                              r"decay_steps=4 \(iterations\); pass --override-opt_param-"
                                               r"scheduler .* --use-checkpoint-opt_param-scheduler"):
         _train(_argv("--load", ckpt, *linear, iters=4), pretrain_gpt.forward_step)
     kept = _train(_argv("--load", ckpt, *linear, "--override-opt_param-scheduler", iters=4),
