@@ -3,8 +3,8 @@ behind docs/pipeline.md's explanation of 2BW's gap holds its closed forms.
 
 * bench/delay_stability.py: Flush's stable step eta*lambda is 2(1+beta1)/(1-beta1),
   the 1-stale rule's is 1 for every beta1, prediction lies between;
-* bench/throughput.py --cuda-only --gpu-dry-run and bench/gpu_profile.py --dry-run write
-  their JSON; bench/convergence_gpu.py builds its corpus and trains Flush and 2BW in
+* bench/gpu_session.sh part 1 runs every GPU bench's dry run (throughput, the fused loss,
+  the planner's CUDA mode, the profile, gradient accumulation) and each writes its JSON; bench/convergence_gpu.py builds its corpus and trains Flush and 2BW in
   --smoke mode; tools/make_results.py renders all of it without falling back.
 """
 from __future__ import annotations
@@ -52,17 +52,18 @@ def _run(args, tmp_path: Path, timeout: int = 240) -> str:
 
 @pytest.fixture(scope="module")
 def gpu_results(tmp_path_factory) -> Path:
-    """Dry runs of the GPU benches into results/gpu/ (the layout the page reads)."""
+    """bench/gpu_session.sh part 1 on the CPU (GPU_SESSION_DRY=1: every GPU bench's dry run)
+    into results/gpu/, the layout the page reads, and the delay-stability bench beside it.
+    One run serves the script's test and each bench's."""
     root = tmp_path_factory.mktemp("results")
     out = root / "gpu"
-    _run(["bench/throughput.py", "--cuda-only", "--gpu-dry-run", "--cuda-micro-batch-sizes",
-          "1", "--out-dir", str(out)], root)
-    _run(["bench/gpu_profile.py", "--dry-run", "--micro-batch-size", "1", "--wait", "1",
-          "--active", "1", "--out-dir", str(out)], root)
+    env = dict(os.environ, GPU_SESSION_DRY="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "1", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (root / "session.stdout").write_text(proc.stdout)
     _run(["bench/delay_stability.py", "--out-dir", str(out), "--figure",
           str(root / "stability.png")], root)
-    _run(["bench/cross_entropy_fusion.py", "--dry-run", "--rounds", "1", "--out-dir", str(out)],
-         root)
     return root
 
 
@@ -83,7 +84,7 @@ def test_throughput_cuda_only_dry_run(gpu_results: Path):
     data = json.loads((gpu_results / "gpu" / "throughput_cuda.json").read_text())
     cuda = data["cuda_gpt_345m"]
     assert cuda["status"] == "dry run" and cuda["dropout"] == 0.1
-    assert {r["micro_batch_size"] for r in cuda["rows"]} == {1}
+    assert {r["micro_batch_size"] for r in cuda["rows"]} == {8, 1}
     fused = "trainer --cross-entropy-loss-fusion"
     assert {r["name"] for r in cuda["rows"]} == {"trainer", fused, "plain GPT-2, torch.compile"}
     assert set(cuda["b1_trainer_over_plain_compiled"]) == {"trainer", fused}
@@ -92,12 +93,13 @@ def test_throughput_cuda_only_dry_run(gpu_results: Path):
 
 def test_gpu_profile_dry_run(gpu_results: Path):
     data = json.loads((gpu_results / "gpu" / "gpu_profile.json").read_text())
-    (run,) = data["runs"]
-    assert run["micro_batch_size"] == 1 and run["active_iterations"] == 1
-    names = {x["name"] for x in run["top_cpu"]}
-    assert any(n.startswith("aten::") for n in names), names
-    # the dry run's trainer takes the GPU where there is one: kernels are counted there
-    assert (run["device_ms_total"] is None) == (not torch.cuda.is_available())
+    assert [run["micro_batch_size"] for run in data["runs"]] == [8, 1]
+    for run in data["runs"]:
+        assert run["active_iterations"] >= 1
+        names = {x["name"] for x in run["top_cpu"]}
+        assert any(n.startswith("aten::") for n in names), names
+        # the dry run's trainer takes the GPU where there is one: kernels are counted there
+        assert (run["device_ms_total"] is None) == (not torch.cuda.is_available())
 
 
 @pytest.mark.skipif(not (GPT2 / "encoder.json").is_file(), reason="needs ../shared/data/gpt2")
@@ -109,9 +111,11 @@ def test_convergence_gpu_smoke_and_page(gpu_results: Path, tmp_path: Path):
     assert info["tokens"] >= 20000 and info["documents"] > 0  # "about" the target
     assert not (data_dir / "corpus.jsonl").exists()  # only the indexed dataset travels
     out = gpu_results / "gpu"
+    # fp32 on a CPU: without AVX-512 BF16 the bf16 matrix products are emulated (7x slower)
+    precision = "bf16" if torch.cuda.is_available() else "fp32"
     _run(["bench/convergence_gpu.py", "--data-dir", str(data_dir), "--smoke", "--variants",
-          "flush", "2bw", "--out-dir", str(out), "--figure", str(tmp_path / "c.png")],
-         tmp_path)
+          "flush", "2bw", "--precision", precision, "--out-dir", str(out), "--figure",
+          str(tmp_path / "c.png")], tmp_path)
     data = json.loads((out / "convergence_gpu.json").read_text())
     assert set(data["summary"]) == {"flush", "2bw"}
     flush = data["summary"]["flush"]
@@ -129,29 +133,26 @@ def test_convergence_gpu_smoke_and_page(gpu_results: Path, tmp_path: Path):
     assert "does not have the fields" not in page
 
 
-def test_gpu_session_script_dry_run_and_bad_arguments(tmp_path: Path):
+def test_gpu_session_script_dry_run_and_bad_arguments(gpu_results: Path, tmp_path: Path):
     """bench/gpu_session.sh: part 1 on a CPU (GPU_SESSION_DRY=1) runs the GPU benches'
-    dry runs into OUT, at most 8 files (what the device tool returns); bad arguments stop
-    with one line and exit 2."""
-    import os
-    import subprocess
+    dry runs into OUT, at most 8 files (what the device tool returns); GPU_SESSION_STEPS
+    picks steps; bad arguments stop with one line and exit 2."""
+    files = sorted(p.name for p in (gpu_results / "gpu").iterdir()
+                   if p.name != "convergence_gpu.json")  # written by the convergence test
+    assert files == ["cross_entropy_fusion.json", "delay_stability.json", "gpu_profile.json",
+                     "grad_accumulation.json", "planner_validation_cuda.json", "session.log",
+                     "throughput_cuda.json"]  # delay_stability.json: the fixture's own
+    assert (gpu_results / "session.stdout").read_text().count(": exit 0 after") == 5
 
-    repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, GPU_SESSION_DRY="1", OMP_NUM_THREADS="1")
-    run = lambda *a: subprocess.run(["bash", str(repo / "bench" / "gpu_session.sh"), *a],  # noqa: E731
-                                    cwd=repo, env=env, capture_output=True, text=True,
+    run = lambda *a: subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), *a],  # noqa: E731
+                                    cwd=REPO, env=env, capture_output=True, text=True,
                                     timeout=600)
-    res = run("1", str(tmp_path / "out"))
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert files == ["cross_entropy_fusion.json", "gpu_profile.json", "grad_accumulation.json",
-                     "planner_validation_cuda.json", "session.log", "throughput_cuda.json"]
-    assert res.stdout.count(": exit 0 after") == 5
-    env["GPU_SESSION_STEPS"] = "gpu_profile"  # one step alone
+    env["GPU_SESSION_STEPS"] = "planner_validation"  # one step alone
     one = run("1", str(tmp_path / "one"))
-    assert one.returncode == 0 and one.stdout.count(": exit 0 after") == 1
-    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["gpu_profile.json",
-                                                                      "session.log"]
+    assert one.returncode == 0 and one.stdout.count(": exit 0 after") == 1, one.stdout
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "planner_validation_cuda.json", "session.log"]
     bad = run("3", str(tmp_path / "x"))
     assert bad.returncode == 2 and "part must be 1 or 2, got '3'" in bad.stderr
     nodata = run("2", str(tmp_path / "y"))
