@@ -201,3 +201,18 @@ def test_grad_accumulation_fusion_probe(monkeypatch) -> None:
         assert r["fused_over_unfused"] == pytest.approx(r["fused_ms"] / r["unfused_ms"])
         # both sums ran reps + 1 times over the same bf16 inputs: only rounding differs
         assert r["max_rel_difference"] < 1e-2
+
+
+def test_eval_memory_quick(tmp_path: Path) -> None:
+    """Every configuration's every rank reported the forwards of one evaluation segment.
+    (Growth itself is asserted without RSS in
+    tests/distributed/test_eval_weights.py::test_evaluation_holds_no_tensor_per_microbatch.)"""
+    data = _run_bench("eval_memory.py", tmp_path, timeout=300)
+    assert [r["configuration"] for r in data["rows"]] == ["t=2 (2 ranks)", "d=2 (2 ranks)",
+                                                          "w=2 (2 ranks)"]
+    for row in data["rows"]:
+        assert len(row["ranks"]) == 2 and row["eval_iters"] == 60
+        # one segment of 60 batches: 4 microbatches each (w=2: 2 per pipeline)
+        per_batch = 2 if row["configuration"].startswith("w=2") else 4
+        assert all(r["forwards"] == 60 * per_batch for r in row["ranks"]), row
+        assert row["rss_peak_mb"] >= max(row["rss_start_mb"], row["rss_end_mb"])
