@@ -5,9 +5,10 @@
 Times one training step (forward + backward over the micro-batches of one batch) of a
 4-layer, hidden-64 GPT (seq 128, vocab 8192, micro batch 4, m=4) with the weights in
 float32, bfloat16 and float16.  The three dtypes alternate step by step so that they see
-the same machine load; medians are compared.  The fp16 ratio printed here is the one
-``megatron.initialize.CPU_FP16_SLOWDOWN`` quotes in the warning that ``--fp16`` on a CPU
-device prints.
+the same machine load; medians are compared.  The answer depends on the CPU: torch's
+CPU capability (recorded in the JSON) says whether bf16/fp16 matrix products run on
+native instructions (AVX512-BF16, AMX) or on AVX2 emulation.  The trainer's own warning
+(``megatron.initialize.precision_warning``) times a matmul on the machine it runs on.
 """
 from __future__ import annotations
 
@@ -84,8 +85,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(format_table(["weights", "ms/step", "x fp32"], rows,
                        title=f"CPU training step of a 4-layer hidden-64 GPT (seq 128, micro "
                              f"batch 4, m=4), {args.threads} thread(s), medians"))
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"torch CPU capability: {capability}")
     path = write_results("cpu_precision", {"quick": args.quick, "threads": args.threads,
-                                           "steps": steps, **res}, args.out_dir)
+                                           "steps": steps, "cpu_capability": capability,
+                                           **res}, args.out_dir)
     print(f"wrote {path}")
     return res
 

@@ -234,6 +234,8 @@ def _die_orphaned() -> None:
     print(f"[pid {os.getpid()}] the launching process (torchrun agent) died; exiting",
           file=sys.stderr, flush=True)
     os._exit(1)
+
+
 def half_matmul_slowdown(dtype: torch.dtype, size: int = 128, reps: int = 5) -> float:
     """Time of a ``size``-cube matmul in ``dtype`` over the same in float32, on this CPU.
 
