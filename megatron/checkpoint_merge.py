@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpointing import (TRACKER, check_model_payload, hf_model_files,
-                                    iteration_dir, load_payload, payload_exists, rank_dir,
-                                    read_tracker)
+from megatron.checkpointing import (TRACKER, check_model_payload, iteration_dir,
+                                    load_payload, payload_exists, rank_dir, read_tracker,
+                                    refuse_hf_model_dir)
 from megatron.errors import CheckpointError
 
 
@@ -126,12 +126,8 @@ def read_checkpoint(root: str, iteration: Optional[int] = None, *,
                               f"found {'a file' if os.path.exists(root) else 'nothing'}")
     if iteration is None:
         iteration = read_tracker(root)
-        if iteration is None and hf_model_files(root):
-            raise CheckpointError(f"checkpoint {root}: no {TRACKER}; it looks like a Hugging "
-                                  f"Face model directory ({', '.join(hf_model_files(root))}): "
-                                  f"import it first with tools/checkpoint_util.py --from-hf "
-                                  f"{root} --save CKPT, and use CKPT")
         if iteration is None:
+            refuse_hf_model_dir(root, "checkpoint")
             raise CheckpointError(f"checkpoint {root}: no {TRACKER}; is this a directory "
                                   f"written by --save?")
     base = iteration_dir(root, iteration)
