@@ -38,7 +38,7 @@ from megatron.checkpoint_merge import (LAYER_NAME, MODEL_FILE, OUTPUT_EMBEDDING_
                                        split_for_stage, to_global, to_local)
 from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, existing_checkpoints,
                                     iteration_dir, payload_exists, save_payload)
-from megatron.errors import CheckpointError, UserError
+from megatron.errors import CheckpointError, UserError, check_parents_are_directories
 
 try:  # the manifest (size + sha256 per file) that training saves write
     from megatron.checkpointing import write_manifest
@@ -410,11 +410,7 @@ def check_not_a_file(flag: str, path: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file; expected a directory (new or empty) to "
                         f"write into")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UserError(f"{flag} {path}: {parent} is a file; expected a directory path")
+    check_parents_are_directories(flag, path)
 
 
 def _checkpoints_in(root: str) -> Optional[str]:

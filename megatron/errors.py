@@ -8,6 +8,8 @@ the traceback too.
 """
 from __future__ import annotations
 
+import os
+
 
 class UserError(Exception):
     """A problem with the user's flags, data or checkpoint; the message is one line."""
@@ -24,3 +26,13 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, corrupt, unsafe to load, or does not fit this run."""
+
+
+def check_parents_are_directories(flag: str, path: str) -> None:
+    """Something will be created at ``path``: a file where one of its parent directories
+    should be is one error naming ``flag`` now, not an OSError traceback later."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path}: {parent} is a file; expected a directory path")

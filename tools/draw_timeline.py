@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron.pipeline.schedules import SCHEDULES, STEP_PLACEMENTS, build_schedule  # noqa: E402
 from megatron.pipeline.simulator import simulate, unit_cost  # noqa: E402
 from megatron.pipeline.timeline_plot import image_path_problem, plot_timeline  # noqa: E402
-from megatron.errors import UserError  # noqa: E402
+from megatron.errors import UserError, check_parents_are_directories  # noqa: E402
 from megatron.pipeline.trace import load_traces, save_chrome_trace, window_events  # noqa: E402
 
 
@@ -154,11 +154,7 @@ def _check_writable_path(flag: str, path: str) -> None:
     is one error now rather than an OSError traceback after the drawing."""
     if os.path.isdir(path):
         raise UserError(f"{flag} {path} is a directory; expected a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UserError(f"{flag} {path}: {parent} is a file; expected a directory path")
+    check_parents_are_directories(flag, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
