@@ -176,3 +176,27 @@ def test_draw_timeline_names_the_ranks_without_a_trace_file(tmp_path, capsys):
                    [e for e in events if e.stage == 1], dict(meta, rank=rank))
     assert main(["--trace", str(tmp_path / "timeline_rank*.json"), "--output", str(png)]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_file_where_an_output_directory_should_be_is_one_line(tmp_path, capsys):
+    """checkpoint_util's --save/--to-hf and draw_timeline's --output under a path whose
+    parent is a file: one line naming the flag and the file, before anything is read."""
+    from megatron.errors import UserError, check_parents_are_directories
+    from tools.checkpoint_util import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match=rf"^--x {blocker}/d/e: {blocker} is a file; expected "
+                                        r"a directory path$"):
+        check_parents_are_directories("--x", str(blocker / "d" / "e"))
+    check_parents_are_directories("--x", str(tmp_path / "new" / "deeper"))  # absent: fine
+    for flag in ("--save", "--to-hf"):
+        with pytest.raises(SystemExit) as info:
+            main(["--load", str(tmp_path / "ckpt"), flag, str(blocker / "out")])
+        assert info.value.code == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{flag} {blocker}/out: {blocker} is a file" in line, line
+    proc = _tool("draw_timeline.py", ["--schedule", "flush", "--stages", "2", "--microbatches",
+                                      "4", "--output", blocker / "t.png"])
+    assert proc.returncode == 2, proc.stderr
+    assert f"--output {blocker}/t.png: {blocker} is a file" in _one_error_line(proc.stderr)
