@@ -11,6 +11,7 @@ instead of leaving some ranks waiting in a collective.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import math
 import os
@@ -21,7 +22,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.errors import UserError
+from megatron import megatron_lm_flags
+from megatron.errors import UserError, prints_for_its_node
 from megatron.config import (
     GRAD_DTYPE_SUPPORTED,
     PIPELINE_SCHEDULES,
@@ -204,6 +206,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="With --load: stop with an error when the directory holds no "
+                        "checkpoint, instead of training from initialised weights (a "
+                        "mistyped path).")
     g.add_argument("--finetune", action="store_true",
                    help="Load only model weights and restart the iteration count at 0.")
     g.add_argument("--allow-unsafe-checkpoint", action="store_true",
@@ -249,6 +255,11 @@ def _add_fault_args(parser: argparse.ArgumentParser) -> None:
                         "and exit 0, as schedulers such as SLURM expect.  All ranks agree on "
                         "the signal at a batch boundary: after every batch, or about every "
                         "20 s of training under 2bw (each check drains its pipeline).")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Once this many minutes have passed since the process started, "
+                        "stop at the next batch boundary all ranks agree on (as for "
+                        "--exit-signal-handler), save a checkpoint (with --save) and exit 0: "
+                        "set it below a scheduler's time limit.")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -285,13 +296,48 @@ def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
                    help="Layers per chunk (uniform) or checkpointed layers per stage (block).")
 
 
+def _on_rank_zero() -> bool:
+    """Rank 0 of a launch (or no launcher): the rank that prints what every rank would."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one ``error:`` line (with the closest known flag for
+    an unknown one) printed by rank 0, not the whole usage text on every rank."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            message += _closest_flags(message.split(":", 1)[1].split(), self)
+        if prints_for_its_node():
+            print(f"error: {message}; all flags: {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def _closest_flags(tokens: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """' (did you mean --x for --y, ...?)' for the unknown flags among ``tokens``."""
+    known = [s for a in parser._actions for s in a.option_strings  # noqa: SLF001
+             if a.help != argparse.SUPPRESS]
+    hints = []
+    for tok in tokens:
+        name = tok.split("=", 1)[0]
+        if name.startswith("--"):
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{close[0]} for {name}")
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> argparse.ArgumentParser:
     """The full parser; ``extra_args_provider(parser) -> parser`` adds entry-point groups."""
-    parser = argparse.ArgumentParser(description="Megatron-style GPT/BERT training with "
-                                                 "PipeDream-2BW pipelines", allow_abbrev=False)
+    parser = _Parser(description="Megatron-style GPT/BERT training with PipeDream-2BW "
+                                 "pipelines",
+                     epilog="Scripts written for Megatron-LM may pass older names of these "
+                            "flags and flags this trainer ignores or refuses: "
+                            "docs/megatron_lm_flags.md lists them.", allow_abbrev=False)
     for add in (_add_model_args, _add_batch_args, _add_parallel_args, _add_pipeline_args,
                 _add_precision_args, _add_optimizer_args, _add_checkpoint_args,
-                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args):
+                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args,
+                megatron_lm_flags.add_arguments):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -301,12 +347,20 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
 def parse_args(argv: Optional[List[str]] = None,
                extra_args_provider: Optional[ExtraArgsProvider] = None,
                ignore_unknown_args: bool = False) -> argparse.Namespace:
-    """Parse ``argv`` (default ``sys.argv[1:]``); no validation (see ``validate_args``)."""
+    """Parse ``argv`` (default ``sys.argv[1:]``); no validation (see ``validate_args``).
+
+    Megatron-LM's older flag names are read under ours first
+    (``megatron_lm_flags.rewrite_argv``); ``args.megatron_lm_renamed`` lists them."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rewritten, renamed = megatron_lm_flags.rewrite_argv(argv)
     parser = build_parser(extra_args_provider)
     if ignore_unknown_args:
-        args, _ = parser.parse_known_args(argv)
-        return args
-    return parser.parse_args(argv)
+        args, _ = parser.parse_known_args(rewritten)
+    else:
+        args = parser.parse_args(rewritten)
+    args.megatron_lm_renamed = renamed
+    args.megatron_lm_conflicts = megatron_lm_flags.renamed_conflicts(argv)
+    return args
 
 
 # ------------------------------------------------------------------------ validation
@@ -665,6 +719,28 @@ def _check_recompute(args: argparse.Namespace) -> None:
                  f"largest pipeline stage ({per_stage})")
 
 
+def _check_megatron_lm_flags(args: argparse.Namespace) -> None:
+    """Megatron-LM flags given under two names, or of features not built here, stop the
+    run (every refused flag in one line); the ignored and renamed ones become one note
+    (``args.megatron_lm_notes``, printed by rank 0 once the command line is valid)."""
+    conflicts = getattr(args, "megatron_lm_conflicts", [])
+    _require(not conflicts, "given under both Megatron-LM's older name and this trainer's: "
+             + "; ".join(conflicts) + " (keep one)")
+    ignored, refused = megatron_lm_flags.verdicts(args)
+    _require(not refused, ("a Megatron-LM flag" if len(refused) == 1 else "Megatron-LM flags")
+             + " this trainer does not implement (remove or change; docs/megatron_lm_flags.md): "
+             + "; ".join(refused))
+    if getattr(args, "launcher_local_rank", None) is not None and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(args.launcher_local_rank)  # a launcher of old
+    notes = []
+    renamed = getattr(args, "megatron_lm_renamed", [])
+    if renamed:
+        notes.append("note: Megatron-LM's older flag names read as: " + "; ".join(renamed))
+    if ignored:
+        notes.append("note: Megatron-LM flags accepted with no effect here: " + "; ".join(ignored))
+    args.megatron_lm_notes = notes
+
+
 def _check_finite_floats(args: argparse.Namespace) -> None:
     """No float flag may be inf or nan (``--lr inf`` parses as a float and would train
     straight to NaN weights).  Covers entry-point flags too: every float in ``args``."""
@@ -728,6 +804,16 @@ def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.exit_interval is not None:
         _require(args.exit_interval > 0, f"--exit-interval must be positive, got {args.exit_interval}")
+    if args.exit_duration_in_mins is not None:
+        _require(args.exit_duration_in_mins > 0,
+                 f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
+    if args.exit_on_missing_checkpoint:
+        _require(args.load is not None, "--exit-on-missing-checkpoint needs --load")
+        from megatron.checkpointing import existing_checkpoints
+
+        _require(os.path.isdir(args.load) and existing_checkpoints(args.load) is not None,
+                 f"--exit-on-missing-checkpoint: --load {args.load} holds no checkpoint "
+                 f"({'not a directory' if not os.path.isdir(args.load) else 'no iter_* directory or tracker file'})")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -739,6 +825,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     tokenizer_type (NullTokenizer for a bare --vocab-size), params_dtype.
     Raises ``ArgumentError`` naming the flag(s) on the first inconsistency.
     """
+    _check_megatron_lm_flags(args)
     _check_required(args)
     _check_finite_floats(args)
     _check_model(args)
@@ -818,6 +905,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         skip_train=args.skip_train, timeline_file=args.timeline_file,
         max_consecutive_skipped_steps=args.max_consecutive_skipped_steps,
         exit_signal_handler=args.exit_signal_handler,
+        exit_duration_in_mins=args.exit_duration_in_mins,
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
@@ -854,6 +942,10 @@ def parse_and_validate(argv: Optional[List[str]] = None,
             import traceback
 
             traceback.print_exc()
-        print(f"error: {err}", file=sys.stderr)
+        if prints_for_its_node():  # every rank's verdict: one line a node, not one a rank
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if _on_rank_zero():
+        for note in getattr(args, "megatron_lm_notes", []):
+            print(note, file=sys.stderr)
     return args, config

@@ -251,6 +251,9 @@ class TrainingConfig:
     """Stop the run after this many skipped (non-finite) steps in a row; 0: never."""
     exit_signal_handler: bool = False
     """SIGTERM: drain at the next batch boundary, save (with --save) and exit 0."""
+    exit_duration_in_mins: Optional[float] = None
+    """Once this many minutes have passed since the process started: stop at the next
+    batch boundary every rank agrees on, save (with --save) and exit 0."""
     measure_memory_interval: int = 0
     """Saved-tensor hooks count the stash on batches divisible by this (0: only the first
     batch of each training segment; the counts of later batches are replayed, exactly)."""

@@ -34,7 +34,7 @@ import sys
 import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
-from megatron.errors import UserError
+from megatron.errors import UserError, prints_for_its_node
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "MEGATRON_DEBUG"
@@ -150,7 +150,7 @@ def exit_with_user_error(err: BaseException, debug: Optional[bool] = None) -> No
     Python."""
     if debug if debug is not None else debug_requested([]):
         traceback.print_exc()
-    if not (getattr(err, "every_rank_alike", False) and os.environ.get("RANK", "0") != "0"):
+    if not getattr(err, "every_rank_alike", False) or prints_for_its_node():
         _print_error(f"error: {_one_line(err)}")
     _exit(getattr(err, "exit_code", EXIT_USER_ERROR))
 

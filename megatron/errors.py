@@ -15,9 +15,17 @@ class UserError(Exception):
     """A problem with the user's flags, data or checkpoint; the message is one line."""
 
     every_rank_alike = False
-    """True where every rank of a job raises the same error (it depends only on the
-    command line and the world size): only rank 0 prints it, instead of one copy per
-    rank in torchrun's output.  The other ranks exit with the same code, silently."""
+    """True where every rank of a job raises the same error (it depends on the command
+    line, the world size and what a node sees: its files, its GPUs): only local rank 0
+    of each node prints it (``prints_for_its_node``), instead of one copy per rank in
+    torchrun's output.  The other ranks exit with the same code, silently."""
+
+
+def prints_for_its_node() -> bool:
+    """True on local rank 0 (LOCAL_RANK, else RANK, else no launcher): the rank that
+    prints an error every rank of its node raises.  One line per node, so a cause only
+    one node has (a missing file, an unwritable directory) is still printed."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
 
 
 class DataError(UserError):

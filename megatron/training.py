@@ -140,6 +140,11 @@ class SkipMonitor:
                 "the data)")
 
 
+STARTED = time.monotonic()
+"""When this module was imported (early in every entry point): --exit-duration-in-mins
+counts from here, as Megatron-LM counts from its own start."""
+
+
 class _SignalFlag:
     """SIGTERM noted by a handler; acted on at the next drain point (never mid-batch)."""
 
@@ -157,6 +162,48 @@ class _SignalFlag:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+class ExitRequests:
+    """Why a run may stop early at a batch boundary: a SIGTERM (--exit-signal-handler)
+    or the time limit (--exit-duration-in-mins).  ``install`` the SIGTERM handler for
+    the training loop, ``restore`` it after."""
+
+    NONE, DURATION, SIGNAL = 0, 1, 2
+    """Codes agreed across ranks by a MAX all-reduce (a SIGTERM outranks the clock)."""
+
+    def __init__(self, cfg: MegatronConfig) -> None:
+        tr = cfg.training
+        self.signals = _SignalFlag() if tr.exit_signal_handler else None
+        self.minutes = tr.exit_duration_in_mins
+
+    @property
+    def active(self) -> bool:
+        return self.signals is not None or self.minutes is not None
+
+    def install(self) -> None:
+        if self.signals is not None:
+            self.signals.install()
+
+    def restore(self) -> None:
+        if self.signals is not None:
+            self.signals.restore()
+
+    def minutes_elapsed(self) -> float:
+        return (time.monotonic() - STARTED) / 60.0
+
+    def local_code(self) -> int:
+        if self.signals is not None and self.signals.received is not None:
+            return self.SIGNAL
+        if self.minutes is not None and self.minutes_elapsed() > self.minutes:
+            return self.DURATION
+        return self.NONE
+
+    def describe(self, code: int) -> str:
+        if code == self.SIGNAL:
+            return "SIGTERM (--exit-signal-handler)"
+        return (f"{self.minutes_elapsed():.2f} minutes since start "
+                f"(--exit-duration-in-mins {self.minutes:g})")
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -510,29 +557,30 @@ def _check_every(cfg: MegatronConfig, seconds_per_iteration: float) -> int:
     training (``seconds_per_iteration`` is agreed by all ranks, so every rank picks the
     same segment length; 1 batch until a time has been measured)."""
     tr = cfg.training
+    watch = tr.exit_signal_handler or tr.exit_duration_in_mins is not None
     if cfg.parallel.pipeline_schedule != "2bw":
-        if not tr.exit_signal_handler:
+        if not watch:
             return 0
         return (max(1, int(SIGNAL_CHECK_SECONDS_FLUSH / seconds_per_iteration))
                 if seconds_per_iteration > 0 else 1)
     every = max(NAN_CHECK_BATCHES_2BW, tr.max_consecutive_skipped_steps)
     if tr.max_consecutive_skipped_steps == 0:
         every = 0
-    if tr.exit_signal_handler:
+    if watch:
         by_time = (max(1, int(SIGNAL_CHECK_SECONDS / seconds_per_iteration))
                    if seconds_per_iteration > 0 else 1)
         every = min(every, by_time) if every else by_time
     return every
 
 
-def _agree(flag: bool, seconds_per_iteration: float, device: torch.device) -> Tuple[bool, float]:
-    """(any rank saw a SIGTERM, slowest rank's seconds per iteration): one all-reduce."""
+def _agree(code: int, seconds_per_iteration: float, device: torch.device) -> Tuple[int, float]:
+    """(highest ExitRequests code of any rank, slowest rank's seconds per iteration):
+    one all-reduce."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag, seconds_per_iteration
-    t = torch.tensor([1.0 if flag else 0.0, seconds_per_iteration], dtype=torch.float64,
-                     device=device)
+        return code, seconds_per_iteration
+    t = torch.tensor([float(code), seconds_per_iteration], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t[0].item() > 0), float(t[1].item())
+    return int(t[0].item()), float(t[1].item())
 
 
 def _save_checked(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine,
@@ -552,7 +600,7 @@ def _save_checked(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineE
 
 def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
           scheduler, state: TrainState, train_iter, valid_iter, logger: TrainingLogger,
-          result: TrainingResult, signals: Optional["_SignalFlag"] = None) -> TrainingResult:
+          result: TrainingResult, exits: Optional[ExitRequests] = None) -> TrainingResult:
     tr = cfg.training
     train_iters = tr.train_iters or 0
     gbs = tr.global_batch_size
@@ -590,16 +638,15 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         if monitor.reason is not None:
             logger.close()
             raise NonFiniteError(monitor.reason)
-        if signals is None:
-            received = False
-        else:
+        code = ExitRequests.NONE
+        if exits is not None and exits.active:
             per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
-            received, per_iter = _agree(signals.received is not None, per_iter, engine.device)
+            code, per_iter = _agree(exits.local_code(), per_iter, engine.device)
             check_every = _check_every(cfg, per_iter)
-        if received:
+        if code != ExitRequests.NONE:
             saved = tr.save and _save_checked(cfg, groups, engine, optimizer, scheduler,
                                               state, monitor)
-            print_rank_last(f"SIGTERM: stopped at iteration {it} (--exit-signal-handler)"
+            print_rank_last(f"stopped at iteration {it}: {exits.describe(code)}"
                             + (f", checkpoint saved to {tr.save}" if saved else
                                ", no checkpoint (no --save)" if not tr.save else
                                ", no checkpoint saved"))
@@ -716,15 +763,13 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
     barrier_with_message("start of training")
     engine.clock_origin = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
     if not cfg.training.skip_train:
-        signals = _SignalFlag() if cfg.training.exit_signal_handler else None
-        if signals is not None:
-            signals.install()
+        exits = ExitRequests(cfg)
+        exits.install()
         try:
             train(cfg, groups, engine, optimizer, scheduler, state, train_iter, valid_iter,
-                  logger, result, signals)
+                  logger, result, exits)
         finally:
-            if signals is not None:
-                signals.restore()
+            exits.restore()
     result.iteration = state.iteration
     result.shared_embedding = _shared_embedding_copy(engine)
     result.memory = gather_memory_report(engine, groups)

@@ -62,6 +62,16 @@ class TrainingLogger:
         self.loss_count = 0
         self.loss_keys: set = set()
 
+    def _recompute(self, engine) -> str:
+        mc = self.cfg.model
+        if engine.stage_recompute:
+            return "whole stage"
+        if mc.recompute_method == "uniform":
+            return f"layers, {mc.recompute_num_layers} per chunk"
+        if mc.recompute_method == "block":
+            return f"first {mc.recompute_num_layers} layers of the stage"
+        return "selective" if mc.recompute_granularity == "selective" else "off"
+
     def banner(self, engine, model) -> None:
         tr, par = self.cfg.training, self.cfg.parallel
         m = tr.num_microbatches(self.groups.dp_size)
@@ -76,8 +86,7 @@ class TrainingLogger:
             f"pipeline schedule: {schedule} | microbatches per batch m={m} | "
             f"pipeline depth d={self.groups.pp_size} | parallel pipelines w={self.groups.dp_size} | "
             f"tensor parallel t={self.groups.tp_size} | micro batch {tr.micro_batch_size} | "
-            f"global batch {tr.global_batch_size} | stage recompute "
-            f"{'on' if engine.stage_recompute else 'off'}"
+            f"global batch {tr.global_batch_size} | recompute {self._recompute(engine)}"
             + (f" | receives posted {'ahead' if engine.p2p.prepost_receives else 'when needed'}"
                if self.groups.pp_size > 1 else "")
             + f" | parameters on the last stage: {n_params:,}")

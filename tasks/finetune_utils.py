@@ -230,8 +230,8 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
               valid_ds, reports, per_epoch, tokenizer) -> FinetuneResult:
     from megatron.checkpointing import find_checkpoint
     from megatron.initialize import barrier_with_message
-    from megatron.training import (NonFiniteError, TrainingResult, _save_checked,
-                                   maybe_load, setup_model_and_optimizer, train)
+    from megatron.training import (ExitRequests, NonFiniteError, TrainingResult,
+                                   _save_checked, maybe_load, setup_model_and_optimizer, train)
     from megatron.training_log import TrainingLogger, print_rank_last
 
     model, optimizer, scheduler, engine = setup_model_and_optimizer(
@@ -272,18 +272,23 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
         epochs = math.ceil(total / per_epoch)
         gbs = tr.global_batch_size
         logger.total_iterations = total  # 'iteration i/N': the run's end, not the epoch's
-        for epoch in range(state.iteration // per_epoch, epochs):
-            skip = state.iteration - epoch * per_epoch
-            order = np.random.RandomState(tr.seed + epoch).permutation(len(train_ds))
-            order = order[:per_epoch * gbs][skip * gbs:]
-            train_iter = microbatches(train_ds, order, tr.micro_batch_size, groups.dp_rank,
-                                      groups.dp_size)
-            tr.train_iters = min((epoch + 1) * per_epoch, total)
-            train(cfg, groups, engine, optimizer, scheduler, state, train_iter, None, logger,
-                  result.training)
-            if result.training.exited_early:
-                break
-            score(epoch + 1)
+        exits = ExitRequests(cfg)  # SIGTERM / --exit-duration-in-mins, as in pretraining
+        exits.install()
+        try:
+            for epoch in range(state.iteration // per_epoch, epochs):
+                skip = state.iteration - epoch * per_epoch
+                order = np.random.RandomState(tr.seed + epoch).permutation(len(train_ds))
+                order = order[:per_epoch * gbs][skip * gbs:]
+                train_iter = microbatches(train_ds, order, tr.micro_batch_size,
+                                          groups.dp_rank, groups.dp_size)
+                tr.train_iters = min((epoch + 1) * per_epoch, total)
+                train(cfg, groups, engine, optimizer, scheduler, state, train_iter, None,
+                      logger, result.training, exits)
+                if result.training.exited_early:
+                    break
+                score(epoch + 1)
+        finally:
+            exits.restore()
         tr.train_iters = total
         if result.training.nonfinite_ending is not None:
             # the last epoch ended on steps skipped for inf/nan: fail, save nothing (same

@@ -316,8 +316,9 @@ def test_entry_point_user_error_and_ctrl_c(debug, capsys, monkeypatch):
 
 
 def test_argument_errors_are_printed_by_rank_0_only(capsys, monkeypatch):
-    """Every rank validates the same command line: one error line in torchrun's output,
-    not one per rank.  Errors that can differ between ranks still print everywhere."""
+    """Every rank validates the same command line: one error line a node in torchrun's
+    output (local rank 0's), not one per rank.  Errors that can differ between ranks
+    still print everywhere."""
     from megatron.arguments import ArgumentError
     from megatron.errors import DataError
 
@@ -327,8 +328,12 @@ def test_argument_errors_are_printed_by_rank_0_only(capsys, monkeypatch):
     def bad_file(argv):
         raise DataError("--data-path x: x.idx is missing")
 
-    for rank, printed in (("0", True), ("3", False)):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for rank, local, printed in (("0", None, True), ("3", None, False), ("3", "1", False),
+                                 ("8", "0", True)):  # rank 8: local rank 0 of a second node
         monkeypatch.setenv("RANK", rank)
+        if local is not None:
+            monkeypatch.setenv("LOCAL_RANK", local)
         assert _entry(bad_flag, [], monkeypatch) == 2
         assert ("error: --lr must be >= 0" in capsys.readouterr().err) == printed
         assert _entry(bad_file, [], monkeypatch) == 2
@@ -555,10 +560,34 @@ def test_sigterm_with_exit_signal_handler_saves_on_every_rank_and_exits_0(loader
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert "SIGTERM: stopped at iteration" in text and "Traceback" not in text
-    stopped = int(text.split("SIGTERM: stopped at iteration ")[1].split(" ")[0].rstrip(","))
+    assert "Traceback" not in text
+    stopped = int(re.search(r"stopped at iteration (\d+): SIGTERM \(--exit-signal-handler\), "
+                            r"checkpoint saved", text).group(1))
     assert stopped >= 2 and (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() \
         == str(stopped)
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+def test_exit_duration_stops_every_rank_at_one_iteration_with_a_checkpoint(schedule,
+                                                                           tmp_path):
+    """torchrun, 2 pipeline stages, --exit-duration-in-mins already passed at the first
+    check: both ranks agree on one batch boundary, save it, print one line and exit 0
+    (Megatron-LM's flag for scheduler time limits; unrecognised before)."""
+    ckpt = tmp_path / "ck"
+    argv = _argv("--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+                 "--distributed-backend", "gloo", "--eval-iters", "0", "--log-interval", "1",
+                 "--exit-duration-in-mins", "0.001", "--save", str(ckpt), iters=100000)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(_port()), str(REPO / "pretrain_gpt.py"),
+                          *argv], capture_output=True, text=True, env=_env(), timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.findall(r"stopped at iteration (\d+): [\d.]+ minutes since start "
+                       r"\(--exit-duration-in-mins 0.001\), checkpoint saved to", out.stdout)
+    assert len(found) == 1, out.stdout[-3000:]
+    stopped = int(found[0])
+    assert 1 <= stopped < 100000
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert f"iteration {stopped + 1:8d}/" not in out.stdout  # nothing trained past it
 
 
 def _port() -> int:

@@ -95,3 +95,33 @@ def test_finetuning_log_counts_to_the_end_of_the_run(capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln]
     ends = {ln.split(" iteration ")[1].split("|")[0].split("/")[1].strip() for ln in lines}
     assert len(lines) >= 4 and ends == {str(len(lines))}, lines
+
+
+def test_megatron_finetune_script_flags_and_its_time_limit(tmp_path, monkeypatch, capsys):
+    """Megatron-LM's finetune_mnli_distributed.sh passes 2020 flag names (--batch-size,
+    --model-parallel-size, --warmup, --checkpoint-activations): they finetune here.
+    --exit-duration-in-mins, already passed, stops finetuning at the first batch
+    boundary with a checkpoint and no epoch score (it was unrecognised, and finetuning
+    ignored --exit-signal-handler)."""
+    import time
+
+    import megatron.training as training
+    from tasks.main import main
+    from tests.distributed.test_bert_harness import REAL
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(training, "STARTED", time.monotonic() - 120.0)
+    old = ["--batch-size" if a == "--micro-batch-size" else a for a in REAL]
+    old += ["--model-parallel-size", "1", "--warmup", "0.1", "--checkpoint-activations"]
+    mnli = DATA / "glue" / "MNLI"
+    result = main(old + ["--task", "MNLI", "--global-batch-size", "2", "--epochs", "2",
+                         "--lr", "1e-5", "--train-data", str(mnli / "train.tsv"),
+                         "--valid-data", str(mnli / "dev_matched.tsv"),
+                         "--exit-duration-in-mins", "1", "--save", str(tmp_path / "ck")])
+    captured = capsys.readouterr()
+    assert "--batch-size as --micro-batch-size" in captured.err
+    assert "--checkpoint-activations as --recompute-granularity full" in captured.err
+    assert "recompute layers, 1 per chunk" in captured.out
+    assert result.training.exited_early and result.iteration == 1 and not result.accuracy
+    assert "stopped at iteration 1: " in captured.out
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"

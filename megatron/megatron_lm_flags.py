@@ -1,0 +1,377 @@
+"""Flags of Megatron-LM's scripts that this trainer does not take under that name.
+
+Megatron-LM's example and users' scripts (2020 to now) pass flags this parser renamed,
+flags that only pick a kernel, a launcher detail or a log line, and flags of features
+not built here.  A script run as it is either trains the model it describes, with a
+note of what was read differently, or stops before any rank waits with one line naming
+every flag it cannot honour and why -- never argparse's "unrecognized arguments".
+
+* ``RENAMED``: an older Megatron-LM name of one of our flags, same value and meaning.
+  The command line is rewritten before parsing (``rewrite_argv``).
+  ``--checkpoint-activations`` (Megatron-LM's 2020-2021 switch: every transformer
+  layer recomputed in the backward, ``--checkpoint-num-layers`` at a time) becomes
+  ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``.
+* ``IGNORED``: accepted and changes nothing here, because it is already how this
+  trainer works, or it only picks a kernel, a launcher detail or a log destination.
+* ``REFUSED``: a feature not built here that changes the model, the data, the
+  optimizer's arithmetic or what fits in memory.  Running without it would train
+  something else than the script asks for, so the run stops.
+
+Some value flags are ignored for the value that is this trainer's behaviour and
+refused for the others (``--data-impl mmap`` against ``--data-impl lazy``).
+
+``python -m megatron.megatron_lm_flags`` prints the tables as Markdown
+(docs/megatron_lm_flags.md is that output; a test keeps them equal).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+RENAMED: Dict[str, str] = {
+    "--model-parallel-size": "--tensor-model-parallel-size",
+    "--batch-size": "--micro-batch-size",
+    "--warmup": "--lr-warmup-fraction",
+    "--encoder-seq-length": "--seq-length",
+    "--checkpoint-num-layers": "--recompute-num-layers",
+    "--activations-checkpoint-method": "--recompute-method",
+    "--activations-checkpoint-num-layers": "--recompute-num-layers",
+}
+"""Megatron-LM's older name -> this parser's name (same value, same meaning)."""
+
+CHECKPOINT_ACTIVATIONS = "--checkpoint-activations"
+LAUNCHER_FLAGS = ("--local-rank", "--local_rank")
+"""Added by ``python -m torch.distributed.launch`` (without --use-env); the rank is read
+from the environment (LOCAL_RANK), which the launcher sets as well."""
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One Megatron-LM flag this parser accepts only to ignore or refuse it.
+
+    ``nargs``: 0 for a switch, None for one value, else argparse's nargs.
+    ``ok_values``: for a value flag, the values that are this trainer's behaviour
+    (ignored); any other value is refused with ``refused_why``.  Empty: every value
+    is ``kind``."""
+
+    name: str
+    kind: str  # "ignored" or "refused"
+    why: str
+    nargs: Optional[object] = 0
+    ok_values: Tuple[str, ...] = ()
+    refused_why: str = ""
+
+    @property
+    def dest(self) -> str:
+        return "megatron_lm_" + self.name.lstrip("-").replace("-", "_").lower()
+
+    def verdict(self, value) -> Tuple[str, str]:
+        """(kind, reason) for this flag given ``value``."""
+        if self.ok_values:
+            text = value if isinstance(value, str) else " ".join(map(str, value))
+            if text in self.ok_values:
+                return "ignored", self.why
+            return "refused", self.refused_why
+        return self.kind, self.why
+
+
+_FUSION = "picks a fused kernel of Megatron-LM: none here, the arithmetic is the same"
+_TB = "a TensorBoard option of Megatron-LM: --tensorboard-dir writes this trainer's scalars"
+
+FLAGS: Tuple[CompatFlag, ...] = (
+    # ---- already how this trainer works
+    CompatFlag("--data-impl", "ignored", "datasets are Megatron's mmap format (the only one read)",
+               nargs=None, ok_values=("mmap", "infer"),
+               refused_why="the old lazy/cached IndexedDataset format is not read, "
+                           "preprocess again with tools/preprocess_data.py (mmap format)"),
+    CompatFlag("--DDP-impl", "ignored", "gradients are all-reduced by this trainer's own "
+               "bucketed, backward-overlapped reduction", nargs=None),
+    CompatFlag("--overlap-grad-reduce", "ignored",
+               "data-parallel gradient all-reduce already overlaps the backward pass"),
+    CompatFlag("--attention-softmax-in-fp32", "ignored", "the attention softmax is always fp32"),
+    CompatFlag("--apply-query-key-layer-scaling", "ignored",
+               "an fp16 overflow guard, and the softmax here is fp32, so the result is the same"),
+    CompatFlag("--no-query-key-layer-scaling", "ignored", "no query-key layer scaling is done"),
+    CompatFlag("--check-for-nan-in-loss-and-grad", "ignored",
+               "non-finite losses and gradients are always checked (--max-consecutive-skipped-steps)"),
+    CompatFlag("--log-throughput", "ignored", "TFLOP/s per device is in every log line"),
+    CompatFlag("--fp16-lm-cross-entropy", "ignored",
+               "the language-model loss is computed in fp32 (slightly more accurate)"),
+    CompatFlag("--use-cpu-initialization", "ignored",
+               "weights are initialised from one seeded stream, the same on CPU and GPU"),
+    CompatFlag("--no-save-rng", "ignored", "RNG states are always saved"),
+    CompatFlag("--async-save", "ignored", "checkpoints are written synchronously"),
+    CompatFlag("--dataloader-type", "ignored", "the sampler is Megatron's 'single' one",
+               nargs=None, ok_values=("single",),
+               refused_why="only the 'single' (sequential) pretraining sampler is built"),
+    CompatFlag("--normalization", "ignored", "layers are normalised with LayerNorm",
+               nargs=None, ok_values=("LayerNorm",),
+               refused_why="only LayerNorm is built (no RMSNorm)"),
+    CompatFlag("--position-embedding-type", "ignored",
+               "position embeddings are learned absolute ones", nargs=None,
+               ok_values=("learned_absolute",),
+               refused_why="only learned absolute position embeddings are built (no RoPE)"),
+    CompatFlag("--context-parallel-size", "ignored", "no context parallelism is the default",
+               nargs=None, ok_values=("1",), refused_why="context parallelism is not built"),
+    CompatFlag("--expert-model-parallel-size", "ignored", "no expert parallelism is the default",
+               nargs=None, ok_values=("1",),
+               refused_why="mixture-of-experts models are not built"),
+    CompatFlag("--vocab-extra-ids", "ignored", "no extra ids is the default", nargs=None,
+               ok_values=("0",), refused_why="extra sentinel ids (T5) are not built"),
+    # ---- kernels, implementations, memory housekeeping
+    CompatFlag("--no-masked-softmax-fusion", "ignored", _FUSION),
+    CompatFlag("--no-bias-gelu-fusion", "ignored", _FUSION),
+    CompatFlag("--no-bias-dropout-fusion", "ignored", _FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", "ignored", _FUSION),
+    CompatFlag("--no-rope-fusion", "ignored", _FUSION),
+    CompatFlag("--no-gradient-accumulation-fusion", "ignored", _FUSION),
+    CompatFlag("--no-persist-layer-norm", "ignored", _FUSION),
+    CompatFlag("--no-async-tensor-model-parallel-allreduce", "ignored", _FUSION),
+    CompatFlag("--masked-softmax-fusion", "ignored", _FUSION),
+    CompatFlag("--scaled-masked-softmax-fusion", "ignored", _FUSION),
+    CompatFlag("--scaled-upper-triang-masked-softmax-fusion", "ignored", _FUSION),
+    CompatFlag("--bias-gelu-fusion", "ignored", _FUSION),
+    CompatFlag("--bias-dropout-fusion", "ignored", _FUSION),
+    CompatFlag("--use-flash-attn", "ignored",
+               "attention is torch's scaled_dot_product_attention, which picks flash "
+               "attention where the device has it"),
+    CompatFlag("--attention-backend", "ignored",
+               "attention is torch's scaled_dot_product_attention (it picks the kernel)",
+               nargs=None),
+    CompatFlag("--transformer-impl", "ignored",
+               "this trainer's own transformer layers are used", nargs=None),
+    CompatFlag("--use-mcore-models", "ignored", "this trainer's own model classes are used"),
+    CompatFlag("--use-legacy-models", "ignored", "this trainer's own model classes are used"),
+    CompatFlag("--empty-unused-memory-level", "ignored",
+               "torch's caching allocator is left alone", nargs=None),
+    CompatFlag("--manual-gc", "ignored", "Python's garbage collector is left alone"),
+    CompatFlag("--manual-gc-interval", "ignored", "Python's garbage collector is left alone",
+               nargs=None),
+    CompatFlag("--mmap-warmup", "ignored", "dataset files are memory-mapped, not read ahead"),
+    CompatFlag("--no-mmap-bin-files", "ignored", "dataset .bin files are always memory-mapped"),
+    CompatFlag("--distribute-saved-activations", "ignored",
+               "not built, so recomputation checkpoints are not split across tensor-parallel "
+               "ranks (more memory per rank, same results)"),
+    CompatFlag("--distribute-checkpointed-activations", "ignored",
+               "not built, so recomputation checkpoints are not split across tensor-parallel "
+               "ranks (more memory per rank, same results)"),
+    CompatFlag("--num-query-groups", "ignored",
+               "has no effect without --group-query-attention", nargs=None),
+    # ---- logging this trainer does not do
+    CompatFlag("--log-params-norm", "ignored", "the parameter norm is not logged"),
+    CompatFlag("--log-num-zeros-in-grad", "ignored", "zeros in the gradient are not counted"),
+    CompatFlag("--timing-log-level", "ignored",
+               "per-phase timers are not logged (--timeline-file traces every pipeline action)",
+               nargs=None),
+    CompatFlag("--timing-log-option", "ignored", "per-phase timers are not logged", nargs=None),
+    CompatFlag("--log-timers-to-tensorboard", "ignored", _TB),
+    CompatFlag("--log-validation-ppl-to-tensorboard", "ignored", _TB),
+    CompatFlag("--log-memory-to-tensorboard", "ignored", _TB),
+    CompatFlag("--log-world-size-to-tensorboard", "ignored", _TB),
+    CompatFlag("--log-batch-size-to-tensorboard", "ignored", _TB),
+    CompatFlag("--no-log-learning-rate-to-tensorboard", "ignored", _TB),
+    CompatFlag("--no-log-loss-scale-to-tensorboard", "ignored", _TB),
+    CompatFlag("--tensorboard-log-interval", "ignored", _TB, nargs=None),
+    CompatFlag("--tensorboard-queue-size", "ignored", _TB, nargs=None),
+    CompatFlag("--wandb-project", "ignored",
+               "Weights & Biases logging is not built (use --tensorboard-dir)", nargs=None),
+    CompatFlag("--wandb-exp-name", "ignored",
+               "Weights & Biases logging is not built (use --tensorboard-dir)", nargs=None),
+    CompatFlag("--wandb-save-dir", "ignored",
+               "Weights & Biases logging is not built (use --tensorboard-dir)", nargs=None),
+    # ---- features not built here
+    CompatFlag("--sequence-parallel", "refused",
+               "sequence parallelism is not built, so activations are replicated "
+               "across tensor-parallel ranks (more memory, same results)"),
+    CompatFlag("--use-distributed-optimizer", "refused",
+               "the distributed (ZeRO-1) optimizer is not built, so every "
+               "data-parallel rank keeps the whole optimizer state"),
+    CompatFlag("--overlap-param-gather", "refused",
+               "needs the distributed optimizer, which is not built"),
+    CompatFlag("--num-layers-per-virtual-pipeline-stage", "refused",
+               "the interleaved schedule is not built, use --pipeline-schedule flush "
+               "(1F1B) or 2bw", nargs=None),
+    CompatFlag("--num-virtual-stages-per-pipeline-rank", "refused",
+               "the interleaved schedule is not built, use --pipeline-schedule flush "
+               "(1F1B) or 2bw", nargs=None),
+    CompatFlag("--rampup-batch-size", "refused",
+               "batch-size ramp-up is not built, train at the final --global-batch-size",
+               nargs="*"),
+    CompatFlag("--swiglu", "refused", "only GeLU MLPs are built"),
+    CompatFlag("--squared-relu", "refused", "only GeLU MLPs are built"),
+    CompatFlag("--untie-embeddings-and-output-weights", "refused",
+               "the output layer always shares the input embedding's weights"),
+    CompatFlag("--use-rotary-position-embeddings", "refused",
+               "only learned absolute position embeddings are built (no RoPE)"),
+    CompatFlag("--group-query-attention", "refused", "only multi-head attention is built"),
+    CompatFlag("--disable-bias-linear", "refused", "linear layers always have biases"),
+    CompatFlag("--qk-layernorm", "refused", "query/key LayerNorm is not built"),
+    CompatFlag("--fp32-residual-connection", "refused",
+               "the residual stream is kept in the training precision"),
+    CompatFlag("--apply-residual-connection-post-layernorm", "refused",
+               "residuals are taken before the LayerNorm (GPT-2 style) only"),
+    CompatFlag("--init-method-xavier-uniform", "refused",
+               "weights are initialised from a normal distribution (--init-method-std)"),
+    CompatFlag("--reset-position-ids", "refused",
+               "position ids are not restarted at document boundaries"),
+    CompatFlag("--reset-attention-mask", "refused",
+               "attention is not masked at document boundaries"),
+    CompatFlag("--calculate-per-token-loss", "refused",
+               "the loss is averaged per microbatch, as Megatron-LM's default"),
+    CompatFlag("--num-experts", "refused", "mixture-of-experts models are not built", nargs=None),
+    CompatFlag("--fp8-format", "refused", "fp8 training is not built (--bf16, --fp16)",
+               nargs=None),
+    CompatFlag("--kv-channels", "refused",
+               "the attention head size is always --hidden-size / --num-attention-heads "
+               "(a value equal to that is accepted)", nargs=None),
+    CompatFlag("--use-checkpoint-args", "refused",
+               "model flags are not read from a checkpoint, pass them on the command line "
+               "(a checkpoint's are under \"config\" in its iter_*/mp_rank_*/"
+               "model_optim_rng.json)"),
+    CompatFlag("--use-dist-ckpt", "refused",
+               "torch_dist checkpoints are not written, tools/checkpoint_util.py converts "
+               "this trainer's checkpoints (docs/checkpoint_conversion.md)"),
+    CompatFlag("--ckpt-format", "refused",
+               "torch_dist checkpoints are not written, tools/checkpoint_util.py converts "
+               "this trainer's checkpoints (docs/checkpoint_conversion.md)", nargs=None),
+    CompatFlag("--use-torch-fsdp2", "refused", "FSDP is not built"),
+    CompatFlag("--tp-comm-overlap", "refused", "Transformer Engine's communication overlap "
+               "is not built"),
+    CompatFlag("--adlr-autoresume", "refused",
+               "NVIDIA's ADLR autoresume is not built, --exit-signal-handler or "
+               "--exit-duration-in-mins save and exit before a scheduler's time limit"),
+    CompatFlag("--adlr-autoresume-interval", "refused",
+               "NVIDIA's ADLR autoresume is not built, --exit-signal-handler or "
+               "--exit-duration-in-mins save and exit before a scheduler's time limit",
+               nargs=None),
+    CompatFlag("--keep-last", "refused",
+               "finetuning drops the last incomplete batch of every epoch"),
+)
+
+_BY_NAME = {f.name: f for f in FLAGS}
+assert len(_BY_NAME) == len(FLAGS), "a Megatron-LM flag is listed twice"
+assert not set(_BY_NAME) & set(RENAMED), "a flag is both renamed and ignored/refused"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ignored/refused flags and the launcher's --local-rank, hidden from
+    --help (the parser's epilog names docs/megatron_lm_flags.md)."""
+    g = parser.add_argument_group(
+        "Megatron-LM compatibility",
+        "flags of Megatron-LM's scripts read only to ignore or refuse them "
+        "(docs/megatron_lm_flags.md)")
+    for f in FLAGS:
+        if f.nargs == 0:
+            g.add_argument(f.name, dest=f.dest, action="store_true", help=argparse.SUPPRESS)
+        else:
+            g.add_argument(f.name, dest=f.dest, nargs=f.nargs, default=None,
+                           help=argparse.SUPPRESS)
+    g.add_argument(*LAUNCHER_FLAGS, dest="launcher_local_rank", type=int, default=None,
+                   help=argparse.SUPPRESS)
+
+
+def _given(argv: Sequence[str], name: str) -> bool:
+    return any(tok == name or tok.startswith(name + "=") for tok in argv)
+
+
+def rewrite_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(argv with RENAMED names replaced and --checkpoint-activations expanded, notes on
+    what was read under another name).  Values are never touched: a token is renamed
+    only if it is the flag itself or ``--flag=value``."""
+    out: List[str] = []
+    notes: List[str] = []
+    for tok in argv:
+        name, eq, value = tok.partition("=")
+        if tok.startswith("--") and name in RENAMED:
+            out.append(RENAMED[name] + eq + value)
+            notes.append(f"{name} as {RENAMED[name]}")
+        else:
+            out.append(tok)
+    if CHECKPOINT_ACTIVATIONS in out:
+        out = [t for t in out if t != CHECKPOINT_ACTIVATIONS]
+        added = []
+        for flag, value in (("--recompute-granularity", "full"),
+                            ("--recompute-method", "uniform"), ("--recompute-num-layers", "1")):
+            if not _given(out, flag):
+                out += [flag, value]
+                added.append(f"{flag} {value}")
+        notes.append(f"{CHECKPOINT_ACTIVATIONS} as {' '.join(added) or 'the recompute flags given'}")
+    if _given(out, "--recompute-method") and not _given(out, "--recompute-granularity") and \
+            any(n.startswith("--activations-checkpoint-method") for n in notes):
+        out += ["--recompute-granularity", "full"]
+        notes.append("--activations-checkpoint-method implies --recompute-granularity full")
+    return out, notes
+
+
+def renamed_conflicts(argv: Sequence[str]) -> List[str]:
+    """'--old and --new' for each renamed flag given under both names (the values
+    could differ; argparse would silently keep the last)."""
+    found = []
+    for old, new in RENAMED.items():
+        if _given(argv, old) and _given(argv, new):
+            found.append(f"{old} and {new}")
+    return found
+
+
+def verdicts(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
+    """(ignored, refused): one 'flag [value] (reason)' text per flag given."""
+    ignored, refused = [], []
+    for f in FLAGS:
+        value = getattr(args, f.dest, None)
+        if value in (None, False):
+            continue
+        kind, why = f.verdict(value)
+        shown = f.name if value is True else f"{f.name} {value if isinstance(value, str) else ' '.join(map(str, value))}"
+        if f.name == "--kv-channels" and _head_size(args) == _as_int(value):
+            kind, why = "ignored", "equals --hidden-size / --num-attention-heads"
+        (ignored if kind == "ignored" else refused).append(f"{shown.strip()}: {why}")
+    return ignored, refused
+
+
+def _as_int(value) -> Optional[int]:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _head_size(args: argparse.Namespace) -> Optional[int]:
+    h, n = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    return h // n if h and n and h % n == 0 else None
+
+
+def markdown() -> str:
+    """The tables of docs/megatron_lm_flags.md."""
+    lines = ["# Megatron-LM flags in this trainer", "",
+             "Generated by `python -m megatron.megatron_lm_flags` from "
+             "`megatron/megatron_lm_flags.py`; a test keeps this file equal to its output.",
+             "", "Every flag of `pretrain_gpt.py --help` has Megatron-LM's name and meaning. "
+             "Scripts written for Megatron-LM may also pass the flags below. A run prints "
+             "one `note:` line (rank 0) for the renamed and ignored flags it was given, and "
+             "stops with one `error:` line naming every refused flag before any rank waits "
+             "on another. A flag in none of these lists is an unknown flag: the error names "
+             "it and the closest known flag.", "",
+             "## Read under this trainer's name", "",
+             "| Megatron-LM flag | read as |", "|---|---|"]
+    for old, new in RENAMED.items():
+        lines.append(f"| `{old}` | `{new}` |")
+    lines.append(f"| `{CHECKPOINT_ACTIVATIONS}` | `--recompute-granularity full "
+                 "--recompute-method uniform --recompute-num-layers 1` (each flag unless "
+                 "given) |")
+    lines.append(f"| `{' / '.join(LAUNCHER_FLAGS)}` | accepted from `torch.distributed.launch`; "
+                 "the rank comes from `LOCAL_RANK` |")
+    for kind, title in (("ignored", "Accepted, no effect here"),
+                        ("refused", "Refused: not built here")):
+        lines += ["", f"## {title}", "", "| flag | values | why |", "|---|---|---|"]
+        for f in FLAGS:
+            if f.kind == kind:
+                values = ("switch" if f.nargs == 0 else
+                          f"{', '.join(f.ok_values)}; other values refused: {f.refused_why}"
+                          if f.ok_values else "any")
+                lines.append(f"| `{f.name}` | {values} | {f.why} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

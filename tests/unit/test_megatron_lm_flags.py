@@ -1,0 +1,218 @@
+"""Megatron-LM's scripts run as they are: older flag names are read under ours, flags
+that change nothing here are accepted with one note, flags of features not built here
+stop the run with one line naming them, and an unknown flag is one line naming the
+closest known flag.  No process group: parsing and validation only."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron import megatron_lm_flags as mlf
+from megatron.arguments import ArgumentError, parse_and_validate, parse_args, validate_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Megatron-LM's examples/pretrain_gpt.sh (GPT-345M, 2021), every flag as it is there,
+# with --mock-data for its data and vocabulary files (and gloo for its nccl: CPU ranks).
+MEGATRON_PRETRAIN_GPT_SH = [
+    "--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+    "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", "1024",
+    "--max-position-embeddings", "1024", "--train-iters", "500000",
+    "--lr-decay-iters", "320000", "--data-impl", "mmap", "--split", "949,50,1",
+    "--distributed-backend", "gloo", "--lr", "0.00015", "--min-lr", "1.0e-5",
+    "--lr-decay-style", "cosine", "--weight-decay", "1e-2", "--clip-grad", "1.0",
+    "--lr-warmup-fraction", ".01", "--checkpoint-activations", "--log-interval", "100",
+    "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10", "--fp16",
+    "--mock-data", "--vocab-size", "50257"]
+
+# Megatron-LM's examples/finetune_mnli_distributed.sh (2020 flag names) minus the task
+# group (tasks/main.py's own flags).
+MEGATRON_FINETUNE_MNLI_SH = [
+    "--seed", "1234", "--tokenizer-type", "NullTokenizer", "--vocab-size", "30522",
+    "--model-parallel-size", "1", "--num-layers", "24", "--hidden-size", "1024",
+    "--num-attention-heads", "16", "--batch-size", "8", "--checkpoint-activations",
+    "--lr", "5.0e-5", "--lr-decay-style", "linear", "--warmup", "0.065",
+    "--seq-length", "512", "--max-position-embeddings", "512", "--log-interval", "10",
+    "--eval-interval", "100", "--eval-iters", "50", "--weight-decay", "1.0e-1", "--fp16",
+    "--train-iters", "100", "--mock-data"]
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--micro-batch-size", "2", "--seq-length", "32", "--max-position-embeddings", "32",
+         "--train-iters", "4", "--lr", "1e-4", "--mock-data", "--vocab-size", "100"]
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+
+def test_megatron_pretrain_gpt_sh_validates_with_its_recomputation(tmp_path, capsys):
+    argv = MEGATRON_PRETRAIN_GPT_SH + ["--save", str(tmp_path / "ck"),
+                                       "--load", str(tmp_path / "ck")]
+    _, cfg = parse_and_validate(argv, world_size=2)
+    m = cfg.model
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == \
+        ("full", "uniform", 1)
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 8)
+    assert cfg.training.num_microbatches(2) == 1
+    err = capsys.readouterr().err
+    assert "note: Megatron-LM's older flag names read as: --checkpoint-activations as " \
+           "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in err
+    assert "--data-impl mmap: datasets are Megatron's mmap format" in err
+    assert "error" not in err
+
+
+def test_megatron_finetune_mnli_sh_old_names_mean_the_new_flags(capsys):
+    from tasks.finetune_utils import finetune_args
+
+    args, cfg = parse_and_validate(MEGATRON_FINETUNE_MNLI_SH, extra_args_provider=finetune_args,
+                                   world_size=8)
+    assert args.tensor_model_parallel_size == 1
+    assert cfg.training.micro_batch_size == 8 and cfg.training.global_batch_size == 64
+    assert args.lr_warmup_fraction == pytest.approx(0.065)
+    assert cfg.model.recompute_method == "uniform"
+    err = capsys.readouterr().err
+    for old, new in (("--model-parallel-size", "--tensor-model-parallel-size"),
+                     ("--batch-size", "--micro-batch-size"), ("--warmup", "--lr-warmup-fraction")):
+        assert f"{old} as {new}" in err
+
+
+def test_equals_form_and_block_method_under_old_names():
+    args = parse_args(SMALL + ["--activations-checkpoint-method=block",
+                               "--activations-checkpoint-num-layers", "1",
+                               "--checkpoint-activations"])
+    validate_args(args, 1)
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == \
+        ("full", "block", 1)
+    # --activations-checkpoint-method alone (Megatron-LM 2021) implies full granularity
+    args = parse_args(SMALL + ["--activations-checkpoint-method", "uniform",
+                               "--checkpoint-num-layers", "2"])
+    validate_args(args, 1)
+    assert (args.recompute_granularity, args.recompute_num_layers) == ("full", 2)
+
+
+def test_a_flag_under_both_names_is_refused():
+    with pytest.raises(ArgumentError, match=r"--batch-size and --micro-batch-size \(keep one\)"):
+        validate_args(parse_args(SMALL + ["--batch-size", "4"]), 1)
+
+
+def test_a_value_is_never_renamed():
+    out, notes = mlf.rewrite_argv(["--data-path", "--warmup-corpus", "--batch-size=3"])
+    assert out == ["--data-path", "--warmup-corpus", "--micro-batch-size=3"]
+    assert notes == ["--batch-size as --micro-batch-size"]
+
+
+def _refused_argv(flag: mlf.CompatFlag):
+    if flag.nargs == 0:
+        return [flag.name]
+    if flag.nargs == "*":
+        return [flag.name, "16", "16", "1000"]
+    return [flag.name, "bogus" if flag.ok_values else "7"]
+
+
+REFUSED = [f for f in mlf.FLAGS if f.kind == "refused" or f.ok_values]
+
+
+@pytest.mark.parametrize("flag", REFUSED, ids=[f.name for f in REFUSED])
+def test_every_refused_flag_is_one_error_naming_it(flag):
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(SMALL + _refused_argv(flag)), 1)
+    text = str(info.value)
+    assert f"{flag.name}" in text and "does not implement" in text and "\n" not in text
+
+
+IGNORED = [f for f in mlf.FLAGS if f.kind == "ignored"]
+
+
+@pytest.mark.parametrize("flag", IGNORED, ids=[f.name for f in IGNORED])
+def test_every_ignored_flag_is_accepted_and_noted(flag):
+    argv = [flag.name] if flag.nargs == 0 else [flag.name, (flag.ok_values or ("x",))[0]]
+    args = validate_args(parse_args(SMALL + argv), 1)
+    assert any(flag.name in note for note in args.megatron_lm_notes)
+
+
+def test_all_refused_flags_are_named_in_one_line():
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(SMALL + ["--sequence-parallel", "--use-distributed-optimizer",
+                                          "--swiglu"]), 1)
+    text = str(info.value)
+    assert text.startswith("Megatron-LM flags this trainer does not implement")
+    assert all(f in text for f in ("--sequence-parallel", "--use-distributed-optimizer",
+                                   "--swiglu"))
+
+
+def test_kv_channels_equal_to_the_head_size_is_accepted():
+    args = validate_args(parse_args(SMALL + ["--kv-channels", "16"]), 1)  # 64 / 4
+    assert any("--kv-channels 16" in n for n in args.megatron_lm_notes)
+    with pytest.raises(ArgumentError, match="--kv-channels 8"):
+        validate_args(parse_args(SMALL + ["--kv-channels", "8"]), 1)
+
+
+def test_old_launcher_local_rank_is_accepted():
+    try:  # validation sets LOCAL_RANK from the flag when the launcher did not
+        args = validate_args(parse_args(SMALL + ["--local-rank=1"]), 1)
+        assert args.launcher_local_rank == 1 and os.environ["LOCAL_RANK"] == "1"
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
+    assert args.megatron_lm_notes == []
+
+
+def test_renamed_and_compat_names_are_not_flags_of_ours():
+    from megatron.arguments import build_parser
+
+    ours = {s for a in build_parser()._actions for s in a.option_strings
+            if a.help != "==SUPPRESS=="}
+    assert not ours & set(mlf.RENAMED)
+    assert not ours & {f.name for f in mlf.FLAGS}
+    assert set(mlf.RENAMED.values()) <= ours
+
+
+def test_docs_table_is_the_generated_one():
+    doc = (REPO / "docs" / "megatron_lm_flags.md").read_text()
+    assert doc == mlf.markdown(), "regenerate: python -m megatron.megatron_lm_flags > " \
+                                  "docs/megatron_lm_flags.md"
+
+
+def _run(argv, **env):
+    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    full.update(PYTHONPATH=str(REPO), **env)
+    return subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                          capture_output=True, text=True, env=full, timeout=120)
+
+
+def test_unknown_flag_is_one_line_with_the_closest_flag():
+    out = _run(SMALL + ["--micro-batch", "3", "--hiden-size", "4"])
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines == ["error: unrecognized arguments: --micro-batch 3 --hiden-size 4 (did you "
+                     "mean --micro-batch-size for --micro-batch, --hidden-size for "
+                     "--hiden-size?); all flags: pretrain_gpt.py --help"], out.stderr
+    # the same verdict on local rank 1 of a launch: printed once, by local rank 0
+    quiet = _run(SMALL + ["--micro-batch", "3"], RANK="1", LOCAL_RANK="1")
+    assert quiet.returncode == 2 and quiet.stderr == ""
+
+
+def test_exit_duration_and_missing_checkpoint_flags(tmp_path):
+    with pytest.raises(ArgumentError, match="--exit-duration-in-mins must be positive"):
+        validate_args(parse_args(SMALL + ["--exit-duration-in-mins", "0"]), 1)
+    with pytest.raises(ArgumentError, match="--exit-on-missing-checkpoint needs --load"):
+        validate_args(parse_args(SMALL + ["--exit-on-missing-checkpoint"]), 1)
+    empty = tmp_path / "typo"
+    with pytest.raises(ArgumentError, match=f"--load {empty} holds no checkpoint "
+                                            r"\(not a directory\)"):
+        validate_args(parse_args(SMALL + ["--exit-on-missing-checkpoint", "--load",
+                                          str(empty)]), 1)
+    empty.mkdir()
+    with pytest.raises(ArgumentError, match="no iter_"):
+        validate_args(parse_args(SMALL + ["--exit-on-missing-checkpoint", "--load",
+                                          str(empty)]), 1)
+    (empty / "iter_0000002").mkdir()
+    args = validate_args(parse_args(SMALL + ["--exit-on-missing-checkpoint", "--load",
+                                             str(empty)]), 1)
+    assert args.exit_on_missing_checkpoint
