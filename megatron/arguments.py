@@ -277,7 +277,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file", type=str, default=None, help="BPE merges file.")
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None, help="Tokenizer.")
-    g.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece model file.")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="SentencePiece model file; for HuggingFaceTokenizer a tokenizer "
+                        "directory (save_pretrained's) or a model name.")
     g.add_argument("--eod-mask-loss", action="store_true", help="Do not train on end-of-document tokens.")
 
 
@@ -687,6 +689,18 @@ def _check_tokenizer(args: argparse.Namespace) -> None:
         _require_file("--merge-file", args.merge_file, kind)
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         _require_file("--tokenizer-model", args.tokenizer_model, kind)
+    elif kind == "HuggingFaceTokenizer":
+        from megatron.tokenizer.huggingface import is_hub_name
+
+        spec = args.tokenizer_model
+        _require(spec is not None, f"--tokenizer-type {kind} needs --tokenizer-model (a "
+                 "tokenizer directory save_pretrained wrote, or a model name)")
+        _require(Path(spec).is_dir() or is_hub_name(spec),
+                 f"--tokenizer-model {spec} is not a directory (needed by --tokenizer-type "
+                 f"{kind}: the directory save_pretrained wrote, or a model name)")
+        _require(importlib.util.find_spec("transformers") is not None,
+                 f"--tokenizer-type {kind} needs the transformers package, which is not "
+                 "installed: pip install transformers")
     elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         _require_file("--vocab-file", args.vocab_file, kind)
     elif kind == "NullTokenizer":

@@ -193,6 +193,18 @@ def _tokenizer_files(data_cfg: Dict[str, Any], out_dir: str, n_positions: int) -
         files = [(data_cfg.get("vocab_file"), "vocab.txt")]
         tok_cfg.update(tokenizer_class="BertTokenizer",
                        do_lower_case=kind == "BertWordPieceLowerCase")
+    elif kind == "HuggingFaceTokenizer":
+        from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+
+        spec = data_cfg.get("tokenizer_model")
+        try:
+            tokenizer = HuggingFaceTokenizer(spec)
+        except ValueError as exc:
+            return f"no tokenizer files written: {exc}"
+        tokenizer.hf.model_max_length = n_positions
+        written = tokenizer.hf.save_pretrained(out_dir)
+        return (f"tokenizer files ({kind} {spec}): "
+                f"{', '.join(sorted(os.path.basename(str(w)) for w in written))}")
     else:
         return (f"no tokenizer files written: the model was trained with {kind}, which has "
                 f"no transformers tokenizer equivalent")

@@ -58,10 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True,
                    help="GPT2BPETokenizer, SentencePieceTokenizer, BertWordPieceLowerCase, "
-                        "BertWordPieceCase, NullTokenizer, CharTokenizer, ...")
+                        "BertWordPieceCase, HuggingFaceTokenizer, NullTokenizer, CharTokenizer, ...")
     g.add_argument("--vocab-file", default=None, help="vocabulary (BPE / WordPiece)")
     g.add_argument("--merge-file", default=None, help="BPE merge file")
-    g.add_argument("--tokenizer-model", default=None, help="SentencePiece model")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece model; HuggingFaceTokenizer: a tokenizer directory "
+                        "(save_pretrained's) or a model name")
     g.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")

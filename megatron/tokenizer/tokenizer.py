@@ -20,6 +20,7 @@ TOKENIZER_TYPES = (
     "CharTokenizer",
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
+    "HuggingFaceTokenizer",
 )
 
 # Pieces accepted as a SentencePiece model's end-of-document, in order of preference:
@@ -195,6 +196,13 @@ def build_tokenizer(
         check_file(cfg.vocab_file, "--vocab-file", kind)
         tokenizer = BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"),
                                            fast=fast)
+    elif kind == "HuggingFaceTokenizer":
+        if not cfg.tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                             "(a tokenizer directory or a model name)")
+        from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+
+        tokenizer = HuggingFaceTokenizer(cfg.tokenizer_model)
     elif kind == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--vocab-size is required for tokenizer type NullTokenizer")
