@@ -144,7 +144,8 @@ def main(argv: Optional[List[str]] = None):
     TASK.masking = masking_from_args(argv)
     return pretrain(datasets_provider, model_provider, forward_step,
                     extra_args_provider=add_bert_args, argv=argv,
-                    flops_per_iteration=flops_per_iteration)
+                    flops_per_iteration=flops_per_iteration,
+                    default_tokenizer="BertWordPieceLowerCase")  # as Megatron-LM's
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def main(argv=None):
     from megatron.training import pretrain
 
     return pretrain(datasets_provider, model_provider, forward_step, argv=argv,
-                    flops_per_iteration=flops_per_iteration)
+                    flops_per_iteration=flops_per_iteration,
+                    default_tokenizer="GPT2BPETokenizer")  # as Megatron-LM's pretrain_gpt.py
 
 
 if __name__ == "__main__":

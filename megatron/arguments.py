@@ -675,10 +675,17 @@ def _require_file(flag: str, path: Optional[str], tokenizer: str) -> None:
     _require(Path(path).is_file(), f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer})")
 
 
-def _check_tokenizer(args: argparse.Namespace) -> None:
+def _check_tokenizer(args: argparse.Namespace, default: Optional[str] = None) -> None:
     # A bare --vocab-size means the synthetic NullTokenizer (handy with --mock-data).
-    if args.tokenizer_type is None and args.vocab_size is not None:
+    if args.tokenizer_type is None and args.vocab_size is not None and args.vocab_file is None:
         args.tokenizer_type = "NullTokenizer"
+    elif args.tokenizer_type is None and default is not None and (
+            args.vocab_file is not None or args.tokenizer_model is not None):
+        # Megatron-LM's pretrain_gpt.py / pretrain_bert.py default, which its example
+        # scripts rely on (they pass --vocab-file without --tokenizer-type)
+        args.tokenizer_type = default
+        args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+            f"note: --tokenizer-type {default} (this entry point's default, as in Megatron-LM)"]
     kind = args.tokenizer_type
     if kind is None:
         _require(args.skip_train, "--tokenizer-type is required for training (e.g. "
@@ -830,8 +837,13 @@ def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
                  f"({'not a directory' if not os.path.isdir(args.load) else 'no iter_* directory or tracker file'})")
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+def validate_args(args: argparse.Namespace, world_size: int,
+                  default_tokenizer: Optional[str] = None) -> argparse.Namespace:
     """Check ``args`` for a run on ``world_size`` ranks and fill the derived values.
+
+    ``default_tokenizer``: the entry point's --tokenizer-type when the flag is absent but
+    a vocabulary is given (Megatron-LM's ``args_defaults`` of pretrain_gpt.py and
+    pretrain_bert.py).
 
     Derived (set on ``args``): world_size, data_parallel_size, num_microbatches,
     ffn_hidden_size, max_position_embeddings, global_batch_size, train_iters (from
@@ -848,7 +860,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_precision(args)
     _check_optimizer(args)
     _check_data(args)
-    _check_tokenizer(args)
+    _check_tokenizer(args, default_tokenizer)
     _check_recompute(args)
     _check_checkpoint_and_logging(args)
     return args
@@ -937,6 +949,7 @@ def _world_size_from_env() -> int:
 def parse_and_validate(argv: Optional[List[str]] = None,
                        extra_args_provider: Optional[ExtraArgsProvider] = None,
                        world_size: Optional[int] = None,
+                       default_tokenizer: Optional[str] = None,
                        ) -> Tuple[argparse.Namespace, MegatronConfig]:
     """Parse, validate and translate; on a bad command line print one line and exit(2).
 
@@ -947,7 +960,7 @@ def parse_and_validate(argv: Optional[List[str]] = None,
     try:
         if world_size is None:
             world_size = _world_size_from_env()
-        validate_args(args, world_size)
+        validate_args(args, world_size, default_tokenizer)
         config = build_config(args)
     except ArgumentError as err:
         from megatron.entry import debug_requested

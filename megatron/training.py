@@ -728,12 +728,15 @@ def initialize_megatron(args, cfg: MegatronConfig):
 def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable, *,
              extra_args_provider: Optional[Callable] = None, argv: Optional[Sequence[str]] = None,
              flops_per_iteration: Optional[Callable[[MegatronConfig], float]] = None,
-             fault_injection=None) -> TrainingResult:
-    """Parse flags, set up every rank, train, evaluate, save.  Returns this rank's result."""
+             fault_injection=None, default_tokenizer: Optional[str] = None) -> TrainingResult:
+    """Parse flags, set up every rank, train, evaluate, save.  Returns this rank's result.
+
+    ``default_tokenizer``: --tokenizer-type when absent and a vocabulary is given."""
     from megatron.arguments import parse_and_validate
 
     args, cfg = parse_and_validate(list(argv) if argv is not None else None,
-                                   extra_args_provider=extra_args_provider)
+                                   extra_args_provider=extra_args_provider,
+                                   default_tokenizer=default_tokenizer)
     tokenizer, groups, device = initialize_megatron(args, cfg)
     result = _pretrain(cfg, tokenizer, groups, device, datasets_provider, model_provider,
                        forward_step, flops_per_iteration, fault_injection)

@@ -4,6 +4,7 @@ stop the run with one line naming them, and an unknown flag is one line naming t
 closest known flag.  No process group: parsing and validation only."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,45 @@ def test_megatron_pretrain_gpt_sh_validates_with_its_recomputation(tmp_path, cap
            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in err
     assert "--data-impl mmap: datasets are Megatron's mmap format" in err
     assert "error" not in err
+
+
+DATA = REPO.parent / "shared" / "data"
+GPT2 = (DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
+
+
+@pytest.mark.skipif(not all(p.exists() for p in GPT2 + (DATA / "corpus" / "tinyshakespeare.txt",)),
+                    reason="../shared/data (GPT-2 vocabulary, tinyshakespeare) absent")
+def test_megatron_pretrain_gpt_sh_trains_as_it_is(tmp_path):
+    """The script passes --vocab-file and --merge-file without --tokenizer-type (Megatron-
+    LM's pretrain_gpt.py defaults it to GPT2BPETokenizer): it trains here, sizes shrunk
+    to a CPU's, nccl as gloo, fp32 for fp16 (emulated on a CPU)."""
+    text = (DATA / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:40000]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in
+                                                text.split("\n\n") if t.strip()) + "\n")
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")},
+           "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
+                    str(tmp_path / "c.jsonl"), "--json-keys", "text", "--tokenizer-type",
+                    "GPT2BPETokenizer", "--vocab-file", str(GPT2[0]), "--merge-file",
+                    str(GPT2[1]), "--append-eod", "--workers", "1", "--output-prefix",
+                    str(tmp_path / "c")], check=True, env=env, capture_output=True, timeout=120)
+    sizes = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4",
+             "--seq-length": "64", "--max-position-embeddings": "64", "--train-iters": "3",
+             "--lr-decay-iters": "3", "--save-interval": "3", "--eval-interval": "2",
+             "--eval-iters": "1", "--log-interval": "1", "--distributed-backend": "gloo"}
+    argv = [sizes.get(prev, a) if prev in sizes else a
+            for prev, a in zip([None] + MEGATRON_PRETRAIN_GPT_SH, MEGATRON_PRETRAIN_GPT_SH)]
+    argv = [a for a in argv[:argv.index("--mock-data")] if a != "--fp16"]
+    argv += ["--data-path", str(tmp_path / "c_text_document"), "--vocab-file", str(GPT2[0]),
+             "--merge-file", str(GPT2[1]), "--save", str(tmp_path / "ck"), "--load",
+             str(tmp_path / "ck"), "--num-workers", "0"]
+    out = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "note: --tokenizer-type GPT2BPETokenizer (this entry point's default" in out.stderr
+    assert "recompute layers, 1 per chunk" in out.stdout
+    assert " iteration        3/       3 |" in out.stdout
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
 def test_megatron_finetune_mnli_sh_old_names_mean_the_new_flags(capsys):
@@ -216,3 +256,20 @@ def test_exit_duration_and_missing_checkpoint_flags(tmp_path):
     args = validate_args(parse_args(SMALL + ["--exit-on-missing-checkpoint", "--load",
                                              str(empty)]), 1)
     assert args.exit_on_missing_checkpoint
+
+
+def test_entry_point_tokenizer_default_needs_a_vocabulary(tmp_path):
+    """pretrain_bert.py's default (BertWordPieceLowerCase) applies when a --vocab-file is
+    given without --tokenizer-type; a bare --vocab-size stays the synthetic NullTokenizer;
+    an explicit --tokenizer-type wins."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n")
+    base = [a for a in SMALL if a not in ("--vocab-size", "100")]
+    args = validate_args(parse_args(base + ["--vocab-file", str(vocab)]), 1,
+                         "BertWordPieceLowerCase")
+    assert args.tokenizer_type == "BertWordPieceLowerCase"
+    assert any("--tokenizer-type BertWordPieceLowerCase" in n for n in args.megatron_lm_notes)
+    assert validate_args(parse_args(SMALL), 1, "GPT2BPETokenizer").tokenizer_type == "NullTokenizer"
+    args = validate_args(parse_args(base + ["--vocab-file", str(vocab), "--tokenizer-type",
+                                            "BertWordPieceCase"]), 1, "BertWordPieceLowerCase")
+    assert args.tokenizer_type == "BertWordPieceCase"
