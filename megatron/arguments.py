@@ -206,6 +206,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG state.")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the model's shape and tokenizer flags that the command line "
+                        "does not give from the --load checkpoint's recorded config (read "
+                        "from JSON: no tensors, no pickle).")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="With --load: stop with an error when the directory holds no "
                         "checkpoint, instead of training from initialised weights (a "
@@ -362,6 +366,7 @@ def parse_args(argv: Optional[List[str]] = None,
         args = parser.parse_args(rewritten)
     args.megatron_lm_renamed = renamed
     args.megatron_lm_conflicts = megatron_lm_flags.renamed_conflicts(argv)
+    args.flags_given = {t.split("=", 1)[0] for t in rewritten if t.startswith("--")}
     return args
 
 
@@ -762,6 +767,45 @@ def _check_megatron_lm_flags(args: argparse.Namespace) -> None:
     args.megatron_lm_notes = notes
 
 
+CHECKPOINT_ARGS = (
+    ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
+    ("model", "ffn_hidden_size"), ("model", "seq_length"), ("model", "max_position_embeddings"),
+    ("model", "layernorm_epsilon"), ("model", "openai_gelu"),
+    ("data", "tokenizer_type"), ("data", "vocab_file"), ("data", "merge_file"),
+    ("data", "tokenizer_model"), ("data", "vocab_size"), ("data", "make_vocab_size_divisible_by"),
+)
+"""(config section, flag dest) that --use-checkpoint-args reads from the checkpoint, as
+Megatron-LM's load_args_from_checkpoint: the model's shape and its tokenizer."""
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: each CHECKPOINT_ARGS flag the command line did not give
+    takes the --load checkpoint's recorded value (the command line wins where given)."""
+    if not getattr(args, "use_checkpoint_args", False):
+        return
+    from megatron.checkpointing import read_saved_config
+    from megatron.errors import CheckpointError
+
+    _require(args.load is not None, "--use-checkpoint-args needs --load (the checkpoint "
+             "whose recorded model flags to use)")
+    try:
+        iteration, config = read_saved_config(args.load)
+    except CheckpointError as exc:
+        raise ArgumentError(f"--use-checkpoint-args: {exc}") from None
+    taken = []
+    given = getattr(args, "flags_given", set())
+    for section, dest in CHECKPOINT_ARGS:
+        saved = (config.get(section) or {}).get(dest)
+        flag = _flag(dest)
+        if saved is None or flag in given or getattr(args, dest, None) == saved:
+            continue
+        setattr(args, dest, saved)
+        taken.append(flag if saved is True else f"{flag} {saved}")
+    args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+        f"note: --use-checkpoint-args: from --load {args.load} (iteration {iteration}): "
+        + (", ".join(taken) if taken else "nothing the command line did not already say")]
+
+
 def _check_finite_floats(args: argparse.Namespace) -> None:
     """No float flag may be inf or nan (``--lr inf`` parses as a float and would train
     straight to NaN weights).  Covers entry-point flags too: every float in ``args``."""
@@ -852,6 +896,7 @@ def validate_args(args: argparse.Namespace, world_size: int,
     Raises ``ArgumentError`` naming the flag(s) on the first inconsistency.
     """
     _check_megatron_lm_flags(args)
+    _apply_checkpoint_args(args)
     _check_required(args)
     _check_finite_floats(args)
     _check_model(args)

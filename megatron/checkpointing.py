@@ -266,6 +266,19 @@ def payload_files(stem: str) -> List[str]:
     return [stem + ".json", stem + ".safetensors"]
 
 
+def _read_payload_json(js_path: str) -> Dict[str, Any]:
+    """The JSON half of a payload, its format checked (no tensors are read)."""
+    try:
+        with open(js_path) as fh:
+            doc = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{js_path}: not a readable checkpoint JSON file ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PAYLOAD_FORMAT:
+        raise CheckpointError(f"{js_path}: expected format {PAYLOAD_FORMAT!r}, found "
+                              f"{doc.get('format') if isinstance(doc, dict) else type(doc)!r}")
+    return doc
+
+
 def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = False,
                  verify: bool = True) -> Any:
     """Read what ``save_payload(obj, stem)`` wrote.
@@ -287,14 +300,7 @@ def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = F
         if found is not None:
             base, manifest = found
             verify_files(base, manifest, [js_path, st_path])
-    try:
-        with open(js_path) as fh:
-            doc = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{js_path}: not a readable checkpoint JSON file ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != PAYLOAD_FORMAT:
-        raise CheckpointError(f"{js_path}: expected format {PAYLOAD_FORMAT!r}, found "
-                              f"{doc.get('format') if isinstance(doc, dict) else type(doc)!r}")
+    doc = _read_payload_json(js_path)
     device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
     try:
         tensors = load_file(st_path, device=device)
@@ -579,6 +585,30 @@ def find_checkpoint(root: str) -> CheckpointLocation:
         f"{[os.path.basename(iteration_dir(root, i)) for i in candidates[:5]]} is complete "
         f"(manifest missing or files not matching it); refusing to start from scratch over "
         f"them: write the iteration to resume into {TRACKER}, or point --load elsewhere")
+
+
+def read_saved_config(root: str) -> Tuple[int, Dict[str, Any]]:
+    """(iteration, the run's config) of the checkpoint ``--load root`` would resume,
+    read from the first rank's JSON file alone: no tensors, no pickle."""
+    from megatron.checkpoint_merge import MODEL_FILE, rank_dirs
+
+    location = find_checkpoint(root)
+    if location.iteration is None:
+        raise CheckpointError(f"--load {root} holds no checkpoint to read the model flags "
+                              f"from ({location.message or 'nothing there'})")
+    base = iteration_dir(root, location.iteration)
+    dirs = rank_dirs(base) if os.path.isdir(base) else {}
+    if not dirs:
+        raise CheckpointError(f"checkpoint {base}: no mp_rank_TT or mp_rank_TT_PPP directories")
+    js_path, _ = payload_files(os.path.join(dirs[min(dirs)], MODEL_FILE))
+    if not os.path.exists(js_path):
+        raise CheckpointError(f"{js_path}: missing (an old pickle checkpoint records no "
+                              f"config readable without unpickling; pass the model flags)")
+    tree = _read_payload_json(js_path).get("tree")
+    config = _decode((tree if isinstance(tree, dict) else {}).get("config") or {}, {}, js_path)
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"{js_path}: records no model config; pass the model flags")
+    return location.iteration, config
 
 
 @dataclass

@@ -225,10 +225,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--kv-channels", "refused",
                "the attention head size is always --hidden-size / --num-attention-heads "
                "(a value equal to that is accepted)", nargs=None),
-    CompatFlag("--use-checkpoint-args", "refused",
-               "model flags are not read from a checkpoint, pass them on the command line "
-               "(a checkpoint's are under \"config\" in its iter_*/mp_rank_*/"
-               "model_optim_rng.json)"),
     CompatFlag("--use-dist-ckpt", "refused",
                "torch_dist checkpoints are not written, tools/checkpoint_util.py converts "
                "this trainer's checkpoints (docs/checkpoint_conversion.md)"),

@@ -273,3 +273,29 @@ def test_entry_point_tokenizer_default_needs_a_vocabulary(tmp_path):
     args = validate_args(parse_args(base + ["--vocab-file", str(vocab), "--tokenizer-type",
                                             "BertWordPieceCase"]), 1, "BertWordPieceLowerCase")
     assert args.tokenizer_type == "BertWordPieceCase"
+
+
+def test_use_checkpoint_args_takes_the_shape_the_command_line_leaves_out(tmp_path):
+    ck = tmp_path / "ck"
+    shape = ["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "40", "--openai-gelu"]
+    out = _run(shape + ["--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4",
+                        "--mock-data", "--vocab-size", "77", "--num-workers", "0",
+                        "--eval-iters", "0", "--save", str(ck)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    args = validate_args(parse_args(["--use-checkpoint-args", "--load", str(ck),
+                                     "--micro-batch-size", "2", "--train-iters", "4",
+                                     "--lr", "1e-4", "--mock-data", "--seq-length", "16"]), 1)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (3, 48, 4)
+    assert (args.max_position_embeddings, args.openai_gelu) == (40, True)
+    assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 77)
+    assert args.seq_length == 16  # given: the command line wins
+    note = args.megatron_lm_notes[-1]
+    assert note.startswith(f"note: --use-checkpoint-args: from --load {ck} (iteration 1): "
+                           "--num-layers 3, --hidden-size 48") and "--seq-length" not in note
+    with pytest.raises(ArgumentError, match=r"--use-checkpoint-args: --load \S+ holds no "
+                                            r"checkpoint to read the model flags from"):
+        validate_args(parse_args(["--use-checkpoint-args", "--load", str(tmp_path / "none"),
+                                  "--micro-batch-size", "2", "--train-iters", "4"]), 1)
+    with pytest.raises(ArgumentError, match="--use-checkpoint-args needs --load"):
+        validate_args(parse_args(["--use-checkpoint-args", "--micro-batch-size", "2"]), 1)
