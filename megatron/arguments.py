@@ -229,6 +229,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Exit after an iteration divisible by this (drains the pipeline first).")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs here.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Count the zero gradient elements of each step over the model "
+                        "replica (each parameter once) and log them as 'num zeros'.")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="Write traced pipeline actions as JSON (one file per rank) for "
                         "tools/draw_timeline.py.")
@@ -977,6 +980,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         max_consecutive_skipped_steps=args.max_consecutive_skipped_steps,
         exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,

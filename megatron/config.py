@@ -251,6 +251,8 @@ class TrainingConfig:
     """Stop the run after this many skipped (non-finite) steps in a row; 0: never."""
     exit_signal_handler: bool = False
     """SIGTERM: drain at the next batch boundary, save (with --save) and exit 0."""
+    log_num_zeros_in_grad: bool = False
+    """Count the zero gradient elements of every step (one more reduction per tensor)."""
     exit_duration_in_mins: Optional[float] = None
     """Once this many minutes have passed since the process started: stop at the next
     batch boundary every rank agrees on, save (with --save) and exit 0."""

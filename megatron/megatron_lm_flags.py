@@ -160,7 +160,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "has no effect without --group-query-attention", nargs=None),
     # ---- logging this trainer does not do
     CompatFlag("--log-params-norm", "ignored", "the parameter norm is not logged"),
-    CompatFlag("--log-num-zeros-in-grad", "ignored", "zeros in the gradient are not counted"),
     CompatFlag("--timing-log-level", "ignored",
                "per-phase timers are not logged (--timeline-file traces every pipeline action)",
                nargs=None),

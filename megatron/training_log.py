@@ -113,6 +113,9 @@ class TrainingLogger:
                 self.scalar(f"train/{k}", v, state.iteration)
         self.scalar("train/lr", report.lr, state.iteration)
         self.scalar("train/loss_scale", report.loss_scale, state.iteration)
+        self.scalar("train/grad_norm", report.grad_norm, state.iteration)
+        if report.num_zeros is not None:
+            self.scalar("train/num_zeros", report.num_zeros, state.iteration)
         interval = self.cfg.training.log_interval
         if state.iteration % interval == 0:
             self._print(report, state)
@@ -146,6 +149,7 @@ class TrainingLogger:
                 parts.append(f"{k}: nan")
         parts += [f"loss scale: {report.loss_scale:.1f}",
                   f"grad norm: {report.grad_norm:.3f}",
+                  *([f"num zeros: {report.num_zeros}"] if report.num_zeros is not None else []),
                   f"number of skipped iterations: {self.skipped:3d}",
                   f"number of nan iterations: {self.nan:3d}"]
         print(" | ".join(parts) + " |", flush=True)

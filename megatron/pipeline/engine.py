@@ -59,6 +59,8 @@ class StepReport:
     """Mean over the batch's microbatches and data-parallel replicas (last stage only)."""
     grad_scale: float = 1.0
     """Loss scale batch t's backward passes used (and its gradients were unscaled by)."""
+    num_zeros: Optional[int] = None
+    """Zero gradient elements over the model replica (--log-num-zeros-in-grad only)."""
 
 
 @dataclass
@@ -766,7 +768,7 @@ class PipelineEngine:
             report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
                                 loss_scale=info.loss_scale, lr=lr,
                                 weight_version=self._version(t),
-                                losses=losses, grad_scale=grad_scale)
+                                losses=losses, grad_scale=grad_scale, num_zeros=info.num_zeros)
             seg.reports.append(report)
             self._note_versions(seg)
             if self._on_step is not None:

@@ -299,3 +299,18 @@ def test_use_checkpoint_args_takes_the_shape_the_command_line_leaves_out(tmp_pat
                                   "--micro-batch-size", "2", "--train-iters", "4"]), 1)
     with pytest.raises(ArgumentError, match="--use-checkpoint-args needs --load"):
         validate_args(parse_args(["--use-checkpoint-args", "--micro-batch-size", "2"]), 1)
+
+
+def test_log_num_zeros_in_grad_counts_the_unused_position_rows():
+    """--log-num-zeros-in-grad (Megatron-LM's): the 32 position-embedding rows past
+    --seq-length get no gradient, so each step has at least 32 x 64 zero elements; the
+    count is an integer on every log line."""
+    out = _run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--micro-batch-size", "2", "--seq-length", "32", "--max-position-embeddings",
+                "64", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "100",
+                "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+                "--log-num-zeros-in-grad"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    zeros = [int(line.split("num zeros: ")[1].split(" ")[0])
+             for line in out.stdout.splitlines() if " iteration " in line]
+    assert len(zeros) == 2 and all(z >= 32 * 64 for z in zeros), out.stdout[-2000:]
