@@ -53,7 +53,10 @@ def add_bert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def masking_from_args(argv: Optional[Sequence[str]]) -> MaskingConfig:
     """The BERT flags of ``argv`` (unknown flags ignored); exits with one line if invalid."""
-    parser = add_bert_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    from megatron.arguments import OneLineParser
+
+    parser = add_bert_args(OneLineParser(prog="pretrain_bert.py", add_help=False,
+                                         allow_abbrev=False))
     args, _ = parser.parse_known_args(list(argv) if argv is not None else None)
     problem = None
     if not 0.0 < args.mask_prob < 1.0:

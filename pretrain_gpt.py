@@ -37,7 +37,8 @@ def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: boo
 
 
 def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, int, int]):
-    GPTTask.eod = tokenizer.eod if tokenizer is not None else None
+    # only --eod-mask-loss reads the end-of-document id (a tokenizer may have none)
+    GPTTask.eod = tokenizer.eod if tokenizer is not None and cfg.data.eod_mask_loss else None
     GPTTask.eod_mask_loss = cfg.data.eod_mask_loss
     if cfg.data.mock_data:
         from megatron.data.gpt_dataset import MockGPTDataset

@@ -310,7 +310,7 @@ def _on_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one ``error:`` line (with the closest known flag for
     an unknown one) printed by rank 0, not the whole usage text on every rank."""
 
@@ -338,18 +338,20 @@ def _closest_flags(tokens: Sequence[str], parser: argparse.ArgumentParser) -> st
 
 def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> argparse.ArgumentParser:
     """The full parser; ``extra_args_provider(parser) -> parser`` adds entry-point groups."""
-    parser = _Parser(description="Megatron-style GPT/BERT training with PipeDream-2BW "
+    parser = OneLineParser(description="Megatron-style GPT/BERT training with PipeDream-2BW "
                                  "pipelines",
                      epilog="Scripts written for Megatron-LM may pass older names of these "
                             "flags and flags this trainer ignores or refuses: "
                             "docs/megatron_lm_flags.md lists them.", allow_abbrev=False)
     for add in (_add_model_args, _add_batch_args, _add_parallel_args, _add_pipeline_args,
                 _add_precision_args, _add_optimizer_args, _add_checkpoint_args,
-                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args,
-                megatron_lm_flags.add_arguments):
+                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args):
         add(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
+    # last, so an entry point's own flag of the same name (a provider implementing one of
+    # them) takes precedence over the compatibility entry
+    megatron_lm_flags.add_arguments(parser)
     return parser
 
 
@@ -361,14 +363,16 @@ def parse_args(argv: Optional[List[str]] = None,
     Megatron-LM's older flag names are read under ours first
     (``megatron_lm_flags.rewrite_argv``); ``args.megatron_lm_renamed`` lists them."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    rewritten, renamed = megatron_lm_flags.rewrite_argv(argv)
     parser = build_parser(extra_args_provider)
+    own = {s for a in parser._actions for s in a.option_strings}  # noqa: SLF001
+    rewritten, renamed, conflicts = megatron_lm_flags.rewrite_argv(argv, own)
     if ignore_unknown_args:
         args, _ = parser.parse_known_args(rewritten)
     else:
         args = parser.parse_args(rewritten)
-    args.megatron_lm_renamed = renamed
-    args.megatron_lm_conflicts = megatron_lm_flags.renamed_conflicts(argv)
+    args.megatron_lm_conflicts = conflicts
+    args.megatron_lm_notes = (["note: Megatron-LM's older flag names read as: "
+                               + "; ".join(renamed)] if renamed else [])
     args.flags_given = {t.split("=", 1)[0] for t in rewritten if t.startswith("--")}
     return args
 
@@ -753,20 +757,19 @@ def _check_megatron_lm_flags(args: argparse.Namespace) -> None:
     run (every refused flag in one line); the ignored and renamed ones become one note
     (``args.megatron_lm_notes``, printed by rank 0 once the command line is valid)."""
     conflicts = getattr(args, "megatron_lm_conflicts", [])
-    _require(not conflicts, "given under both Megatron-LM's older name and this trainer's: "
-             + "; ".join(conflicts) + " (keep one)")
+    _require(not conflicts, "conflicting Megatron-LM flags: " + "; ".join(conflicts))
     ignored, refused = megatron_lm_flags.verdicts(args)
     _require(not refused, ("a Megatron-LM flag" if len(refused) == 1 else "Megatron-LM flags")
              + " this trainer does not implement (remove or change; docs/megatron_lm_flags.md): "
              + "; ".join(refused))
     if getattr(args, "launcher_local_rank", None) is not None and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = str(args.launcher_local_rank)  # a launcher of old
-    notes = []
-    renamed = getattr(args, "megatron_lm_renamed", [])
-    if renamed:
-        notes.append("note: Megatron-LM's older flag names read as: " + "; ".join(renamed))
+    notes = getattr(args, "megatron_lm_notes", [])
     if ignored:
         notes.append("note: Megatron-LM flags accepted with no effect here: " + "; ".join(ignored))
+    if getattr(args, "recompute_activations", False):
+        notes.append("note: --recompute-activations is the paper's whole-stage recomputation "
+                     "here; Megatron-LM's means --recompute-granularity selective")
     args.megatron_lm_notes = notes
 
 
@@ -781,32 +784,47 @@ CHECKPOINT_ARGS = (
 Megatron-LM's load_args_from_checkpoint: the model's shape and its tokenizer."""
 
 
+_PATH_ARGS = ("vocab_file", "merge_file", "tokenizer_model")
+
+
 def _apply_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args: each CHECKPOINT_ARGS flag the command line did not give
-    takes the --load checkpoint's recorded value (the command line wins where given)."""
+    takes the --load checkpoint's recorded value (the command line wins where given).
+
+    As Megatron-LM: without --load, or with no checkpoint there yet (the first run of a
+    restart loop), the command line's flags are used, with a note.  A recorded vocabulary
+    or tokenizer file that is not on this machine is not taken (the note says so)."""
     if not getattr(args, "use_checkpoint_args", False):
         return
-    from megatron.checkpointing import read_saved_config
+    from megatron.checkpointing import find_checkpoint, read_saved_config
     from megatron.errors import CheckpointError
 
-    _require(args.load is not None, "--use-checkpoint-args needs --load (the checkpoint "
-             "whose recorded model flags to use)")
+    notes = args.megatron_lm_notes = getattr(args, "megatron_lm_notes", [])
+    head = "note: --use-checkpoint-args: "
     try:
+        if args.load is None or find_checkpoint(args.load).iteration is None:
+            notes.append(head + ("no --load" if args.load is None else
+                                 f"no checkpoint in --load {args.load} yet")
+                         + "; using the command line's flags")
+            return
         iteration, config = read_saved_config(args.load)
     except CheckpointError as exc:
         raise ArgumentError(f"--use-checkpoint-args: {exc}") from None
-    taken = []
+    taken, left = [], []
     given = getattr(args, "flags_given", set())
     for section, dest in CHECKPOINT_ARGS:
         saved = (config.get(section) or {}).get(dest)
         flag = _flag(dest)
         if saved is None or flag in given or getattr(args, dest, None) == saved:
             continue
+        if dest in _PATH_ARGS and not os.path.exists(str(saved)):
+            left.append(f"{flag} {saved} (not on this machine)")
+            continue
         setattr(args, dest, saved)
         taken.append(flag if saved is True else f"{flag} {saved}")
-    args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
-        f"note: --use-checkpoint-args: from --load {args.load} (iteration {iteration}): "
-        + (", ".join(taken) if taken else "nothing the command line did not already say")]
+    notes.append(head + f"from --load {args.load} (iteration {iteration}): "
+                 + (", ".join(taken) if taken else "nothing the command line did not already say")
+                 + (f"; not taken: {', '.join(left)}" if left else ""))
 
 
 def _check_finite_floats(args: argparse.Namespace) -> None:
@@ -898,8 +916,8 @@ def validate_args(args: argparse.Namespace, world_size: int,
     tokenizer_type (NullTokenizer for a bare --vocab-size), params_dtype.
     Raises ``ArgumentError`` naming the flag(s) on the first inconsistency.
     """
-    _check_megatron_lm_flags(args)
     _apply_checkpoint_args(args)
+    _check_megatron_lm_flags(args)
     _check_required(args)
     _check_finite_floats(args)
     _check_model(args)
@@ -1019,6 +1037,9 @@ def parse_and_validate(argv: Optional[List[str]] = None,
 
             traceback.print_exc()
         if prints_for_its_node():  # every rank's verdict: one line a node, not one a rank
+            for note in getattr(args, "megatron_lm_notes", []):
+                if note.startswith("note: --use-checkpoint-args:"):  # where values came from
+                    print(note, file=sys.stderr)
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if _on_rank_zero():

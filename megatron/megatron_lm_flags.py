@@ -31,6 +31,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 RENAMED: Dict[str, str] = {
     "--model-parallel-size": "--tensor-model-parallel-size",
+    "--override-lr-scheduler": "--override-opt_param-scheduler",
+    "--use-checkpoint-lr-scheduler": "--use-checkpoint-opt_param-scheduler",
+    "--min-scale": "--min-loss-scale",
     "--batch-size": "--micro-batch-size",
     "--warmup": "--lr-warmup-fraction",
     "--encoder-seq-length": "--seq-length",
@@ -251,62 +254,101 @@ assert not set(_BY_NAME) & set(RENAMED), "a flag is both renamed and ignored/ref
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ignored/refused flags and the launcher's --local-rank, hidden from
-    --help (the parser's epilog names docs/megatron_lm_flags.md)."""
+    --help (the parser's epilog names docs/megatron_lm_flags.md).  A name the parser
+    already has (an entry point that implements one of them) is left to it."""
+    own = {s for a in parser._actions for s in a.option_strings}  # noqa: SLF001
     g = parser.add_argument_group(
         "Megatron-LM compatibility",
         "flags of Megatron-LM's scripts read only to ignore or refuse them "
         "(docs/megatron_lm_flags.md)")
     for f in FLAGS:
+        if f.name in own:
+            continue
         if f.nargs == 0:
             g.add_argument(f.name, dest=f.dest, action="store_true", help=argparse.SUPPRESS)
         else:
             g.add_argument(f.name, dest=f.dest, nargs=f.nargs, default=None,
                            help=argparse.SUPPRESS)
-    g.add_argument(*LAUNCHER_FLAGS, dest="launcher_local_rank", type=int, default=None,
-                   help=argparse.SUPPRESS)
+    launcher = [n for n in LAUNCHER_FLAGS if n not in own]
+    if launcher:
+        g.add_argument(*launcher, dest="launcher_local_rank", type=int, default=None,
+                       help=argparse.SUPPRESS)
 
 
 def _given(argv: Sequence[str], name: str) -> bool:
     return any(tok == name or tok.startswith(name + "=") for tok in argv)
 
 
-def rewrite_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+def _value(argv: Sequence[str], name: str) -> Optional[str]:
+    """The (last) value of ``name`` in ``argv``, either form."""
+    found = None
+    for i, tok in enumerate(argv):
+        if tok == name and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif tok.startswith(name + "="):
+            found = tok.split("=", 1)[1]
+    return found
+
+
+def rewrite_argv(argv: Sequence[str], own: Sequence[str] = ()
+                 ) -> Tuple[List[str], List[str], List[str]]:
     """(argv with RENAMED names replaced and --checkpoint-activations expanded, notes on
-    what was read under another name).  Values are never touched: a token is renamed
-    only if it is the flag itself or ``--flag=value``."""
+    what was read under another name, conflicts).  Values are never touched: a token is
+    renamed only if it is the flag itself or ``--flag=value``.  ``own``: the parser's
+    flags; an old name the parser defines itself is not renamed.
+
+    Recomputation follows Megatron-LM's old semantics: ``--checkpoint-num-layers`` (or
+    ``--activations-checkpoint-num-layers``) only sizes the chunks of
+    ``--checkpoint-activations`` / ``--activations-checkpoint-method`` and is dropped
+    without them; either of those defaults the chunk to 1 layer."""
+    renames = {old: new for old, new in RENAMED.items() if old not in own}
+    names = [tok.partition("=")[0] for tok in argv if tok.startswith("--")]
+    conflicts: List[str] = []
+    for new in dict.fromkeys(renames[n] for n in names if n in renames):
+        olds = list(dict.fromkeys(n for n in names if renames.get(n) == new))
+        direct = new in names
+        if direct or len(olds) > 1:
+            conflicts.append(" and ".join(olds + ([new] if direct else []))
+                             + f" all mean {new} (keep one)")
+    expand = CHECKPOINT_ACTIVATIONS not in own and CHECKPOINT_ACTIVATIONS in names
+    method = "--recompute-method" in names or (
+        "--activations-checkpoint-method" in renames and "--activations-checkpoint-method" in names)
     out: List[str] = []
     notes: List[str] = []
+    skip_value = False
     for tok in argv:
+        if skip_value:
+            skip_value = False
+            continue
         name, eq, value = tok.partition("=")
-        if tok.startswith("--") and name in RENAMED:
-            out.append(RENAMED[name] + eq + value)
-            notes.append(f"{name} as {RENAMED[name]}")
+        if tok.startswith("--") and name in renames:
+            if renames[name] == "--recompute-num-layers" and not (expand or method):
+                notes.append(f"{name} dropped (Megatron-LM reads it only with "
+                             f"{CHECKPOINT_ACTIVATIONS} or a recompute method)")
+                skip_value = not eq
+                continue
+            out.append(renames[name] + eq + value)
+            notes.append(f"{name} as {renames[name]}")
+        elif tok == CHECKPOINT_ACTIVATIONS and expand:
+            continue
         else:
             out.append(tok)
-    if CHECKPOINT_ACTIVATIONS in out:
-        out = [t for t in out if t != CHECKPOINT_ACTIVATIONS]
+    if expand or (method and "--activations-checkpoint-method" in names):
+        if expand and _value(out, "--recompute-granularity") == "selective":
+            conflicts.append(f"{CHECKPOINT_ACTIVATIONS} (full recomputation) and "
+                             "--recompute-granularity selective")
         added = []
-        for flag, value in (("--recompute-granularity", "full"),
-                            ("--recompute-method", "uniform"), ("--recompute-num-layers", "1")):
+        wanted = [("--recompute-granularity", "full")]
+        wanted += [("--recompute-method", "uniform")] if expand else []
+        wanted += [("--recompute-num-layers", "1")]
+        for flag, value in wanted:
             if not _given(out, flag):
                 out += [flag, value]
                 added.append(f"{flag} {value}")
-        notes.append(f"{CHECKPOINT_ACTIVATIONS} as {' '.join(added) or 'the recompute flags given'}")
-    if _given(out, "--recompute-method") and not _given(out, "--recompute-granularity") and \
-            any(n.startswith("--activations-checkpoint-method") for n in notes):
-        out += ["--recompute-granularity", "full"]
-        notes.append("--activations-checkpoint-method implies --recompute-granularity full")
-    return out, notes
-
-
-def renamed_conflicts(argv: Sequence[str]) -> List[str]:
-    """'--old and --new' for each renamed flag given under both names (the values
-    could differ; argparse would silently keep the last)."""
-    found = []
-    for old, new in RENAMED.items():
-        if _given(argv, old) and _given(argv, new):
-            found.append(f"{old} and {new}")
-    return found
+        what = CHECKPOINT_ACTIVATIONS if expand else "--activations-checkpoint-method"
+        if added:
+            notes.append(f"{what} adds {' '.join(added)}")
+    return out, notes, conflicts
 
 
 def verdicts(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
@@ -342,18 +384,26 @@ def markdown() -> str:
              "Generated by `python -m megatron.megatron_lm_flags` from "
              "`megatron/megatron_lm_flags.py`; a test keeps this file equal to its output.",
              "", "Every flag of `pretrain_gpt.py --help` has Megatron-LM's name and meaning. "
-             "Scripts written for Megatron-LM may also pass the flags below. A run prints "
-             "one `note:` line (rank 0) for the renamed and ignored flags it was given, and "
-             "stops with one `error:` line naming every refused flag before any rank waits "
-             "on another. A flag in none of these lists is an unknown flag: the error names "
-             "it and the closest known flag.", "",
+             "The one exception is `--recompute-activations`, the paper's whole-stage "
+             "recomputation here and selective recomputation in Megatron-LM; a run given it "
+             "says so in a note. Scripts written for Megatron-LM may also pass the flags "
+             "below. Rank 0 prints a `note:` line for the renamed flags and one for the "
+             "ignored flags it was given. A refused flag stops the run with one `error:` "
+             "line naming every refused flag, before any rank waits on another; so do two "
+             "names given for one flag. A flag in none of these lists is an unknown flag: "
+             "the error names it and the closest known flag.", "",
              "## Read under this trainer's name", "",
              "| Megatron-LM flag | read as |", "|---|---|"]
     for old, new in RENAMED.items():
         lines.append(f"| `{old}` | `{new}` |")
     lines.append(f"| `{CHECKPOINT_ACTIVATIONS}` | `--recompute-granularity full "
                  "--recompute-method uniform --recompute-num-layers 1` (each flag unless "
-                 "given) |")
+                 "given; with `--recompute-granularity selective` it is a conflict) |")
+    lines.append("| `--activations-checkpoint-method` alone | also adds `--recompute-granularity "
+                 "full` and `--recompute-num-layers 1` unless given, as Megatron-LM's default |")
+    lines.append("| `--checkpoint-num-layers` / `--activations-checkpoint-num-layers` without "
+                 f"`{CHECKPOINT_ACTIVATIONS}` or a method | dropped with a note (Megatron-LM "
+                 "reads them only with one) |")
     lines.append(f"| `{' / '.join(LAUNCHER_FLAGS)}` | accepted from `torch.distributed.launch`; "
                  "the rank comes from `LOCAL_RANK` |")
     for kind, title in (("ignored", "Accepted, no effect here"),

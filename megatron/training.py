@@ -644,7 +644,9 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
             code, per_iter = _agree(exits.local_code(), per_iter, engine.device)
             check_every = _check_every(cfg, per_iter)
-        if code != ExitRequests.NONE:
+        # at the end of the run (or of a finetuning epoch) the caller's own end follows:
+        # its evaluation, score and save; the request is acted on at the next check
+        if code != ExitRequests.NONE and it < train_iters:
             saved = tr.save and _save_checked(cfg, groups, engine, optimizer, scheduler,
                                               state, monitor)
             print_rank_last(f"stopped at iteration {it}: {exits.describe(code)}"

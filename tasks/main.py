@@ -13,7 +13,6 @@ Pipeline, tensor and data parallel flags (--pipeline-schedule, ...) work as in p
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -25,7 +24,9 @@ from tasks.arguments import TASKS  # noqa: E402
 
 def main(argv: Optional[List[str]] = None):
     argv = list(argv if argv is not None else sys.argv[1:])
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    from megatron.arguments import OneLineParser
+
+    pre = OneLineParser(prog="tasks/main.py", add_help=False, allow_abbrev=False)
     pre.add_argument("--task", choices=TASKS, default=None)
     task = pre.parse_known_args(argv)[0].task
     if task is None:

@@ -3,8 +3,9 @@ transformers' ``AutoTokenizer`` loads, as Megatron-LM's type of the same name.
 
 ``PATH`` is a directory ``save_pretrained`` wrote (``tokenizer.json``, or a slow
 tokenizer's vocabulary files with ``tokenizer_config.json``; what
-``tools/checkpoint_util.py --to-hf`` exports loads too), or a model name from the
-Hugging Face cache.  Loading never runs the directory's code (``trust_remote_code`` stays
+``tools/checkpoint_util.py --to-hf`` exports loads too), or a model name already in the
+local Hugging Face cache: nothing is downloaded (every rank would, and a mistyped
+directory could silently fetch some hub repository of that name).  Loading never runs the directory's code (``trust_remote_code`` stays
 off) and reads no pickle: tokenizer files are JSON, text or SentencePiece protobufs.
 
 Ids are Megatron-LM's: ``tokenize`` is the tokenizer's ``__call__`` with its special
@@ -17,9 +18,14 @@ import os
 import re
 from typing import Dict, List, Optional, Sequence
 
+from megatron.errors import UserError
 from megatron.tokenizer.base import MegatronTokenizer
 
 FLAG = "--tokenizer-model"
+
+
+class TokenizerError(UserError, ValueError):
+    """The tokenizer lacks a token the run needs (one line, no traceback)."""
 
 
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -50,12 +56,12 @@ class HuggingFaceTokenizer(MegatronTokenizer):
                              f"HuggingFaceTokenizer: a tokenizer directory or a model name)")
         try:
             self.hf = AutoTokenizer.from_pretrained(spec, trust_remote_code=False,
-                                                    local_files_only=local)
+                                                    local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers raises many kinds
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             what = ("transformers' AutoTokenizer cannot load this directory" if local else
-                    "no such directory, and transformers' AutoTokenizer cannot load it as a "
-                    "model name")
+                    "no such directory, and no model of that name in the local Hugging Face "
+                    "cache (nothing is downloaded: save_pretrained it to a directory)")
             raise ValueError(f"{FLAG} {spec}: {what} ({type(exc).__name__}: {first})") from None
         # Documents of a pretraining corpus are longer than the model's context; the
         # dataset cuts them into samples, so transformers' "longer than the maximum
@@ -67,7 +73,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        # len() counts the ids; a vocabulary with gaps has ids up to its largest one
+        return max(len(self.hf), max(self.vocab.values(), default=-1) + 1)
 
     @property
     def vocab(self) -> Dict[str, int]:
@@ -93,7 +100,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def _special(self, attr: str, what: str) -> int:
         tid = getattr(self.hf, attr, None)
         if tid is None:
-            raise ValueError(f"{FLAG} {self.spec}: the tokenizer has no {what} token")
+            raise TokenizerError(f"{FLAG} {self.spec}: the tokenizer has no {what} token, "
+                                 f"which this run needs")
         return int(tid)
 
     @property

@@ -120,7 +120,7 @@ def test_megatron_finetune_script_flags_and_its_time_limit(tmp_path, monkeypatch
                          "--exit-duration-in-mins", "1", "--save", str(tmp_path / "ck")])
     captured = capsys.readouterr()
     assert "--batch-size as --micro-batch-size" in captured.err
-    assert "--checkpoint-activations as --recompute-granularity full" in captured.err
+    assert "--checkpoint-activations adds --recompute-granularity full" in captured.err
     assert "recompute layers, 1 per chunk" in captured.out
     assert result.training.exited_early and result.iteration == 1 and not result.accuracy
     assert "stopped at iteration 1: " in captured.out

@@ -63,7 +63,7 @@ def test_megatron_pretrain_gpt_sh_validates_with_its_recomputation(tmp_path, cap
     assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (4, 8)
     assert cfg.training.num_microbatches(2) == 1
     err = capsys.readouterr().err
-    assert "note: Megatron-LM's older flag names read as: --checkpoint-activations as " \
+    assert "note: Megatron-LM's older flag names read as: --checkpoint-activations adds " \
            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in err
     assert "--data-impl mmap: datasets are Megatron's mmap format" in err
     assert "error" not in err
@@ -137,15 +137,53 @@ def test_equals_form_and_block_method_under_old_names():
     assert (args.recompute_granularity, args.recompute_num_layers) == ("full", 2)
 
 
-def test_a_flag_under_both_names_is_refused():
-    with pytest.raises(ArgumentError, match=r"--batch-size and --micro-batch-size \(keep one\)"):
+def test_a_flag_under_two_names_is_refused():
+    with pytest.raises(ArgumentError, match=r"conflicting Megatron-LM flags: --batch-size and "
+                                            r"--micro-batch-size all mean --micro-batch-size "
+                                            r"\(keep one\)"):
         validate_args(parse_args(SMALL + ["--batch-size", "4"]), 1)
+    with pytest.raises(ArgumentError, match="--checkpoint-num-layers and --activations-"
+                                            "checkpoint-num-layers all mean --recompute-num"):
+        validate_args(parse_args(SMALL + ["--checkpoint-activations", "--checkpoint-num-layers",
+                                          "1", "--activations-checkpoint-num-layers", "2"]), 1)
+    with pytest.raises(ArgumentError, match=r"--checkpoint-activations \(full recomputation\) "
+                                            "and --recompute-granularity selective"):
+        validate_args(parse_args(SMALL + ["--checkpoint-activations",
+                                          "--recompute-granularity", "selective"]), 1)
+
+
+def test_old_recompute_flags_follow_megatron_lm_defaults():
+    # a chunk size without --checkpoint-activations or a method: Megatron-LM ignores it
+    args = validate_args(parse_args(SMALL + ["--checkpoint-num-layers", "2"]), 1)
+    assert args.recompute_num_layers is None and args.recompute_granularity is None
+    assert any("--checkpoint-num-layers dropped" in n for n in args.megatron_lm_notes)
+    # --activations-checkpoint-method alone: full granularity, 1 layer per chunk
+    args = validate_args(parse_args(SMALL + ["--activations-checkpoint-method", "uniform"]), 1)
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == \
+        ("full", "uniform", 1)
+    # ours given: a note says what --recompute-activations means here
+    args = validate_args(parse_args(SMALL + ["--recompute-activations"]), 1)
+    assert any("--recompute-activations is the paper's whole-stage" in n
+               for n in args.megatron_lm_notes)
+
+
+def test_an_entry_points_own_flag_wins_over_the_compatibility_entry():
+    from megatron.arguments import build_parser
+
+    def provider(parser):
+        parser.add_argument("--keep-last", action="store_true")  # refused here otherwise
+        parser.add_argument("--warmup", type=int, default=0)  # renamed here otherwise
+        return parser
+
+    build_parser(provider)  # no argparse conflict
+    args = validate_args(parse_args(SMALL + ["--keep-last", "--warmup", "3"], provider), 1)
+    assert args.keep_last and args.warmup == 3 and args.lr_warmup_fraction is None
 
 
 def test_a_value_is_never_renamed():
-    out, notes = mlf.rewrite_argv(["--data-path", "--warmup-corpus", "--batch-size=3"])
+    out, notes, conflicts = mlf.rewrite_argv(["--data-path", "--warmup-corpus", "--batch-size=3"])
     assert out == ["--data-path", "--warmup-corpus", "--micro-batch-size=3"]
-    assert notes == ["--batch-size as --micro-batch-size"]
+    assert notes == ["--batch-size as --micro-batch-size"] and conflicts == []
 
 
 def _refused_argv(flag: mlf.CompatFlag):
@@ -290,15 +328,15 @@ def test_use_checkpoint_args_takes_the_shape_the_command_line_leaves_out(tmp_pat
     assert (args.max_position_embeddings, args.openai_gelu) == (40, True)
     assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 77)
     assert args.seq_length == 16  # given: the command line wins
-    note = args.megatron_lm_notes[-1]
+    note = next(n for n in args.megatron_lm_notes if "--use-checkpoint-args" in n)
     assert note.startswith(f"note: --use-checkpoint-args: from --load {ck} (iteration 1): "
                            "--num-layers 3, --hidden-size 48") and "--seq-length" not in note
-    with pytest.raises(ArgumentError, match=r"--use-checkpoint-args: --load \S+ holds no "
-                                            r"checkpoint to read the model flags from"):
-        validate_args(parse_args(["--use-checkpoint-args", "--load", str(tmp_path / "none"),
-                                  "--micro-batch-size", "2", "--train-iters", "4"]), 1)
-    with pytest.raises(ArgumentError, match="--use-checkpoint-args needs --load"):
-        validate_args(parse_args(["--use-checkpoint-args", "--micro-batch-size", "2"]), 1)
+    # no checkpoint yet (the first run of a restart loop), or no --load: the command line's
+    # flags, with a note, as Megatron-LM
+    for extra in (["--load", str(tmp_path / "none")], []):
+        args = validate_args(parse_args(["--use-checkpoint-args", *extra, *SMALL]), 1)
+        assert args.num_layers == 2
+        assert any("using the command line's flags" in n for n in args.megatron_lm_notes)
 
 
 def test_log_num_zeros_in_grad_counts_the_unused_position_rows():
@@ -314,3 +352,15 @@ def test_log_num_zeros_in_grad_counts_the_unused_position_rows():
     zeros = [int(line.split("num zeros: ")[1].split(" ")[0])
              for line in out.stdout.splitlines() if " iteration " in line]
     assert len(zeros) == 2 and all(z >= 32 * 64 for z in zeros), out.stdout[-2000:]
+
+
+def test_a_time_limit_at_the_last_iteration_ends_the_run_normally(tmp_path):
+    """--exit-duration-in-mins already passed when the run's last batch ends: the run's
+    own end follows (end-of-training validation and save), not an early stop."""
+    out = _run(SMALL[:SMALL.index("--train-iters")] + SMALL[SMALL.index("--train-iters") + 2:]
+               + ["--train-iters", "1", "--num-workers", "0", "--eval-iters", "1",
+                  "--exit-duration-in-mins", "0.0001", "--save", str(tmp_path / "ck")])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "stopped at iteration" not in out.stdout
+    assert "validation (end of training) loss at iteration 1" in out.stdout
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
