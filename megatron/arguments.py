@@ -361,7 +361,8 @@ def parse_args(argv: Optional[List[str]] = None,
     """Parse ``argv`` (default ``sys.argv[1:]``); no validation (see ``validate_args``).
 
     Megatron-LM's older flag names are read under ours first
-    (``megatron_lm_flags.rewrite_argv``); ``args.megatron_lm_renamed`` lists them."""
+    (``megatron_lm_flags.rewrite_argv``); a note in ``args.megatron_lm_notes`` lists
+    them, and ``args.megatron_lm_conflicts`` any flag given under two names."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(extra_args_provider)
     own = {s for a in parser._actions for s in a.option_strings}  # noqa: SLF001
