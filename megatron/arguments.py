@@ -89,6 +89,15 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train for.")
     g.add_argument("--train-samples", type=int, default=None,
                    help="Samples to train on (alternative to --train-iters).")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Grow the global batch from START to --global-batch-size in steps "
+                        "of INCREMENT spread evenly over the first SAMPLES training samples "
+                        "(Megatron-LM's GPT-3 scripts; needs --train-samples).")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'T:B T:B ...'",
+                   help="Global batch B from T consumed tokens on (samples without "
+                        "--seq-length); T may end in K, M, B or T; the first T is 0, the last "
+                        "B is the global batch size (Megatron-LM's; needs --train-samples).")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -484,6 +493,7 @@ def _check_local_gpus(args: argparse.Namespace) -> None:
 
 def _check_batches(args: argparse.Namespace) -> None:
     mbs, dp, pp = args.micro_batch_size, args.data_parallel_size, args.pipeline_model_parallel_size
+    schedule = _batch_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
     gbs = args.global_batch_size
@@ -495,20 +505,83 @@ def _check_batches(args: argparse.Namespace) -> None:
     _require(args.tbw_mitigation == "none" or args.pipeline_schedule == "2bw",
              f"--2bw-mitigation {args.tbw_mitigation} needs --pipeline-schedule 2bw, got "
              f"--pipeline-schedule {args.pipeline_schedule}")
-    if args.tbw_flush_warmup_iters is None:
-        args.tbw_flush_warmup_iters = (args.train_iters or 0) // 2
-    _require(args.tbw_flush_warmup_iters >= 0,
-             f"--2bw-flush-warmup-iters must be >= 0, got {args.tbw_flush_warmup_iters}")
     if args.pipeline_schedule == "2bw":
         _require(m >= pp,
                  f"PipeDream-2BW needs m >= d: --global-batch-size ({gbs}) / (--micro-batch-size "
                  f"({mbs}) x data-parallel size ({dp})) = {m} microbatches, fewer than "
                  f"--pipeline-model-parallel-size ({pp}); raise --global-batch-size to at least "
                  f"{pp * mbs * dp}")
+    if schedule is not None:
+        _check_schedule(args, schedule, mbs, dp, pp)
     if args.train_samples is not None:
-        _require(args.train_samples >= gbs,
-                 f"--train-samples ({args.train_samples}) must be >= --global-batch-size ({gbs})")
-        args.train_iters = args.train_samples // gbs
+        first = schedule.batch_size_at(0) if schedule is not None else gbs
+        _require(args.train_samples >= first,
+                 f"--train-samples ({args.train_samples}) must be >= "
+                 + (f"the first batch of {schedule.source} ({first})" if schedule is not None
+                    else f"--global-batch-size ({gbs})"))
+        args.train_iters = (schedule.iterations(args.train_samples) if schedule is not None
+                            else args.train_samples // gbs)
+    if args.tbw_flush_warmup_iters is None:  # after --train-samples set train_iters
+        args.tbw_flush_warmup_iters = (args.train_iters or 0) // 2
+    _require(args.tbw_flush_warmup_iters >= 0,
+             f"--2bw-flush-warmup-iters must be >= 0, got {args.tbw_flush_warmup_iters}")
+
+
+def _batch_schedule(args: argparse.Namespace):
+    """--rampup-batch-size or --step-batch-size-schedule as a BatchSchedule (None: the
+    batch is --global-batch-size throughout).  A step schedule's last batch becomes the
+    global batch size."""
+    from megatron.batch_schedule import BatchSchedule, BatchScheduleError
+
+    ramp, steps = args.rampup_batch_size, args.step_batch_size_schedule
+    if ramp is None and steps is None:
+        return None
+    _require(ramp is None or steps is None,
+             "--rampup-batch-size and --step-batch-size-schedule are mutually exclusive")
+    try:
+        if steps is not None:
+            schedule = BatchSchedule.parse(steps, args.seq_length)
+            if args.global_batch_size not in (None, schedule.final_batch_size):
+                args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+                    f"note: --global-batch-size {args.global_batch_size} is replaced by the last "
+                    f"batch of --step-batch-size-schedule, {schedule.final_batch_size}"]
+            args.global_batch_size = schedule.final_batch_size
+        else:
+            _require(args.global_batch_size is not None,
+                     "--rampup-batch-size needs --global-batch-size (the batch it ramps up to)")
+            schedule = BatchSchedule.from_rampup(ramp, args.global_batch_size)
+    except BatchScheduleError as exc:
+        raise ArgumentError(str(exc)) from None
+    return schedule
+
+
+def _check_schedule(args: argparse.Namespace, schedule, mbs: int, dp: int, pp: int) -> None:
+    from megatron.batch_schedule import BatchScheduleError
+
+    flag = schedule.source.split(" ")[0]
+    # --train-samples: the length of training and of the LR schedule are counted in
+    # samples, where an iteration count would mean a different amount for each batch
+    # size (Megatron-LM allows only this).  --train-iters (as Megatron-LM's GPT-3 script
+    # writes it, which Megatron-LM itself refuses): that many iterations, each of its
+    # own size, and the LR schedule counted in iterations.
+    if args.train_samples is not None:
+        for dest, instead in (("lr_decay_iters", "--lr-decay-samples"),
+                              ("lr_warmup_iters", "--lr-warmup-samples or --lr-warmup-fraction")):
+            _require(getattr(args, dest) is None,
+                     f"{_flag(dest)} counts iterations, whose size changes under {flag}, and "
+                     f"--train-samples counts samples; give {instead}")
+    else:
+        for dest in ("lr_decay_samples", "lr_warmup_samples"):
+            _require(getattr(args, dest) is None,
+                     f"{_flag(dest)} counts samples, and --train-iters with {flag} counts the "
+                     f"LR schedule in iterations; give {_flag(dest.replace('samples', 'iters'))} "
+                     "or train with --train-samples")
+    try:
+        schedule.check(mbs, dp, min_microbatches=pp if args.pipeline_schedule == "2bw" else 1)
+    except BatchScheduleError as exc:
+        raise ArgumentError(str(exc)) from None
+    args.batch_schedule = schedule.points
+    args.batch_schedule_source = schedule.source
 
 
 def _samples_to_iters(args: argparse.Namespace, samples_dest: str) -> int:
@@ -988,8 +1061,10 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         eod_mask_loss=args.eod_mask_loss, mock_data=args.mock_data)
     training = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters, train_samples=args.train_samples, seed=args.seed,
-        log_interval=args.log_interval, eval_interval=args.eval_interval,
+        train_iters=args.train_iters, train_samples=args.train_samples,
+        batch_schedule=getattr(args, "batch_schedule", None),
+        batch_schedule_source=getattr(args, "batch_schedule_source", ""),
+        seed=args.seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, exit_interval=args.exit_interval,
         tensorboard_dir=args.tensorboard_dir, save=args.save, load=args.load,
         save_interval=args.save_interval, no_save_optim=args.no_save_optim,

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.batch_schedule import BatchSchedule
 
 PIPELINE_SCHEDULES = ("none", "gpipe", "flush", "2bw")
 
@@ -229,6 +232,11 @@ class TrainingConfig:
     global_batch_size: int = 1
     train_iters: Optional[int] = None
     train_samples: Optional[int] = None
+    batch_schedule: Optional[Tuple[Tuple[int, int], ...]] = None
+    """(first consumed sample, global batch size) points of --rampup-batch-size or
+    --step-batch-size-schedule (see megatron.batch_schedule); None: --global-batch-size
+    throughout."""
+    batch_schedule_source: str = ""
     seed: int = 1234
     log_interval: int = 100
     eval_interval: int = 1000
@@ -264,7 +272,28 @@ class TrainingConfig:
     tune_host_malloc); False leaves glibc's defaults."""
 
     def num_microbatches(self, data_parallel_size: int) -> int:
+        """Microbatches per batch of --global-batch-size (the end of any ramp-up)."""
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+    def batch_sizes(self) -> Optional["BatchSchedule"]:
+        """The changing batch size, or None when it is --global-batch-size throughout."""
+        if self.batch_schedule is None:
+            return None
+        from megatron.batch_schedule import BatchSchedule
+        return BatchSchedule(tuple(tuple(p) for p in self.batch_schedule),
+                             self.batch_schedule_source)
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """Global batch size of the iteration that starts after ``consumed_samples``."""
+        schedule = self.batch_sizes()
+        return (schedule.batch_size_at(consumed_samples) if schedule is not None
+                else self.global_batch_size)
+
+    def samples_after(self, iterations: int, consumed_samples: int) -> int:
+        """Consumed samples after ``iterations`` more batches."""
+        schedule = self.batch_sizes()
+        return (schedule.samples_after(iterations, consumed_samples) if schedule is not None
+                else consumed_samples + iterations * self.global_batch_size)
 
 
 @dataclass(kw_only=True)

@@ -197,9 +197,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--num-virtual-stages-per-pipeline-rank", "refused",
                "the interleaved schedule is not built, use --pipeline-schedule flush "
                "(1F1B) or 2bw", nargs=None),
-    CompatFlag("--rampup-batch-size", "refused",
-               "batch-size ramp-up is not built, train at the final --global-batch-size",
-               nargs="*"),
     CompatFlag("--swiglu", "refused", "only GeLU MLPs are built"),
     CompatFlag("--squared-relu", "refused", "only GeLU MLPs are built"),
     CompatFlag("--untie-embeddings-and-output-weights", "refused",

@@ -267,8 +267,8 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
     eval_runs = (train_iters // tr.eval_interval + 1) if tr.eval_interval else 1
     # a resumed run reads on from its consumed samples (more or fewer than
     # iteration x gbs when --global-batch-size changed)
-    n_train = max(train_iters * gbs,
-                  state.consumed_train_samples + (train_iters - state.iteration) * gbs)
+    n_train = max(tr.samples_after(train_iters, 0),
+                  tr.samples_after(train_iters - state.iteration, state.consumed_train_samples))
     n_valid = eval_runs * tr.eval_iters * gbs
     n_test = tr.eval_iters * gbs
     train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, (n_train, n_valid, n_test))
@@ -604,18 +604,20 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
           result: TrainingResult, exits: Optional[ExitRequests] = None) -> TrainingResult:
     tr = cfg.training
     train_iters = tr.train_iters or 0
-    gbs = tr.global_batch_size
+    batch_sizes = tr.batch_sizes()
+    samples_per_microbatch = tr.micro_batch_size * groups.dp_size
     monitor = SkipMonitor.from_config(cfg)
 
     def on_step(report: StepReport) -> None:
+        size = tr.batch_size_at(state.consumed_train_samples)
         if not report.skipped:
-            scheduler.step_batch(gbs)
+            scheduler.step_batch(size)
         state.iteration = report.iteration + 1
-        state.consumed_train_samples += gbs
+        state.consumed_train_samples += size
         result.reports.append(report)
         if report.losses:
             result.losses[report.iteration + 1] = report.losses
-        logger.on_step(report, state)
+        logger.on_step(report, state, size)
         monitor.update(report)
 
     start_iteration = state.iteration
@@ -631,6 +633,12 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             ahead = monitor.batches_before_verdict(to_min() if to_min else None)
             if ahead is not None:
                 stop = min(stop, state.iteration + ahead)
+        if batch_sizes is not None:  # a segment trains batches of one size
+            same = batch_sizes.batches_at_this_size(state.consumed_train_samples)
+            if same is not None:
+                stop = min(stop, state.iteration + same)
+            engine.set_num_microbatches(tr.batch_size_at(state.consumed_train_samples)
+                                        // samples_per_microbatch)
         t_segment, first = time.perf_counter(), state.iteration
         engine.train_batches(train_iter, stop - state.iteration,
                              lr_provider=scheduler.get_lr, on_step=on_step)
@@ -806,6 +814,11 @@ def count_iterations_from_samples(cfg: MegatronConfig, state: TrainState) -> Non
     tr = cfg.training
     if tr.train_samples is None or tr.skip_train:
         return
+    batch_sizes = tr.batch_sizes()
+    if batch_sizes is not None:
+        tr.train_iters = state.iteration + batch_sizes.iterations(tr.train_samples,
+                                                                  state.consumed_train_samples)
+        return
     left = max(0, tr.train_samples - state.consumed_train_samples)
     tr.train_iters = state.iteration + left // tr.global_batch_size
 
@@ -821,7 +834,10 @@ def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
         raise UserError(f"nothing to train: the checkpoint in --load {tr.load} has consumed "
                         f"{state.consumed_train_samples} samples and --train-samples is "
                         f"{tr.train_samples}, less than one more batch of "
-                        f"--global-batch-size {tr.global_batch_size}; raise --train-samples "
+                        f"{tr.batch_size_at(state.consumed_train_samples)} samples "
+                        f"(--global-batch-size {tr.global_batch_size}"
+                        + (f", {tr.batch_schedule_source}" if tr.batch_schedule else "")
+                        + "); raise --train-samples "
                         "to continue, or pass --skip-train to only evaluate")
     if not tr.skip_train and state.iteration >= train_iters:
         raise UserError(f"nothing to train: the checkpoint in --load {tr.load} is at iteration "

@@ -56,6 +56,7 @@ class TrainingLogger:
     def _reset(self) -> None:
         self.t_last = time.perf_counter()
         self.steps = 0
+        self.samples = 0
         self.skipped = 0
         self.nan = 0
         self.loss_sums: Dict[str, float] = {}
@@ -74,7 +75,11 @@ class TrainingLogger:
 
     def banner(self, engine, model) -> None:
         tr, par = self.cfg.training, self.cfg.parallel
-        m = tr.num_microbatches(self.groups.dp_size)
+        m = str(tr.num_microbatches(self.groups.dp_size))
+        if tr.batch_schedule:  # the range the batch schedule goes through
+            unit = tr.micro_batch_size * self.groups.dp_size
+            ms = [size // unit for _, size in tr.batch_schedule]
+            m = f"{min(ms)}..{max(ms)}" if min(ms) != max(ms) else m
         n_params = sum(p.numel() for p in model.parameters())
         schedule = par.pipeline_schedule
         if schedule == "2bw" and par.tbw_mitigation == "warmup":
@@ -86,7 +91,9 @@ class TrainingLogger:
             f"pipeline schedule: {schedule} | microbatches per batch m={m} | "
             f"pipeline depth d={self.groups.pp_size} | parallel pipelines w={self.groups.dp_size} | "
             f"tensor parallel t={self.groups.tp_size} | micro batch {tr.micro_batch_size} | "
-            f"global batch {tr.global_batch_size} | recompute {self._recompute(engine)}"
+            f"global batch {tr.global_batch_size}"
+            + (f" (batch sizes {tr.batch_sizes().describe()})" if tr.batch_schedule else "")
+            + f" | recompute {self._recompute(engine)}"
             + (f" | receives posted {'ahead' if engine.p2p.prepost_receives else 'when needed'}"
                if self.groups.pp_size > 1 else "")
             + f" | parameters on the last stage: {n_params:,}")
@@ -95,10 +102,15 @@ class TrainingLogger:
         if self.writer is not None:
             self.writer.add_scalar(name, value, step)
 
-    def on_step(self, report, state) -> None:
+    def on_step(self, report, state, batch_size: Optional[int] = None) -> None:
+        """``batch_size``: the step's global batch (default --global-batch-size; it
+        differs under --rampup-batch-size or --step-batch-size-schedule)."""
         if not self.active:
             return
         self.steps += 1
+        self.last_batch = (batch_size if batch_size is not None
+                           else self.cfg.training.global_batch_size)
+        self.samples += self.last_batch
         self.skipped += int(report.skipped)
         if self.is_nan_iteration(report):
             self.nan += 1
@@ -132,14 +144,17 @@ class TrainingLogger:
         tr = self.cfg.training
         elapsed = time.perf_counter() - self.t_last
         per_iter = elapsed / max(self.steps, 1)
-        samples_per_s = tr.global_batch_size / per_iter if per_iter > 0 else 0.0
+        samples_per_s = self.samples / elapsed if elapsed > 0 else 0.0
         total = self.total_iterations if self.total_iterations is not None else tr.train_iters
         parts = [f" iteration {state.iteration:8d}/{total or 0:8d}",
                  f"consumed samples: {state.consumed_train_samples:12d}",
                  f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
                  f"samples/s: {samples_per_s:.2f}"]
-        if self.flops:
-            tflops = self.flops / per_iter / self.world / 1e12
+        if tr.batch_schedule:  # Megatron-LM prints it on every line
+            parts.append(f"global batch size: {self.last_batch:5d}")
+        if self.flops:  # flops of a full batch, scaled to the samples trained
+            flops = self.flops * self.samples / (tr.global_batch_size * max(self.steps, 1))
+            tflops = flops / per_iter / self.world / 1e12
             parts.append(f"TFLOP/s per device: {tflops:.4g}")
         parts.append(f"learning rate: {report.lr:.6E}")
         for k in list(self.loss_sums) + sorted(self.loss_keys - set(self.loss_sums)):

@@ -201,6 +201,11 @@ def _setup(task: FinetuneTask, argv: List[str]):
     from megatron.training import initialize_megatron
 
     raw = parse_args(argv, extra_args_provider=finetune_args)
+    for flag, value in (("--rampup-batch-size", raw.rampup_batch_size),
+                        ("--step-batch-size-schedule", raw.step_batch_size_schedule)):
+        if value is not None:
+            _fail(f"{flag} is for pretraining: finetuning trains whole epochs of "
+                  "--global-batch-size batches")
     if not raw.train_data and not raw.skip_train and raw.epochs != 0:
         _fail(f"--task {task.name} needs --train-data (or --epochs 0 / --skip-train to only "
               f"evaluate)")

@@ -221,6 +221,10 @@ class PipelineEngine:
         self.groups = groups
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
+        """Microbatches per training batch; changed between segments under a batch-size
+        ramp-up (``set_num_microbatches``)."""
+        self.eval_microbatches = num_microbatches
+        """Microbatches per evaluation batch: always those of the full batch."""
         self.micro_batch_size = micro_batch_size
         self.forward_step = forward_step
         self.device = device
@@ -349,6 +353,23 @@ class PipelineEngine:
         self._batch_scales = {}
         self._seed_batch_scales()
 
+    def set_num_microbatches(self, num_microbatches: int) -> None:
+        """Train the next segments with batches of ``num_microbatches`` (a batch-size
+        ramp-up).  Only between segments: the schedule of a segment is built for one m,
+        and every step of the last segment has finished."""
+        if num_microbatches == self.num_microbatches:
+            return
+        if self._seg is not None or self._pending_steps:
+            raise RuntimeError("set_num_microbatches inside a training segment")
+        if num_microbatches < 1 or (self.schedule_name == "2bw"
+                                    and num_microbatches < self.num_stages):
+            raise ValueError(f"{num_microbatches} microbatches per batch: the schedule "
+                             f"{self.schedule_name} at depth {self.num_stages} needs at least "
+                             f"{self.num_stages if self.schedule_name == '2bw' else 1}")
+        self.num_microbatches = num_microbatches
+        for reducer in self._reducers:
+            reducer.microbatches = num_microbatches
+
     # -- public entry points ------------------------------------------------------------
     def train_batches(self, data_iterator: Iterator[Any], num_batches: int,
                       lr_provider: Callable[[], float],
@@ -384,7 +405,7 @@ class PipelineEngine:
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator[Any], num_batches: int) -> Optional[Dict[str, float]]:
         """Forward-only passes with the newest weights; mean losses on the last stage."""
-        actions = build_schedule(self.schedule_name, self.num_stages, self.num_microbatches,
+        actions = build_schedule(self.schedule_name, self.num_stages, self.eval_microbatches,
                                  num_batches, forward_only=True)
         seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=False)
         self.model.eval()
@@ -402,7 +423,7 @@ class PipelineEngine:
         for sums in seg.loss_sums.values():
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0) + v
-        count = num_batches * self.num_microbatches
+        count = num_batches * self.eval_microbatches
         return self._dp_mean({k: v / count for k, v in totals.items()})
 
     def memory_stats(self) -> dict:
@@ -539,7 +560,8 @@ class PipelineEngine:
         seg = self._seg
         if seg is None or seg.data_iterator is None:
             return
-        while (len(seg.prefetched) < min(seg.fetches_left, self.num_microbatches)
+        ahead = self.num_microbatches if seg.train else self.eval_microbatches
+        while (len(seg.prefetched) < min(seg.fetches_left, ahead)
                and not work.is_completed()):
             seg.prefetched.append(self._read(seg))
 

@@ -41,6 +41,21 @@ MEGATRON_FINETUNE_MNLI_SH = [
     "--eval-interval", "100", "--eval-iters", "50", "--weight-decay", "1.0e-1", "--fp16",
     "--train-iters", "100", "--mock-data"]
 
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (2024), every flag as it is
+# there, with --mock-data for its data and vocabulary files.
+MEGATRON_GPT3_175B_SH = [
+    "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto",
+    "--micro-batch-size", "1", "--global-batch-size", "1536",
+    "--rampup-batch-size", "16", "16", "5859375", "--train-iters", "500000",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
+    "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+    "--lr-decay-iters", "430000", "--tensor-model-parallel-size", "8",
+    "--pipeline-model-parallel-size", "16", "--split", "949,50,1", "--log-interval", "100",
+    "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10",
+    "--mock-data", "--vocab-size", "50257"]
+
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--micro-batch-size", "2", "--seq-length", "32", "--max-position-embeddings", "32",
          "--train-iters", "4", "--lr", "1e-4", "--mock-data", "--vocab-size", "100"]
@@ -67,6 +82,23 @@ def test_megatron_pretrain_gpt_sh_validates_with_its_recomputation(tmp_path, cap
            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" in err
     assert "--data-impl mmap: datasets are Megatron's mmap format" in err
     assert "error" not in err
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+def test_megatron_gpt3_175b_sh_validates_with_its_batch_ramp(tmp_path, capsys, schedule):
+    """128 ranks (t=8 x d=16): the ramp starts at 16 microbatches of one sample, which
+    PipeDream-2BW at depth 16 can run; 500,000 iterations, each of its ramp size, with the
+    LR schedule in iterations (Megatron-LM's own checks refuse the script's --train-iters
+    with --rampup-batch-size)."""
+    paths = ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck")]  # (and its
+    # --tensorboard-dir, which needs the tensorboard package: not a test dependency)
+    _, cfg = parse_and_validate(MEGATRON_GPT3_175B_SH + paths + ["--pipeline-schedule", schedule],
+                                world_size=128)
+    tr, oc = cfg.training, cfg.optimizer
+    assert tr.train_iters == 500000 and tr.global_batch_size == 1536
+    assert tr.batch_sizes().sizes(2) == [16, 16] and tr.batch_size_at(5859376) == 1536
+    assert (oc.lr_schedule_unit, oc.lr_decay_iters, oc.lr_warmup_iters) == ("iterations", 430000, 430)
+    assert "error" not in capsys.readouterr().err
 
 
 DATA = REPO.parent / "shared" / "data"
