@@ -241,6 +241,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
                    help="Count the zero gradient elements of each step over the model "
                         "replica (each parameter once) and log them as 'num zeros'.")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="Log the L2 norm of the weights each step's gradients were computed "
+                        "with (under 2BW the previous version) as 'params norm'.")
     g.add_argument("--timeline-file", type=str, default=None,
                    help="Write traced pipeline actions as JSON (one file per rank) for "
                         "tools/draw_timeline.py.")
@@ -1075,6 +1078,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         exit_signal_handler=args.exit_signal_handler,
         exit_duration_in_mins=args.exit_duration_in_mins,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        log_params_norm=args.log_params_norm,
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,

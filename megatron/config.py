@@ -261,6 +261,9 @@ class TrainingConfig:
     """SIGTERM: drain at the next batch boundary, save (with --save) and exit 0."""
     log_num_zeros_in_grad: bool = False
     """Count the zero gradient elements of every step (one more reduction per tensor)."""
+    log_params_norm: bool = False
+    """Log the norm of the weights each step's gradients were computed with (one more
+    norm per tensor, summed in the optimizer's agreement: no extra collective)."""
     exit_duration_in_mins: Optional[float] = None
     """Once this many minutes have passed since the process started: stop at the next
     batch boundary every rank agrees on, save (with --save) and exit 0."""

@@ -162,7 +162,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--num-query-groups", "ignored",
                "has no effect without --group-query-attention", nargs=None),
     # ---- logging this trainer does not do
-    CompatFlag("--log-params-norm", "ignored", "the parameter norm is not logged"),
     CompatFlag("--timing-log-level", "ignored",
                "per-phase timers are not logged (--timeline-file traces every pipeline action)",
                nargs=None),

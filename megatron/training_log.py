@@ -128,6 +128,8 @@ class TrainingLogger:
         self.scalar("train/grad_norm", report.grad_norm, state.iteration)
         if report.num_zeros is not None:
             self.scalar("train/num_zeros", report.num_zeros, state.iteration)
+        if report.params_norm is not None:
+            self.scalar("train/params_norm", report.params_norm, state.iteration)
         interval = self.cfg.training.log_interval
         if state.iteration % interval == 0:
             self._print(report, state)
@@ -165,6 +167,8 @@ class TrainingLogger:
         parts += [f"loss scale: {report.loss_scale:.1f}",
                   f"grad norm: {report.grad_norm:.3f}",
                   *([f"num zeros: {report.num_zeros}"] if report.num_zeros is not None else []),
+                  *([f"params norm: {report.params_norm:.3f}"]
+                    if report.params_norm is not None else []),
                   f"number of skipped iterations: {self.skipped:3d}",
                   f"number of nan iterations: {self.nan:3d}"]
         print(" | ".join(parts) + " |", flush=True)

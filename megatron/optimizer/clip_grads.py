@@ -92,6 +92,19 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
     return stats
 
 
+def local_weight_sq(params: Sequence[torch.Tensor], mask: Sequence[bool],
+                    device: torch.device) -> torch.Tensor:
+    """This rank's sum of squares of the weights ``params`` whose ``mask`` entry is True
+    (a float64 scalar on ``device``; no host sync)."""
+    if len(params) != len(mask):
+        raise ValueError(f"clip_grads: {len(params)} weights but {len(mask)} mask entries")
+    counted = [p.detach() for p, m in zip(params, mask) if m]
+    if not counted:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = per_tensor_norms(counted)
+    return torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
+
+
 _BOOL_TENSORS: Dict[Tuple[torch.device, Tuple[bool, ...]], torch.Tensor] = {}
 
 

@@ -43,13 +43,15 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.exchange import ExchangeSum, exchange_pays
-from megatron.optimizer.clip_grads import clip_coefficient, local_grad_stats, norm_mask, scale_grads_
+from megatron.optimizer.clip_grads import (clip_coefficient, local_grad_stats, local_weight_sq,
+                                           norm_mask, scale_grads_)
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 from megatron.optimizer.staleness import (WeightPrediction, delay_compensate_, true_weights,
                                           use_foreach)
 
 OPTIMIZERS = ("adam", "sgd")
-_NUM_STATS = 4  # the agreement: sum of squares, non-finite tensors, zeros, extra flag
+_NUM_STATS = 5  # the agreement: sum of squares, non-finite tensors, zeros, extra flag,
+# and the weights' sum of squares (--log-params-norm)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -67,6 +69,9 @@ class StepInfo:
     """Zero gradient elements over the model replica (only with ``log_num_zeros``)."""
     num_nonfinite: int = 0
     """Gradient tensors holding inf/nan, summed over the model replica's ranks."""
+    params_norm: Optional[float] = None
+    """L2 norm of the weights the gradients were computed with, over the model replica
+    (only with ``log_params_norm``)."""
 
 
 @dataclass
@@ -89,7 +94,7 @@ class MegatronOptimizer:
                  params: Sequence[nn.Parameter], *, scaler: GradScaler, use_masters: bool,
                  skip_on_nonfinite: bool, clip_grad: float, model_groups: Any = None,
                  tp_rank: int = 0, log_num_zeros: bool = False, grads_to_none: bool = True,
-                 name: str = "adam") -> None:
+                 name: str = "adam", log_params_norm: bool = False) -> None:
         self.optimizer = optimizer
         self.main_params = main_params
         self.scaler = scaler
@@ -98,6 +103,7 @@ class MegatronOptimizer:
         self.clip_grad = float(clip_grad)
         self.model_groups = model_groups
         self.log_num_zeros = log_num_zeros
+        self.log_params_norm = log_params_norm
         self.grads_to_none = grads_to_none
         self.name = name
         self._shapes = [tuple(p.shape) for p in params]
@@ -201,6 +207,11 @@ class MegatronOptimizer:
             # without a device-to-host sync here
             stats[3] = (extra_found_inf.to(stats.dtype) if torch.is_tensor(extra_found_inf)
                         else (1.0 if extra_found_inf else 0.0))
+            if self.log_params_norm:
+                # the weights batch t was computed with (W(t), under 2BW W(t-1)): the only
+                # version every stage still holds, untouched, when its agreement starts
+                # (a later one may or may not be written yet, by stage timing)
+                stats[4] = local_weight_sq(grads_from, self._mask, self._device)
             work = None
             if self.model_groups is not None:
                 work = self._start_agreement(stats)
@@ -254,13 +265,14 @@ class MegatronOptimizer:
         with torch.no_grad():
             if pending.work is not None:
                 pending.work.wait()
-            sq_norm, nonfinite, zeros, extra = pending.stats.tolist()
+            sq_norm, nonfinite, zeros, extra, weight_sq = pending.stats.tolist()
             grad_norm = math.sqrt(sq_norm) if sq_norm >= 0.0 else float("nan")
             found_inf = nonfinite > 0 or not math.isfinite(sq_norm)
             self.scaler.update(found_inf and self.skip_on_nonfinite)
             info = dict(grad_norm=grad_norm, loss_scale=self.scaler.scale,
                         num_zeros=int(zeros) if self.log_num_zeros else None,
-                        num_nonfinite=int(nonfinite))
+                        num_nonfinite=int(nonfinite),
+                        params_norm=math.sqrt(weight_sq) if self.log_params_norm else None)
             # Any non-finite gradient skips the step, whatever the precision: applying it
             # would write NaN into the weights (and, under 2BW, into both versions in
             # turn).  Only fp16 also backs off its loss scale (above).  ``extra`` carries
@@ -448,7 +460,8 @@ def _first_difference(saved: List[tuple], ours: List[tuple]) -> str:
 def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Parameter],
                            model_groups: Any = None, tp_rank: int = 0, *,
                            log_num_zeros: bool = False,
-                           grads_to_none: bool = True) -> MegatronOptimizer:
+                           grads_to_none: bool = True,
+                           log_params_norm: bool = False) -> MegatronOptimizer:
     """Build the optimizer for one stage; ``params`` is the stage's (first) weight buffer.
 
     ``model_groups``: process group over the tensor x pipeline ranks of one model replica
@@ -507,4 +520,4 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
                              skip_on_nonfinite=bool(prec_cfg.fp16), clip_grad=opt_cfg.clip_grad,
                              model_groups=model_groups, tp_rank=tp_rank,
                              log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
-                             name=opt_cfg.optimizer)
+                             name=opt_cfg.optimizer, log_params_norm=log_params_norm)

@@ -61,6 +61,8 @@ class StepReport:
     """Loss scale batch t's backward passes used (and its gradients were unscaled by)."""
     num_zeros: Optional[int] = None
     """Zero gradient elements over the model replica (--log-num-zeros-in-grad only)."""
+    params_norm: Optional[float] = None
+    """L2 norm of the weights batch t was computed with (--log-params-norm only)."""
 
 
 @dataclass
@@ -790,7 +792,8 @@ class PipelineEngine:
             report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
                                 loss_scale=info.loss_scale, lr=lr,
                                 weight_version=self._version(t),
-                                losses=losses, grad_scale=grad_scale, num_zeros=info.num_zeros)
+                                losses=losses, grad_scale=grad_scale, num_zeros=info.num_zeros,
+                                params_norm=info.params_norm)
             seg.reports.append(report)
             self._note_versions(seg)
             if self._on_step is not None:

@@ -31,6 +31,7 @@ def summarize(result, rank: int) -> Dict[str, Any]:
             "skipped": [r.skipped for r in result.reports],
             "versions": [r.weight_version for r in result.reports],
             "grad_norms": [r.grad_norm for r in result.reports],
+            "params_norms": [r.params_norm for r in result.reports],
             "loss_scales": [r.loss_scale for r in result.reports],
             "grad_scales": [r.grad_scale for r in result.reports],
             "memory": result.memory,

@@ -69,10 +69,31 @@ def _inf_on_one_rank(rank: int, group):
     return info.skipped, info.loss_scale, info.num_nonfinite, unchanged
 
 
+def _params_norm(rank: int, group):
+    """--log-params-norm: the norm rides in the same agreement, of the weights the
+    gradients were computed with (before this step's update)."""
+    names, params = _stage_params(rank, torch.float64)
+    with torch.no_grad():
+        for n, p in zip(names, params):
+            p.copy_(_grad(n, 0.5) + 1.0)
+    cfg = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0,
+                          clip_grad=0.0)
+    opt = get_megatron_optimizer(cfg, PrecisionConfig(), params, model_groups=group,
+                                 log_params_norm=True)
+    norms = []
+    for _ in range(2):
+        for n, p in zip(names, params):
+            p.grad = _grad(n)
+        norms.append(opt.step(params, params, params, lr=1.0).params_norm)
+    _finish(opt)
+    return norms
+
+
 def _both_scenarios(rank: int, world_size: int):
     torch.set_num_threads(1)
     group = dist.new_group(ranks=[0, 1])  # the model group: both pipeline stages
-    return {"clip": _norm_and_clip(rank, group), "inf": _inf_on_one_rank(rank, group)}
+    return {"clip": _norm_and_clip(rank, group), "inf": _inf_on_one_rank(rank, group),
+            "params": _params_norm(rank, group)}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +113,14 @@ def test_global_norm_counts_shared_embedding_once_and_clips_alike(results):
             torch.testing.assert_close(w, 1.0 - coeff * _grad(n), rtol=1e-12, atol=1e-12)
     # Both copies of the tied embedding received the same update.
     assert torch.equal(results[0][2]["E"], results[1][2]["E"])
+
+
+def test_params_norm_counts_shared_embedding_once_before_the_update(results):
+    w0 = {n: _grad(n, 0.5) + 1.0 for n in SHAPES}
+    w1 = {n: w - _grad(n) for n, w in w0.items()}  # SGD, lr 1, no clipping
+    expected = [math.sqrt(sum(float(w[n].square().sum()) for n in SHAPES)) for w in (w0, w1)]
+    for r in results:
+        assert r["params"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_inf_on_one_rank_makes_both_ranks_skip(results):

@@ -22,7 +22,8 @@ STEPS = 4
 
 
 def _args(*extra: str) -> List[str]:
-    return TINY + list(extra)
+    # --log-params-norm: the norm joins the optimizer's agreement, nothing else changes
+    return TINY + ["--log-params-norm"] + list(extra)
 
 
 def _pp(d: int, schedule: str, *extra: str) -> List[str]:
@@ -171,6 +172,25 @@ def test_width_and_tensor_parallel_invariance(single, two_ranks, four_ranks):
 
 def test_sgd_flush_pipeline_equals_single(single, two_ranks):
     assert _close(_losses(two_ranks[-1]["sgd_flush_d2"]), _losses(single["sgd"]))
+
+
+def test_params_norm_is_of_the_weights_each_gradient_used(single, two_ranks, four_ranks):
+    """--log-params-norm, summed in the optimizer's agreement: every stage and tensor-
+    parallel rank counts its own weights once (the tied embedding on the first stage
+    only), so each layout reports the single-process norm; flush reports W(t), 2BW the
+    W(t-1) its gradient was computed with, so its first two steps both report W(0)."""
+    _, _, params = reference_setup(STEPS)
+    w0 = math.sqrt(sum(float(p.detach().square().sum()) for p in params))
+    for name in ("flush", "2bw"):
+        assert single[name]["params_norms"][0] == pytest.approx(w0, rel=1e-12)
+    assert single["2bw"]["params_norms"][1] == single["2bw"]["params_norms"][0]
+    assert single["flush"]["params_norms"][1] != single["flush"]["params_norms"][0]
+    for res, name, ref in ((two_ranks, "flush_d2", "flush"), (two_ranks, "2bw_d2", "2bw"),
+                           (four_ranks, "2bw_d4", "2bw"), (four_ranks, "2bw_d2t2", "2bw"),
+                           (four_ranks, "flush_d2w2", "flush")):
+        for rank_result in res:
+            assert _close(rank_result[name]["params_norms"], single[ref]["params_norms"],
+                          tol=1e-9), name
 
 
 def test_2bw_version_numbers_in_reports(two_ranks):

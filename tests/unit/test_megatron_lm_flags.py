@@ -5,6 +5,7 @@ closest known flag.  No process group: parsing and validation only."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -374,16 +375,20 @@ def test_use_checkpoint_args_takes_the_shape_the_command_line_leaves_out(tmp_pat
 def test_log_num_zeros_in_grad_counts_the_unused_position_rows():
     """--log-num-zeros-in-grad (Megatron-LM's): the 32 position-embedding rows past
     --seq-length get no gradient, so each step has at least 32 x 64 zero elements; the
-    count is an integer on every log line."""
+    count is an integer on every log line.  --log-params-norm adds the weights' norm,
+    after the zeros, as Megatron-LM orders them."""
     out = _run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                 "--micro-batch-size", "2", "--seq-length", "32", "--max-position-embeddings",
                 "64", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "100",
                 "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
-                "--log-num-zeros-in-grad"])
+                "--log-num-zeros-in-grad", "--log-params-norm"])
     assert out.returncode == 0, out.stderr[-2000:]
-    zeros = [int(line.split("num zeros: ")[1].split(" ")[0])
-             for line in out.stdout.splitlines() if " iteration " in line]
+    lines = [line for line in out.stdout.splitlines() if " iteration " in line]
+    zeros = [int(line.split("num zeros: ")[1].split(" ")[0]) for line in lines]
     assert len(zeros) == 2 and all(z >= 32 * 64 for z in zeros), out.stdout[-2000:]
+    norms = [float(line.split("| params norm: ")[1].split(" ")[0]) for line in lines]
+    assert all(n > 0 and math.isfinite(n) for n in norms) and norms[0] != norms[1]
+    assert lines[0].index("num zeros") < lines[0].index("params norm")
 
 
 def test_a_time_limit_at_the_last_iteration_ends_the_run_normally(tmp_path):
