@@ -146,7 +146,8 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--2bw-flush-warmup-iters", dest="tbw_flush_warmup_iters", type=int,
                    default=None,
                    help="Iterations run with flush semantics before 2BW starts "
-                        "(--2bw-mitigation warmup; default half of --train-iters: a tenth "
+                        "(--2bw-mitigation warmup; default half of the run's iterations, "
+                        "--train-iters or those --train-samples gives: a tenth "
                         "left 2BW's loss gap almost whole, half ended within 1%% of "
                         "Flush's loss, docs/pipeline.md).")
     g.add_argument("--2bw-dc-lambda", dest="tbw_dc_lambda", type=float, default=1.0,
@@ -579,8 +580,11 @@ def _check_schedule(args: argparse.Namespace, schedule, mbs: int, dp: int, pp: i
                      f"{_flag(dest)} counts samples, and --train-iters with {flag} counts the "
                      f"LR schedule in iterations; give {_flag(dest.replace('samples', 'iters'))} "
                      "or train with --train-samples")
+    # A fresh run trains every size; a resumed one (--load) only those after the samples
+    # its checkpoint consumed, checked once it is read (training.check_batch_schedule).
     try:
-        schedule.check(mbs, dp, min_microbatches=pp if args.pipeline_schedule == "2bw" else 1)
+        schedule.check(mbs, dp, min_microbatches=pp if args.pipeline_schedule == "2bw" else 1,
+                       consumed_samples=0 if args.load is None else schedule.points[-1][0])
     except BatchScheduleError as exc:
         raise ArgumentError(str(exc)) from None
     args.batch_schedule = schedule.points

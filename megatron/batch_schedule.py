@@ -124,11 +124,13 @@ class BatchSchedule:
 
     # -- checks -----------------------------------------------------------------------------
     def check(self, micro_batch_size: int, data_parallel_size: int,
-              min_microbatches: int = 1) -> None:
-        """Every batch must be whole microbatches on every data-parallel rank, and at
-        least ``min_microbatches`` of them (PipeDream-2BW: m >= pipeline depth)."""
+              min_microbatches: int = 1, consumed_samples: int = 0) -> None:
+        """Every batch from ``consumed_samples`` on must be whole microbatches on every
+        data-parallel rank, and at least ``min_microbatches`` of them (PipeDream-2BW:
+        m >= pipeline depth).  Batches already trained are not checked: a run resumed on
+        more ranks may have passed sizes this layout cannot split (as Megatron-LM)."""
         unit = micro_batch_size * data_parallel_size
-        for threshold, size in self.points:
+        for threshold, size in self.points[self._index(consumed_samples):]:
             if size % unit:
                 raise BatchScheduleError(
                     f"{self.source}: the batch of {size} (from sample {threshold:,}) is not a "

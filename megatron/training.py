@@ -466,6 +466,7 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
         engine.set_iteration(state.iteration)
     if payload.get("lr_scheduler") is not None:
         oc = cfg.optimizer
+        batch_sizes = tr.batch_sizes()
         try:
             scheduler.load_state_dict(payload["lr_scheduler"],
                                       override=oc.override_opt_param_scheduler,
@@ -474,7 +475,11 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
                                                       or tr.skip_train),
                                       samples_per_iteration=(
                                           state.consumed_train_samples / state.iteration
-                                          if state.iteration else tr.global_batch_size))
+                                          if state.iteration else tr.global_batch_size),
+                                      # batches of changing size: no one factor converts
+                                      convert=(None if batch_sizes is None else (
+                                          lambda n, unit: batch_sizes.samples_after(n)
+                                          if unit == "samples" else batch_sizes.iterations(n))))
         except ValueError as exc:
             raise CheckpointError(f"--load {tr.load}: {exc}") from None
     if not tr.no_load_rng and payload.get("rng_state") is not None:
@@ -634,12 +639,12 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             ahead = monitor.batches_before_verdict(to_min() if to_min else None)
             if ahead is not None:
                 stop = min(stop, state.iteration + ahead)
+        segment_batch = tr.batch_size_at(state.consumed_train_samples)
         if batch_sizes is not None:  # a segment trains batches of one size
             same = batch_sizes.batches_at_this_size(state.consumed_train_samples)
             if same is not None:
                 stop = min(stop, state.iteration + same)
-            engine.set_num_microbatches(tr.batch_size_at(state.consumed_train_samples)
-                                        // samples_per_microbatch)
+            engine.set_num_microbatches(segment_batch // samples_per_microbatch)
         t_segment, first = time.perf_counter(), state.iteration
         engine.train_batches(train_iter, stop - state.iteration,
                              lr_provider=scheduler.get_lr, on_step=on_step)
@@ -652,6 +657,8 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         if exits is not None and exits.active:
             per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
             code, per_iter = _agree(exits.local_code(), per_iter, engine.device)
+            # the next batches' size: a larger batch takes longer per iteration
+            per_iter *= tr.batch_size_at(state.consumed_train_samples) / segment_batch
             check_every = _check_every(cfg, per_iter)
         # at the end of the run (or of a finetuning epoch) the caller's own end follows:
         # its evaluation, score and save; the request is acted on at the next check
@@ -766,6 +773,7 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         cfg, groups, device, model_provider, forward_step,
         trace=cfg.training.timeline_file is not None, fault_injection=fault_injection)
     state = maybe_load(cfg, groups, engine, optimizer, scheduler)
+    check_batch_schedule(cfg, groups, state)
     count_iterations_from_samples(cfg, state)
     check_iterations_left(cfg, state)
     train_iter, valid_iter, test_iter = build_data_iterators(cfg, groups, tokenizer,
@@ -806,6 +814,25 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         _write_timeline(cfg.training.timeline_file, engine, groups, cfg)
     logger.close()
     return result
+
+
+def check_batch_schedule(cfg: MegatronConfig, groups: ParallelGroups, state: TrainState) -> None:
+    """The batch sizes still ahead of a resumed run must split into this layout's
+    microbatches (the arguments checked only the last one: they did not know where the
+    checkpoint stands).  Same verdict on every rank, before any collective of training."""
+    from megatron.batch_schedule import BatchScheduleError
+
+    tr = cfg.training
+    schedule = tr.batch_sizes()
+    if schedule is None or tr.skip_train:
+        return
+    depth = groups.pp_size if cfg.parallel.pipeline_schedule == "2bw" else 1
+    try:
+        schedule.check(tr.micro_batch_size, groups.dp_size, depth,
+                       consumed_samples=state.consumed_train_samples)
+    except BatchScheduleError as exc:
+        raise UserError(f"{exc} (the run resumes at sample {state.consumed_train_samples:,} "
+                        f"of --load {tr.load})") from None
 
 
 def count_iterations_from_samples(cfg: MegatronConfig, state: TrainState) -> None:

@@ -17,7 +17,7 @@ A checkpoint of the other unit is converted on load with its own samples per ite
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -100,7 +100,8 @@ class OptimizerParamScheduler:
 
     def load_state_dict(self, sd: Dict[str, Any], *, override: bool = False,
                         use_checkpoint: bool = False,
-                        samples_per_iteration: Optional[float] = None) -> None:
+                        samples_per_iteration: Optional[float] = None,
+                        convert: Optional[Callable[[int, str], int]] = None) -> None:
         """Restore the step counter, checking the schedule's hyper-parameters.
 
         ``override``: keep this run's hyper-parameters whatever the checkpoint says.
@@ -108,7 +109,8 @@ class OptimizerParamScheduler:
         Otherwise any difference is an error naming the field.
         ``samples_per_iteration``: the checkpoint's consumed samples per iteration, to
         convert a state counted in the other unit (a state without ``unit`` counts
-        iterations).
+        iterations).  ``convert(steps, unit)``: the exact conversion where batches differ
+        in size (a batch-size ramp-up), used instead of that one factor.
         """
         if override and use_checkpoint:
             raise ValueError("lr scheduler: override and use_checkpoint are mutually exclusive")
@@ -120,7 +122,7 @@ class OptimizerParamScheduler:
             raise ValueError(f"lr scheduler checkpoint state has unit {theirs_unit!r}, "
                              f"expected one of {', '.join(UNITS)}")
         if theirs_unit != self.unit:
-            sd = _convert_units(sd, self.unit, samples_per_iteration)
+            sd = _convert_units(sd, self.unit, samples_per_iteration, convert)
         # decay length means nothing to a constant schedule on both sides
         constant = self.decay_style == sd["decay_style"] == "constant"
         for name in _HPARAMS:
@@ -139,9 +141,14 @@ class OptimizerParamScheduler:
 _STEP_FIELDS = ("warmup_steps", "decay_steps", "num_steps")
 
 
-def _convert_units(sd: Dict[str, Any], unit: str,
-                   samples_per_iteration: Optional[float]) -> Dict[str, Any]:
+def _convert_units(sd: Dict[str, Any], unit: str, samples_per_iteration: Optional[float],
+                   convert: Optional[Callable[[int, str], int]] = None) -> Dict[str, Any]:
     """``sd``'s step counts in ``unit`` (iterations <-> samples)."""
+    if convert is not None:
+        out = {**sd, "unit": unit}
+        for name in _STEP_FIELDS:
+            out[name] = int(convert(int(sd[name]), unit))
+        return out
     if not samples_per_iteration or samples_per_iteration <= 0:
         raise ValueError(f"lr scheduler: the checkpoint counts its schedule in "
                          f"{sd.get('unit', 'iterations')} and this run in {unit}, and the "

@@ -210,3 +210,51 @@ def test_finetuning_refuses_a_batch_schedule(capsys):
     assert capsys.readouterr().err.strip() == (
         "error: --rampup-batch-size is for pretraining: finetuning trains whole epochs of "
         "--global-batch-size batches")
+
+
+def test_check_skips_the_sizes_a_resumed_run_has_passed(capsys):
+    """Resuming on more ranks (Megatron-LM allows it): the GPT-3 ramp's batch of 16 does not
+    split over 32 data-parallel ranks, but a checkpoint past the ramp never trains it.  The
+    arguments check only the last size when there is a --load; the rest is checked once
+    the checkpoint says where the run stands."""
+    from types import SimpleNamespace
+
+    from megatron.errors import UserError
+    from megatron.training import TrainState, check_batch_schedule
+
+    sched = BatchSchedule.from_rampup((16, 16, 5859375), 1536)
+    sched.check(1, 32, consumed_samples=6_000_000)
+    with pytest.raises(BatchScheduleError, match="batch of 16 .* = 32"):
+        sched.check(1, 32, consumed_samples=0)
+    ramp = ["--micro-batch-size", "1", "--global-batch-size", "1536",
+            "--rampup-batch-size", "16", "16", "5859375", "--train-samples", "10000000"]
+    from megatron.arguments import parse_and_validate
+
+    i = BASE.index("--micro-batch-size")
+    argv = BASE[:i] + BASE[i + 2:] + ramp
+    with pytest.raises(SystemExit):
+        parse_and_validate(argv, world_size=32)  # a fresh run trains the batch of 16
+    assert "the batch of 16 (from sample 0) is not a multiple" in capsys.readouterr().err
+    _, cfg = parse_and_validate(argv + ["--load", "/nonexistent/ckpt"], world_size=32)
+    groups = SimpleNamespace(pp_size=1, dp_size=32)
+    check_batch_schedule(cfg, groups, TrainState(iteration=4000,
+                                                 consumed_train_samples=6_000_000))
+    with pytest.raises(UserError, match="resumes at sample 1,000 of --load /nonexistent"):
+        check_batch_schedule(cfg, groups, TrainState(iteration=60, consumed_train_samples=1000))
+
+
+def test_lr_state_converts_units_through_the_batch_sizes():
+    """A checkpoint whose LR schedule counts iterations, resumed by a --train-samples run:
+    20 iterations of the ramp are the samples those batches hold, not 20 x the average
+    batch so far."""
+    from megatron.optimizer.lr_scheduler import OptimizerParamScheduler
+
+    sched = BatchSchedule.from_rampup((4, 4, 36), 16)
+    saved = OptimizerParamScheduler(1e-3, 0.0, 2, 20, "linear").state_dict()
+    saved["num_steps"] = 4
+    ours = OptimizerParamScheduler(1e-3, 0.0, sched.samples_after(2), sched.samples_after(20),
+                                   "linear", unit="samples")
+    ours.load_state_dict(saved, convert=lambda n, unit: sched.samples_after(n)
+                         if unit == "samples" else sched.iterations(n))
+    assert ours.num_steps == sched.samples_after(4) == 20
+    assert ours.decay_steps == 4 * 3 + 8 * 2 + 12 + 14 * 16
