@@ -610,12 +610,17 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
           result: TrainingResult, exits: Optional[ExitRequests] = None) -> TrainingResult:
     tr = cfg.training
     train_iters = tr.train_iters or 0
-    batch_sizes = tr.batch_sizes()
+    batch_sizes = tr.batch_sizes()  # built once: batch_size_at runs every step
+
+    def batch_at(consumed: int) -> int:
+        return (batch_sizes.batch_size_at(consumed) if batch_sizes is not None
+                else tr.global_batch_size)
+
     samples_per_microbatch = tr.micro_batch_size * groups.dp_size
     monitor = SkipMonitor.from_config(cfg)
 
     def on_step(report: StepReport) -> None:
-        size = tr.batch_size_at(state.consumed_train_samples)
+        size = batch_at(state.consumed_train_samples)
         if not report.skipped:
             scheduler.step_batch(size)
         state.iteration = report.iteration + 1
@@ -639,7 +644,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             ahead = monitor.batches_before_verdict(to_min() if to_min else None)
             if ahead is not None:
                 stop = min(stop, state.iteration + ahead)
-        segment_batch = tr.batch_size_at(state.consumed_train_samples)
+        segment_batch = batch_at(state.consumed_train_samples)
         if batch_sizes is not None:  # a segment trains batches of one size
             same = batch_sizes.batches_at_this_size(state.consumed_train_samples)
             if same is not None:
@@ -658,7 +663,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
             code, per_iter = _agree(exits.local_code(), per_iter, engine.device)
             # the next batches' size: a larger batch takes longer per iteration
-            per_iter *= tr.batch_size_at(state.consumed_train_samples) / segment_batch
+            per_iter *= batch_at(state.consumed_train_samples) / segment_batch
             check_every = _check_every(cfg, per_iter)
         # at the end of the run (or of a finetuning epoch) the caller's own end follows:
         # its evaluation, score and save; the request is acted on at the next check
