@@ -93,11 +93,13 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Grow the global batch from START to --global-batch-size in steps "
                         "of INCREMENT spread evenly over the first SAMPLES training samples "
-                        "(Megatron-LM's GPT-3 scripts; needs --train-samples).")
+                        "(Megatron-LM's GPT-3 scripts).  With --train-samples the run and its "
+                        "LR schedule count samples; with --train-iters, iterations.")
     g.add_argument("--step-batch-size-schedule", default=None, metavar="'T:B T:B ...'",
                    help="Global batch B from T consumed tokens on (samples without "
                         "--seq-length); T may end in K, M, B or T; the first T is 0, the last "
-                        "B is the global batch size (Megatron-LM's; needs --train-samples).")
+                        "B is the global batch size (Megatron-LM's; counted as "
+                        "--rampup-batch-size is).")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -154,9 +154,8 @@ class TrainingLogger:
                  f"samples/s: {samples_per_s:.2f}"]
         if tr.batch_schedule:  # Megatron-LM prints it on every line
             parts.append(f"global batch size: {self.last_batch:5d}")
-        if self.flops:  # flops of a full batch, scaled to the samples trained
-            flops = self.flops * self.samples / (tr.global_batch_size * max(self.steps, 1))
-            tflops = flops / per_iter / self.world / 1e12
+        if self.flops and elapsed > 0:  # flops of a full batch, per sample trained
+            tflops = self.flops / tr.global_batch_size * self.samples / elapsed / self.world / 1e12
             parts.append(f"TFLOP/s per device: {tflops:.4g}")
         parts.append(f"learning rate: {report.lr:.6E}")
         for k in list(self.loss_sums) + sorted(self.loss_keys - set(self.loss_sums)):
