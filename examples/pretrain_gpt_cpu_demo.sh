@@ -5,6 +5,8 @@
 #
 #   bash examples/pretrain_gpt_cpu_demo.sh            # everything, about 2 minutes on 2 cores
 #   TRAIN_ITERS=50 bash examples/pretrain_gpt_cpu_demo.sh
+#   BLOCK=llama bash examples/pretrain_gpt_cpu_demo.sh  # Llama's block: RMSNorm, RoPE,
+#                                                       # SwiGLU, GQA, no biases, untied
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -34,7 +36,14 @@ if [ -e "$OUT/checkpoints" ]; then
   echo "[demo] removing the checkpoints of the previous demo run ($OUT/checkpoints)"
   rm -rf "$OUT/checkpoints"
 fi
-echo "[demo] pretraining GPT: 4 ranks, --pipeline-schedule 2bw, d=2, w=2"
+case "${BLOCK:-gpt2}" in
+  gpt2) BLOCK_FLAGS=() ;;
+  llama) BLOCK_FLAGS=(--normalization RMSNorm --position-embedding-type rope --swiglu
+                      --ffn-hidden-size 352 --group-query-attention --num-query-groups 2
+                      --disable-bias-linear --untie-embeddings-and-output-weights) ;;
+  *) echo "error: BLOCK=${BLOCK}: expected gpt2 or llama" >&2; exit 2 ;;
+esac
+echo "[demo] pretraining GPT (${BLOCK:-gpt2} block): 4 ranks, --pipeline-schedule 2bw, d=2, w=2"
 OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
     --max-position-embeddings 128 \
@@ -47,6 +56,6 @@ OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 p
     --log-interval 10 --eval-interval 100 --eval-iters 5 --num-workers 0 \
     --save "$OUT/checkpoints" --save-interval "$ITERS" \
     --timeline-file "$OUT/timeline.json" \
-    --distributed-timeout-minutes 5
+    --distributed-timeout-minutes 5 "${BLOCK_FLAGS[@]}"
 echo "[demo] done: checkpoints in $OUT/checkpoints, traces in $OUT/timeline_rank*.json"
 echo "[demo] draw three batches of the pipeline: $PY tools/draw_timeline.py --trace '$OUT/timeline_rank*.json' --trace-batches $(( ITERS / 2 )):$(( ITERS / 2 + 3 )) --output $OUT/timeline.png"

@@ -66,7 +66,47 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1,
                    help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal initialiser.")
-    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon",
+                   type=float, default=1e-5,
+                   help="Epsilon of LayerNorm / RMSNorm (--norm-epsilon: Megatron-LM's newer "
+                        "name).")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="Normalisation of every block and the final one: LayerNorm (GPT-2, "
+                        "BERT) or RMSNorm (Llama; weight only).")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute",
+                   help="learned_absolute: a --max-position-embeddings x --hidden-size table "
+                        "(GPT-2); rope: rotary embedding of queries and keys, no table (Llama).")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type",
+                   action="store_const", const="rope",
+                   help="Megatron-LM's older switch for --position-embedding-type rope.")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron-LM's switch that drops the learned position table: accepted "
+                        "with RoPE, which has none (a model without positions is not built).")
+    g.add_argument("--rotary-base", type=int, default=10000,
+                   help="RoPE base (Llama 2: 10000, Llama 3: 500000).")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's dimensions RoPE rotates (the rest pass "
+                        "unchanged; GPT-NeoX: 0.25).")
+    g.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLP: down(silu(gate(x)) * up(x)), the h -> ffn projection "
+                        "doubled to [gate; up] (Llama).  Llama's --ffn-hidden-size is about "
+                        "8/3 x --hidden-size, not 4 x.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads, each "
+                        "shared by --num-attention-heads / --num-query-groups query heads.")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Key/value heads with --group-query-attention (must divide "
+                        "--num-attention-heads and be divisible by "
+                        "--tensor-model-parallel-size).")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="No biases on the four linear layers of every block (Llama).")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="Keep the query/key/value projection's bias with "
+                        "--disable-bias-linear (Qwen2).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Give GPT's output layer its own weight instead of the word "
+                        "embedding's (Llama; more parameters on the last stage).")
     g.add_argument("--openai-gelu", action="store_true",
                    help="Use GELU's tanh approximation, as OpenAI's GPT-2 weights (transformers' "
                         "'gelu_new'); default: exact GELU.")
@@ -445,6 +485,31 @@ def _check_model(args: argparse.Namespace) -> None:
     for dest in ("hidden_dropout", "attention_dropout"):
         p = getattr(args, dest)
         _require(0.0 <= p < 1.0, f"{_flag(dest)} must be in [0, 1), got {p}")
+    _check_architecture(args)
+
+
+def _check_architecture(args: argparse.Namespace) -> None:
+    """The Llama-style block options (RoPE, GQA, ...) and what they need."""
+    rope = args.position_embedding_type == "rope"
+    _require(rope or not args.no_position_embedding,
+             "--no-position-embedding: a model without any position information is not "
+             "built here; use --position-embedding-type rope (which has no position table)")
+    if args.group_query_attention:
+        g, a = args.num_query_groups, args.num_attention_heads
+        _require(g >= 1 and a % g == 0,
+                 f"--num-query-groups ({g}) must divide --num-attention-heads ({a})")
+        args.query_groups = g
+    else:
+        args.query_groups = args.num_attention_heads
+    if rope:
+        _require(0.0 < args.rotary_percent <= 1.0,
+                 f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+        head = args.hidden_size // args.num_attention_heads
+        _require(int(head * args.rotary_percent) >= 2,
+                 f"--rotary-percent {args.rotary_percent} of the head size {head} "
+                 f"(--hidden-size / --num-attention-heads) leaves fewer than 2 dimensions "
+                 f"to rotate")
+        _require(args.rotary_base > 0, f"--rotary-base must be positive, got {args.rotary_base}")
 
 
 def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
@@ -471,6 +536,10 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
     _require(args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
+    if args.group_query_attention:
+        _require(args.num_query_groups % tp == 0,
+                 f"--num-query-groups ({args.num_query_groups}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp}): each rank holds whole key/value heads")
     _require(args.measure_memory_interval >= 0,
              f"--measure-memory-interval must be >= 0, got {args.measure_memory_interval}")
     _require(args.distributed_timeout_minutes > 0,
@@ -860,6 +929,9 @@ CHECKPOINT_ARGS = (
     ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
     ("model", "ffn_hidden_size"), ("model", "seq_length"), ("model", "max_position_embeddings"),
     ("model", "layernorm_epsilon"), ("model", "openai_gelu"),
+    ("model", "normalization"), ("model", "position_embedding_type"), ("model", "rotary_base"),
+    ("model", "rotary_percent"), ("model", "swiglu"), ("model", "add_qkv_bias"),
+    ("model", "untie_embeddings_and_output_weights"),
     ("data", "tokenizer_type"), ("data", "vocab_file"), ("data", "merge_file"),
     ("data", "tokenizer_model"), ("data", "vocab_size"), ("data", "make_vocab_size_divisible_by"),
 )
@@ -905,6 +977,17 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
             continue
         setattr(args, dest, saved)
         taken.append(flag if saved is True else f"{flag} {saved}")
+    model = config.get("model") or {}
+    # two fields whose flags are not their names: a recorded GQA and a model without biases
+    groups, heads = model.get("num_query_groups"), model.get("num_attention_heads")
+    if (isinstance(groups, int) and groups != heads and not given & {
+            "--group-query-attention", "--num-query-groups"}):
+        args.group_query_attention, args.num_query_groups = True, groups
+        taken.append(f"--group-query-attention --num-query-groups {groups}")
+    if model.get("add_bias_linear") is False and "--disable-bias-linear" not in given \
+            and args.add_bias_linear:
+        args.add_bias_linear = False
+        taken.append("--disable-bias-linear")
     notes.append(head + f"from --load {args.load} (iteration {iteration}): "
                  + (", ".join(taken) if taken else "nothing the command line did not already say")
                  + (f"; not taken: {', '.join(left)}" if left else ""))
@@ -1034,7 +1117,18 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         num_tokentypes=getattr(args, "num_tokentypes", 0) or 0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers,
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        normalization=args.normalization, position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, swiglu=args.swiglu,
+        num_query_groups=args.query_groups, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    if model.num_tokentypes > 0:
+        from megatron.model.transformer import non_gpt2_options
+
+        llama = non_gpt2_options(model)
+        _require(not llama, f"{', '.join(llama)}: built for GPT models only; BERT "
+                            f"(pretraining and finetuning) keeps BERT's block")
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -898,6 +898,27 @@ _SHAPE_FLAGS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size")
                 ("num_tokentypes", "token types (GPT vs BERT)"))
 
 
+# The block's architecture fields, their flags and the value of a checkpoint saved before
+# the option existed.
+_ARCHITECTURE_FLAGS = (("normalization", "--normalization", "LayerNorm"),
+                       ("position_embedding_type", "--position-embedding-type",
+                        "learned_absolute"),
+                       ("rotary_base", "--rotary-base", 10000),
+                       ("rotary_percent", "--rotary-percent", 1.0),
+                       ("swiglu", "--swiglu", False),
+                       ("num_query_groups", "--num-query-groups", None),
+                       ("add_bias_linear", "--disable-bias-linear (biases)", True),
+                       ("add_qkv_bias", "--add-qkv-bias", False),
+                       ("untie_embeddings_and_output_weights",
+                        "--untie-embeddings-and-output-weights", False))
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
                       source_flag: str = "--load", skip: Sequence[str] = ()) -> None:
     """One line naming every flag whose value differs between the checkpoint and this run,
@@ -918,6 +939,17 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
         if name == "max_position_embeddings" and saved.get("seq_length") != model.seq_length:
             flag = "--seq-length/--max-position-embeddings"
         diffs.append(f"{flag} {theirs} in the checkpoint, {ours} in this run")
+    for name, flag, default in _ARCHITECTURE_FLAGS:
+        if name in skip:
+            continue
+        ours = getattr(model, name, default)
+        theirs = saved.get(name, default)  # a checkpoint from before the option: its default
+        if name == "num_query_groups":
+            theirs = theirs if theirs is not None else saved.get("num_attention_heads")
+        if ours is None or theirs is None or ours == theirs:
+            continue
+        diffs.append(f"{flag} {_flag_value(theirs)} in the checkpoint, {_flag_value(ours)} "
+                     f"in this run")
     if diffs:
         raise CheckpointError(f"{source_flag} {root}: the checkpoint is of another model shape: "
                               + "; ".join(diffs))

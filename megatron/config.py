@@ -65,12 +65,34 @@ class ModelConfig:
     cross_entropy_loss_fusion: bool = False
     """The language-model loss through torch.compile: fused kernels, no float32 logits in
     memory (``vocab_parallel_cross_entropy(fused=True)``)."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm' (weight and bias) or 'RMSNorm' (weight only; Llama's)."""
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' (a max_position_embeddings x hidden table, GPT-2's) or 'rope'
+    (rotary embedding of queries and keys, no table)."""
+    rotary_base: int = 10000
+    """RoPE's base: the rotation of dimension pair i is position / base^(2i / rotary dims)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (GPT-NeoX rotates 0.25)."""
+    swiglu: bool = False
+    """MLP = down(silu(gate(x)) * up(x)) instead of down(gelu(up(x)))."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: key/value heads (each shared by num_attention_heads /
+    num_query_groups query heads).  None: one per query head (multi-head attention)."""
+    add_bias_linear: bool = True
+    """Biases on the four linear layers of every block (False: --disable-bias-linear)."""
+    add_qkv_bias: bool = False
+    """A bias on the query/key/value projection even without add_bias_linear (Qwen2's)."""
+    untie_embeddings_and_output_weights: bool = False
+    """GPT's output layer has its own weight instead of the word embedding's."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
 
     @property
     def gelu_approximate(self) -> str:
@@ -80,6 +102,15 @@ class ModelConfig:
     @property
     def kv_channels(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (even; the rest pass unchanged)."""
+        return int(self.kv_channels * self.rotary_percent) // 2 * 2
+
+    @property
+    def uses_position_table(self) -> bool:
+        return self.position_embedding_type == "learned_absolute"
 
     @property
     def stage_recompute(self) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
 from megatron.model.stage import PipelineStage
-from megatron.model.transformer import ParallelTransformer, layer_norm
+from megatron.model.transformer import ParallelTransformer, layer_norm, non_gpt2_options
 from megatron.model.utils import padding_attention_mask
 from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding, divide,
                                       init_method_normal, mark_replicated_parameters,
@@ -106,6 +106,11 @@ def _check_stage(config: ModelConfig, tp: TPInfo, layer_numbers: range, pre_proc
     if post_process != (layer_numbers.stop == config.num_layers):
         raise ValueError(f"BertModel: post_process={post_process} but layer_numbers "
                          f"{layer_numbers} and --num-layers {config.num_layers} disagree")
+    llama = non_gpt2_options(config)
+    if llama:
+        raise ValueError(f"BertModel is built with BERT's block (LayerNorm, learned "
+                         f"positions, GeLU, biases, tied output): {', '.join(llama)} "
+                         f"apply to GPT models only")
     if pre_process and config.num_tokentypes < 1:
         raise ValueError("BertModel needs token-type embeddings: ModelConfig.num_tokentypes "
                          "must be >= 1 (2 for sentence pairs)")

@@ -15,7 +15,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
 from megatron.model.stage import PipelineStage
-from megatron.model.transformer import ParallelTransformer
+from megatron.model.transformer import ParallelTransformer, check_architecture
 from megatron.tensor_parallel import (ColumnParallelLinear, TPInfo, VocabParallelEmbedding,
                                       divide, init_method_normal, mark_replicated_parameters,
                                       vocab_parallel_cross_entropy)
@@ -27,6 +27,7 @@ def _check_config(config: ModelConfig, tp: TPInfo, layer_numbers: range,
     divide(config.num_attention_heads, tp.size, "--num-attention-heads")
     divide(config.ffn_hidden_size, tp.size, "--ffn-hidden-size")
     divide(config.padded_vocab_size, tp.size, "padded vocab size")
+    check_architecture(config, tp)
     if pre_process != (layer_numbers.start == 0):
         raise ValueError(f"pre_process={pre_process} but layer_numbers {layer_numbers} "
                          f"{'does' if layer_numbers.start == 0 else 'does not'} start at layer 0")
@@ -41,15 +42,20 @@ class GPTModel(PipelineStage):
 
     ``seed`` fixes the initial weights (see megatron/tensor_parallel/param_init.py);
     models built with the same seed agree on every parameter whatever their TP size
-    and stage split.
+    and stage split.  ``share_embeddings_and_output_weights`` (None: not
+    ``config.untie_embeddings_and_output_weights``) ties the output layer to the word
+    embedding.
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, *, pre_process: bool = True,
                  post_process: bool = True, layer_numbers: Optional[range] = None,
-                 share_embeddings_and_output_weights: bool = True, seed: int = 1234) -> None:
+                 share_embeddings_and_output_weights: Optional[bool] = None,
+                 seed: int = 1234) -> None:
         super().__init__()
         if layer_numbers is None:
             layer_numbers = range(config.num_layers)
+        if share_embeddings_and_output_weights is None:
+            share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         _check_config(config, tp, layer_numbers, pre_process, post_process)
         self.config = config
         self.tp = tp

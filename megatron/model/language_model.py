@@ -32,7 +32,9 @@ class Embedding(nn.Module):
     """Word (vocab-parallel) + learned position (+ token-type) embeddings, then dropout.
 
     Returns [seq, batch, hidden].  Dropout draws from the default stream, identical on all
-    TP ranks, because the embedding output is replicated across them.
+    TP ranks, because the embedding output is replicated across them.  With RoPE
+    (``position_embedding_type='rope'``) there is no position table: positions enter as
+    rotations of queries and keys in every attention layer.
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, *, seed: int,
@@ -49,7 +51,7 @@ class Embedding(nn.Module):
             params_dtype=config.params_dtype, init_key=key.child("word_embeddings"))
         self.position_embeddings = _replicated_table(
             config.max_position_embeddings, h, key.child("position_embeddings"), std,
-            config.params_dtype)
+            config.params_dtype) if config.uses_position_table else None
         self.tokentype_embeddings = _replicated_table(
             num_tokentypes, h, key.child("tokentype_embeddings"), std,
             config.params_dtype) if num_tokentypes > 0 else None
@@ -57,9 +59,11 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = position_ids_for(input_ids)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = position_ids_for(input_ids)
+            x = x + self.position_embeddings(position_ids)
         if self.tokentype_embeddings is not None:
             if tokentype_ids is None:
                 raise ValueError("this model has token-type embeddings: pass tokentype_ids")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,108 @@ from megatron.tensor_parallel import (ColumnParallelLinear, InitKey, RowParallel
 _MASK_FILL = -10000.0  # Megatron's value: fully masked rows become uniform, never NaN
 
 
-def layer_norm(config: ModelConfig) -> nn.LayerNorm:
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+
+def layer_norm(config: ModelConfig) -> nn.Module:
+    """The block's normalisation: torch's LayerNorm or RMSNorm (--normalization), both
+    with a weight (RMSNorm has no bias), epsilon --norm-epsilon / --layernorm-epsilon."""
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon,
+                          dtype=config.params_dtype)
+    if config.normalization != "LayerNorm":
+        raise ValueError(f"--normalization {config.normalization!r}: expected one of "
+                         f"{', '.join(NORMALIZATIONS)}")
     return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                         dtype=config.params_dtype)
+
+
+def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
+    """The block options' own consistency (the flags' checks, for a model built directly)."""
+    if config.normalization not in NORMALIZATIONS:
+        raise ValueError(f"--normalization {config.normalization!r}: expected one of "
+                         f"{', '.join(NORMALIZATIONS)}")
+    if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise ValueError(f"--position-embedding-type {config.position_embedding_type!r}: "
+                         f"expected one of {', '.join(POSITION_EMBEDDING_TYPES)}")
+    groups = config.num_query_groups
+    if groups < 1 or config.num_attention_heads % groups:
+        raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads "
+                         f"({config.num_attention_heads})")
+    divide(groups, tp.size, "--num-query-groups")
+    if config.position_embedding_type == "rope":
+        if not 0.0 < config.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent {config.rotary_percent}: expected a value "
+                             f"in (0, 1]")
+        if config.rotary_dim < 2:
+            raise ValueError(f"--rotary-percent {config.rotary_percent} of a head's "
+                             f"{config.kv_channels} dimensions leaves fewer than 2 to rotate")
+        if config.rotary_base <= 0:
+            raise ValueError(f"--rotary-base {config.rotary_base}: expected > 0")
+
+
+def non_gpt2_options(config: ModelConfig) -> list:
+    """The flags of a config whose block differs from GPT-2/BERT's (Llama-style options),
+    for models and exports that build only the GPT-2/BERT block."""
+    found = []
+    if config.normalization != "LayerNorm":
+        found.append(f"--normalization {config.normalization}")
+    if config.position_embedding_type != "learned_absolute":
+        found.append(f"--position-embedding-type {config.position_embedding_type}")
+    if config.swiglu:
+        found.append("--swiglu")
+    if config.num_query_groups != config.num_attention_heads:
+        found.append(f"--num-query-groups {config.num_query_groups}")
+    if not config.add_bias_linear:
+        found.append("--disable-bias-linear")
+        if config.add_qkv_bias:
+            found.append("--add-qkv-bias")
+    if config.untie_embeddings_and_output_weights:
+        found.append("--untie-embeddings-and-output-weights")
+    return found
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of RoPE's angles position * base^(-2i/r) for the first r dimensions of
+    a head (r = ``config.rotary_dim``), in the "rotate half" layout of Megatron-LM and
+    Hugging Face's Llama: dimension j < r/2 is paired with j + r/2.
+
+    No parameters and no buffers (nothing in the state dict): the tables are made for
+    the sequence length at hand, in float32, and kept for the next call with the same
+    length, device and dtype.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.dim = config.rotary_dim
+        self.base = float(config.rotary_base)
+        self._cache: dict = {}
+
+    def forward(self, seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [s, 1, 1, r] in ``dtype``: broadcast over batch and heads."""
+        key = (seq_len, device, dtype)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64,
+                                                     device=device) / self.dim))
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device),
+                             inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+        table = (angles.cos().to(dtype), angles.sin().to(dtype))
+        self._cache = {key: table}  # one length at a time: no growth over a run
+        return table
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.size(-1)`` dimensions of x [s, b, heads, head_dim]."""
+    r = cos.size(-1)
+    rot, rest = x[..., :r], x[..., r:]
+    first, second = rot.chunk(2, dim=-1)
+    rotated = rot * cos + torch.cat((-second, first), dim=-1) * sin
+    return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
 
 
 class CoreAttention(nn.Module):
@@ -53,9 +152,16 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """q, k, v: [s, b, heads, head_dim]; returns [s, b, heads * head_dim]."""
+        """q: [s, b, heads, head_dim]; k, v: [s, b, groups, head_dim], where groups
+        divides heads (grouped-query attention: query head i reads key/value head
+        i // (heads / groups)); returns [s, b, heads * head_dim]."""
         s, b, np_, hn = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
+        if k.size(1) != np_ and self.backend == "manual":
+            # each key/value head serves heads/groups consecutive query heads (sdpa
+            # does the same without materialising the copies: enable_gqa)
+            k = k.repeat_interleave(np_ // k.size(1), dim=1)
+            v = v.repeat_interleave(np_ // v.size(1), dim=1)
         p = self.dropout_p if self.training else 0.0
         fork = (get_rng_tracker().fork() if p > 0 and self.fork_rng
                 else contextlib.nullcontext())
@@ -78,18 +184,22 @@ class CoreAttention(nn.Module):
         return torch.matmul(probs, v)
 
     def _sdpa(self, q, k, v, mask, p):
+        gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
         additive = additive.masked_fill(mask, _MASK_FILL)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p, **gqa)
 
 
 class ParallelAttention(nn.Module):
-    """Self-attention: fused QKV (column-parallel) -> core attention -> row-parallel out.
+    """Self-attention: fused QKV (column-parallel) -> [RoPE] -> core attention ->
+    row-parallel out.
 
-    The QKV output features are ordered [head, (q, k, v), head_dim], so a contiguous
-    column split hands each rank whole heads with their q, k and v together.
+    The QKV output features are ordered [group, (the group's q heads, k, v), head_dim]
+    (Megatron-LM's layout), so a contiguous column split hands each rank whole groups,
+    each with its queries, key and value.  Multi-head attention is the case of one query
+    head per group: [head, (q, k, v), head_dim].
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, key: InitKey) -> None:
@@ -97,21 +207,31 @@ class ParallelAttention(nn.Module):
         h = config.hidden_size
         self.heads_per_rank = divide(config.num_attention_heads, tp.size,
                                      "--num-attention-heads")
+        self.groups_per_rank = divide(config.num_query_groups, tp.size, "--num-query-groups")
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
         self.head_dim = config.kv_channels
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.query_key_value = ColumnParallelLinear(
-            h, 3 * h, tp=tp, init_method=init_method_normal(config.init_method_std),
+            h, qkv_size, tp=tp, bias=config.add_bias_linear or config.add_qkv_bias,
+            init_method=init_method_normal(config.init_method_std),
             params_dtype=config.params_dtype, init_key=key.child("query_key_value"))
         self.core_attention = CoreAttention(config, tp)
         self.dense = RowParallelLinear(
-            h, h, tp=tp, input_is_parallel=True,
+            h, h, tp=tp, input_is_parallel=True, bias=config.add_bias_linear,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             params_dtype=config.params_dtype, init_key=key.child("dense"))
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor],
+                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         qkv, _ = self.query_key_value(x)
         s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).unbind(dim=3)
+        g, per = self.groups_per_rank, self.q_per_group
+        q, k, v = qkv.view(s, b, g, per + 2, self.head_dim).split([per, 1, 1], dim=3)
+        q = q.reshape(s, b, g * per, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.checkpoint_core_attention and torch.is_grad_enabled():
             ctx = checkpoint(self.core_attention, q, k, v, mask)
         else:
@@ -121,23 +241,38 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); with --swiglu,
+    h -> 2 ffn -> silu(gate) * up -> h.
+
+    SwiGLU's first weight is [gate; up] (2 ffn rows, gate first, as Megatron-LM's).  It
+    is split with stride 2: rank r holds [gate_r; up_r], the rows of its own slice of
+    both halves, so silu(gate) * up needs no communication.  Its full value does not
+    depend on t (the rows are cut from the same [gate; up] tensor).
+    """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, key: InitKey) -> None:
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_hidden_size
         self.gelu_approximate = config.gelu_approximate
+        self.swiglu = config.swiglu
         self.dense_h_to_4h = ColumnParallelLinear(
-            h, ffn, tp=tp, init_method=init_method_normal(config.init_method_std),
+            h, 2 * ffn if self.swiglu else ffn, tp=tp, bias=config.add_bias_linear,
+            stride=2 if self.swiglu else 1,
+            init_method=init_method_normal(config.init_method_std),
             params_dtype=config.params_dtype, init_key=key.child("dense_h_to_4h"))
         self.dense_4h_to_h = RowParallelLinear(
-            ffn, h, tp=tp, input_is_parallel=True,
+            ffn, h, tp=tp, input_is_parallel=True, bias=config.add_bias_linear,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             params_dtype=config.params_dtype, init_key=key.child("dense_4h_to_h"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.dense_h_to_4h(x)
-        out, _ = self.dense_4h_to_h(F.gelu(y, approximate=self.gelu_approximate))
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate=self.gelu_approximate)
+        out, _ = self.dense_4h_to_h(y)
         return out
 
 
@@ -154,9 +289,10 @@ class ParallelTransformerLayer(nn.Module):
         self.mlp = ParallelMLP(config, tp, key.child("mlp"))
         self.hidden_dropout = config.hidden_dropout
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         # Residual-branch dropout uses the default stream: x is replicated across TP ranks.
-        attn = self.self_attention(self.input_layernorm(x), mask)
+        attn = self.self_attention(self.input_layernorm(x), mask, rotary)
         x = x + F.dropout(attn, p=self.hidden_dropout, training=self.training)
         mlp = self.mlp(self.post_attention_layernorm(x))
         return x + F.dropout(mlp, p=self.hidden_dropout, training=self.training)
@@ -205,7 +341,10 @@ class ParallelTransformer(nn.Module):
             raise ValueError(f"layer_numbers {layer_numbers} must be a non-empty contiguous "
                              f"range inside [0, --num-layers {config.num_layers})")
         _check_recompute(config)
+        check_architecture(config, tp)
         self.layer_numbers = layer_numbers
+        self.rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
+                       else None)
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
         self.layers = nn.ModuleList(
@@ -220,27 +359,31 @@ class ParallelTransformer(nn.Module):
             post_layer_norm = layer_numbers.stop == config.num_layers
         self.final_layernorm = layer_norm(config) if post_layer_norm else None
 
-    def _run(self, start: int, end: int):
+    def _run(self, start: int, end: int, rotary=None):
         def run(hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, mask)
+                hidden = layer(hidden, mask, rotary)
             return hidden
         return run
 
     def forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = len(self.layers)
+        # RoPE's tables: made once per stage forward and shared by its layers (a
+        # recomputed chunk reads the same tensors: they need no gradient)
+        rotary = (self.rotary(hidden.size(0), hidden.device, hidden.dtype)
+                  if self.rotary is not None else None)
         if self.recompute_method is None or not torch.is_grad_enabled():
-            hidden = self._run(0, n)(hidden, mask)
+            hidden = self._run(0, n, rotary)(hidden, mask)
         elif self.recompute_method == "uniform":
             # chunks of k layers; only each chunk's input is kept, the chunk's
             # activations are rebuilt during the backward pass (one chunk at a time)
             k = self.recompute_num_layers
             for start in range(0, n, k):
-                hidden = checkpoint(self._run(start, min(start + k, n)),
+                hidden = checkpoint(self._run(start, min(start + k, n), rotary),
                                     _KeptForRecompute.apply(hidden), mask)
         else:  # block: the first k layers of this stage, each checkpointed on its own
             for i in range(n):
-                run = self._run(i, i + 1)
+                run = self._run(i, i + 1, rotary)
                 hidden = (checkpoint(run, _KeptForRecompute.apply(hidden), mask)
                           if i < self.recompute_num_layers else run(hidden, mask))
         if self.final_layernorm is not None:

@@ -275,7 +275,10 @@ class PipelineEngine:
         }
         # The tied word embedding of first and last stage: its sum between the two
         # stages starts at REDUCE_GRADS; its data-parallel average follows at STEP.
-        self._tied_early = groups.in_embedding_group and groups.embedding is not None
+        # (an untied output layer, --untie-embeddings-and-output-weights, shares nothing)
+        self._tied = any(getattr(p, "shared_embedding", False) for p in self.weights.params(0))
+        self._tied_early = (groups.in_embedding_group and groups.embedding is not None
+                            and self._tied)
         # one gradient reducer per weight buffer (its hooks sit on that buffer's params)
         self._reducers = [GradientReduction(
             self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
@@ -826,7 +829,8 @@ class PipelineEngine:
     def _allreduce_embedding_grads(self, params: List[nn.Parameter], async_op: bool = False):
         """Sum the tied word-embedding gradient of the first and last stage (returns the
         pending work with ``async_op``, else None)."""
-        if not self.groups.in_embedding_group or self.groups.embedding is None:
+        if not self.groups.in_embedding_group or self.groups.embedding is None \
+                or not self._tied:
             return None
         p = self._shared_embedding(params)
         if p.grad is None:

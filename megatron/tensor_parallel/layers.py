@@ -39,22 +39,25 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp: TPInfo, bias: bool = True,
                  gather_output: bool = False, init_method: Optional[InitMethod] = None,
                  skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 init_key: InitKey = _DEFAULT_KEY) -> None:
+                 init_key: InitKey = _DEFAULT_KEY, stride: int = 1) -> None:
         super().__init__()
         self.tp = tp
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = divide(output_size, tp.size, "ColumnParallelLinear output size")
+        divide(output_size, tp.size * stride, "ColumnParallelLinear output size / stride")
         self.gather_output = gather_output
+        if gather_output and stride != 1:
+            raise ValueError("ColumnParallelLinear: gather_output needs stride 1")
         self.skip_bias_add = skip_bias_add
         init_method = init_method or init_method_normal(0.02)
         self.weight = nn.Parameter(partitioned_tensor(
             (output_size, input_size), init_key.child("weight"), init_method, params_dtype,
-            partition_dim=0, rank=tp.rank, size=tp.size))
-        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+            partition_dim=0, rank=tp.rank, size=tp.size, stride=stride))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
         if bias:
             self.bias = _zeros(self.output_size_per_partition, params_dtype)
-            set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
 

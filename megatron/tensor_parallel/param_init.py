@@ -82,12 +82,33 @@ def init_device() -> torch.device:
 
 def partitioned_tensor(shape: Sequence[int], key: InitKey, init_method: InitMethod,
                        dtype: torch.dtype, partition_dim: int, rank: int,
-                       size: int) -> torch.Tensor:
-    """This rank's contiguous slice (along ``partition_dim``) of the full initial value."""
+                       size: int, stride: int = 1) -> torch.Tensor:
+    """This rank's slice (along ``partition_dim``) of the full initial value: the
+    contiguous ``rank``-th of ``size`` pieces, or with ``stride`` > 1 its piece of each
+    of the ``stride`` equal sections (see ``shard``)."""
     full = full_tensor(shape, key, init_method, dtype)
     if size == 1:
         return full
-    return torch.chunk(full, size, dim=partition_dim)[rank].clone()
+    return shard(full, partition_dim, rank, size, stride).clone()
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` split ``size`` ways along ``dim`` (a view when
+    stride is 1).  ``stride`` s > 1: ``full`` is s equal sections side by side (SwiGLU's
+    [gate; up]) and the rank holds its slice of each, in order: pieces
+    rank, rank + size, ... of the size * s equal pieces (Megatron's partition_stride)."""
+    if stride == 1:
+        return torch.chunk(full, size, dim=dim)[rank]
+    pieces = torch.chunk(full, size * stride, dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def unshard(parts: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The inverse of ``shard``: the full tensor from every rank's part, in rank order."""
+    if stride == 1:
+        return torch.cat(list(parts), dim=dim)
+    split = [p.chunk(stride, dim=dim) for p in parts]
+    return torch.cat([split[r][i] for i in range(stride) for r in range(len(parts))], dim=dim)
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
