@@ -7,13 +7,22 @@
         --seq-length 512 --num-gpus 16 --gpus-per-server 8 --gpu-memory-gb 16 \\
         --intra-server-bandwidth 150 --inter-server-bandwidth 3.125 --max-batch-size 256 \\
         --schedules 2bw,flush --tensor-parallel --json plan.json
+    python tools/plan.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
+        --ffn-hidden-size 14336 --seq-length 8192 --vocab-size 128256 \\
+        --normalization RMSNorm --position-embedding-type rope --swiglu \\
+        --group-query-attention --num-query-groups 8 --disable-bias-linear \\
+        --untie-embeddings-and-output-weights --cluster dgx-a100 --num-gpus 64 \\
+        --max-batch-size 512 --tensor-parallel
 
 Prints a ranked table (predicted samples/s, memory per GPU, bubble, why rejected) and
 the torchrun command of the best configuration.  Predictions come from the closed-form
 cost model of the paper's Appendix A (megatron/pipeline/planner/cost_model.py), or, with
 ``--profile profile.json`` (written by tools/profile_model.py), from measured per-block
 compute times and activation sizes (megatron/pipeline/planner/profile.py); model flags
-left out are then taken from the profile.
+left out are then taken from the profile.  The Llama-style block options are the
+trainer's flags (--normalization, --position-embedding-type, --swiglu,
+--group-query-attention --num-query-groups, --disable-bias-linear, --add-qkv-bias,
+--untie-embeddings-and-output-weights); the planned command passes them on.
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ from megatron.pipeline.planner import (CostOptions, HardwareSpec, ModelSpec,  # 
                                        PlanningError, SCHEDULES, best_plan, command_line,
                                        format_table, get_hardware, get_model, search)
 from megatron.pipeline.planner.hardware import GB, GiB, describe_links, links_for  # noqa: E402
+from megatron.pipeline.planner.model_spec import (NORMALIZATIONS,  # noqa: E402
+                                                  POSITION_EMBEDDING_TYPES)
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
 from megatron.pipeline.planner.profile import Profile  # noqa: E402
 from megatron.pipeline.planner.search import planned_precision  # noqa: E402
@@ -99,6 +110,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden size")
     g.add_argument("--vocab-size", type=int, help="padded vocabulary (default 50304 GPT, 30592 BERT)")
     g.add_argument("--model-type", choices=("gpt", "bert"), help="default gpt")
+    # the trainer's Llama-style block options (megatron/arguments.py); left out: a
+    # preset's or a profile's own, else a GPT-2 block (default None = not given)
+    g.add_argument("--normalization", choices=NORMALIZATIONS,
+                   help="default LayerNorm (RMSNorm: weight only)")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+                   help="default learned_absolute (rope: rotary, no position table)")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type",
+                   action="store_const", const="rope",
+                   help="Megatron-LM's older switch for --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, help="RoPE's base (default 10000)")
+    g.add_argument("--rotary-percent", type=float,
+                   help="share of each head RoPE rotates (default 1.0)")
+    g.add_argument("--swiglu", action="store_true", default=None,
+                   help="SwiGLU MLP: 3 matrices, the first h -> 2 x ffn")
+    g.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int,
+                   help="key/value heads with --group-query-attention (default 1, as the "
+                        "trainer's)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   default=None, help="no biases on a block's four linear layers")
+    g.add_argument("--add-qkv-bias", action="store_true", default=None,
+                   help="keep the QKV projection's bias with --disable-bias-linear")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                   help="GPT's output layer gets a vocab x hidden weight of its own")
     c = p.add_argument_group("cluster (a preset, overridable field by field)")
     c.add_argument("--cluster", default="p3.16xlarge", choices=sorted(HARDWARE_PRESETS))
     c.add_argument("--num-gpus", type=int, required=True, help="N: GPUs to plan for")
@@ -136,22 +172,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
+               "swiglu", "num_query_groups", "add_bias_linear", "add_qkv_bias",
+               "untie_embeddings_and_output_weights")
+"""ModelSpec's Llama-style options, each set by the trainer's flag of the same name."""
+
+
+def arch_from_args(args: argparse.Namespace) -> dict:
+    """The block options given on the command line (ModelSpec field -> value).
+
+    As in the trainer, --num-query-groups counts only with --group-query-attention,
+    which without it means one key/value head (Megatron-LM's default); a count given
+    without the switch is an error rather than silently ignored."""
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise PlanningError(f"--num-query-groups {args.num_query_groups} needs "
+                            f"--group-query-attention (without it the trainer ignores it)")
+    given = {k: getattr(args, k) for k in ARCH_FIELDS
+             if k != "num_query_groups" and getattr(args, k) is not None}
+    if args.group_query_attention:
+        given["num_query_groups"] = (args.num_query_groups
+                                     if args.num_query_groups is not None else 1)
+    return given
+
+
 def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None) -> ModelSpec:
     shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    arch = arch_from_args(args)
     if profile is not None and not args.model:
         # Flags left out come from the profiled shape (a different depth is allowed).
         for k in shape + ("ffn_hidden_size", "vocab_size"):
             if getattr(args, k) is None:
                 setattr(args, k, profile.model[k])
+        arch = {**{k: profile.model[k] for k in ARCH_FIELDS}, **arch}
     if args.model:
         base = get_model(args.model)
         over = {k: getattr(args, k) for k in shape + ("ffn_hidden_size", "vocab_size")
                 if getattr(args, k) is not None}
+        over.update(arch)
         if args.model_type:
             over["kind"] = args.model_type
         if not over:
             return base
-        fields = {k: getattr(base, k) for k in shape + ("ffn_hidden_size", "vocab_size", "kind")}
+        fields = {k: getattr(base, k)
+                  for k in shape + ("ffn_hidden_size", "vocab_size", "kind") + ARCH_FIELDS}
+        if not base.grouped_query:
+            fields["num_query_groups"] = None  # multi-head, whatever the head count
         fields.update(over)
         if "hidden_size" in over and "ffn_hidden_size" not in over:
             fields["ffn_hidden_size"] = None
@@ -163,7 +228,7 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
     vocab = args.vocab_size or (50304 if kind == "gpt" else 30592)
     return ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab, kind=kind)
+                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab, kind=kind, **arch)
 
 
 def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:

@@ -17,9 +17,19 @@ warm-up runs first and the median of the timed runs kept:
   timed alone on an input it had just seen ran 4% (the profiler's own runs) to 11% (a
   separate experiment) faster per layer than four chained ones, and the trainer's stages
   were slower still (bench/planner_validation.py);
-* ``embedding`` (first stage): word + position embeddings, tokens -> [s, b, h];
-* ``head`` (last stage): final LayerNorm, logits against the word embedding, the
-  vocab-parallel cross-entropy and the masked mean loss.
+* ``embedding`` (first stage): word + position embeddings (no position table with
+  RoPE), tokens -> [s, b, h];
+* ``head`` (last stage): final norm, logits against the word embedding (an untied output
+  layer: its own weight), the vocab-parallel cross-entropy and the masked mean loss.
+
+The model flags are the trainer's, the Llama-style block options included
+(--normalization, --position-embedding-type, --swiglu, --group-query-attention
+--num-query-groups, --disable-bias-linear, --add-qkv-bias,
+--untie-embeddings-and-output-weights).
+With RoPE the layers of a stage share one cos/sin table (``RotaryEmbedding``'s cache):
+the block count leaves it out (it would otherwise be charged once per chained layer)
+and ``rotary_table_bytes`` records it, charged once per stage (the executor counts it
+once per microbatch, as every tensor its layers save).
 
 Then, per stage kind (``whole``: embedding and head, d = 1; ``first``; ``middle``;
 ``last``), a ``GPTModel`` stage of ``--chain-blocks`` layers is run through
@@ -51,11 +61,15 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                "seq_length", "ffn_hidden_size", "vocab_size" (padded), "dtype",
                "dtype_bytes", "hidden_dropout", "attention_dropout", "optimizer",
                "cross_entropy_loss_fusion",
-               "grad_bytes"},  # 4 under bf16: the trainer accumulates gradients in fp32
+               "grad_bytes",  # 4 under bf16: the trainer accumulates gradients in fp32
+               "normalization", "position_embedding_type", "rotary_base",
+               "rotary_percent", "swiglu", "num_query_groups", "add_bias_linear",
+               "add_qkv_bias", "untie_embeddings_and_output_weights"},
+               # ModelConfig's values (older profiles: absent, meaning the defaults)
      "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
-                 "head_params", "head_bytes",
+                 "head_params", "head_bytes",  # an untied output layer is the head's
                  "tied_embedding_params", "tied_embedding_bytes"},
-                 # the last stage's copy of the word embedding when d > 1
+                 # the last stage's copy of the word embedding when d > 1 (0 untied)
      "optimizer_step_s": {"fixed", "block", "embedding", "head", "tied_embedding"},
          # one step of a stage = fixed + its pieces' marginal costs (see below)
      "optimizer_step_cpu_s": {...the same, thread CPU time},
@@ -64,6 +78,7 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
      "microbatches": [{"micro_batch_size": b,
                        "stage_input_bytes": s*b*h*dtype_bytes,
                        "data_bytes": b*(s+1)*8,   # int64 token ids of one microbatch
+                       "rotary_table_bytes"?: 2*s*rotary_dim*dtype_bytes,  # RoPE only
                        "block" | "embedding" | "head": {
                            "forward_s", "backward_s",            # wall clock
                            "forward_cpu_s", "backward_cpu_s",    # this thread's CPU time
@@ -97,6 +112,11 @@ SCHEMA = "megatron-pipedream-profile/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "fp64": torch.float64}
 COMPONENTS = ("block", "embedding", "head")
+# ModelConfig's block options, recorded in the profile's "model" (the planner's ModelSpec
+# carries the same names: megatron/pipeline/planner/profile.py)
+ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
+               "swiglu", "num_query_groups", "add_bias_linear", "add_qkv_bias",
+               "untie_embeddings_and_output_weights")
 # stage kind -> (pre_process, post_process) of the GPTModel stage timed whole
 STAGE_KINDS = {"whole": (True, True), "first": (True, False), "middle": (False, False),
                "last": (False, True)}
@@ -110,6 +130,18 @@ def _sync(device: torch.device) -> None:
 def weight_storage_ptrs(module: nn.Module) -> set:
     """Storages of a module's parameters (left out of activation counts, as the engine)."""
     return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+
+def block_params(config: ModelConfig) -> int:
+    """Parameters of one transformer layer of ``config`` (the planner's closed form)."""
+    from megatron.pipeline.planner.model_spec import ModelSpec
+    return ModelSpec(num_layers=1, hidden_size=config.hidden_size,
+                     num_attention_heads=config.num_attention_heads, seq_length=1,
+                     vocab_size=1, ffn_hidden_size=config.ffn_hidden_size,
+                     normalization=config.normalization, swiglu=config.swiglu,
+                     num_query_groups=config.num_query_groups,
+                     add_bias_linear=config.add_bias_linear,
+                     add_qkv_bias=config.add_qkv_bias).params_per_layer
 
 
 def param_count(module: nn.Module) -> Tuple[int, int]:
@@ -141,29 +173,47 @@ class EmbeddingPiece(nn.Module):
 
 
 class HeadPiece(nn.Module):
-    """Last-stage piece: final LayerNorm -> logits (tied word embedding) -> per-token
-    cross-entropy -> ``pretrain_gpt.loss_func``, the same calls ``GPTModel`` makes."""
+    """Last-stage piece: final norm -> logits (tied word embedding, or the untied output
+    layer) -> per-token cross-entropy -> ``pretrain_gpt.loss_func``, the same calls
+    ``GPTModel`` makes."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, seed: int = 1234) -> None:
         super().__init__()
+        from megatron.model.language_model import embedding_init_key
         from megatron.model.transformer import layer_norm
+        from megatron.tensor_parallel import ColumnParallelLinear, TPInfo, init_method_normal
         self.final_layernorm = layer_norm(config)
         self.fused = config.cross_entropy_loss_fusion
-        # Stands for the word embedding (first stage's or the last stage's tied copy);
-        # it is not counted as a head weight (see ``tied_embedding_*``).
-        self.word_embeddings = nn.Parameter(
-            torch.randn(config.padded_vocab_size, config.hidden_size,
-                        dtype=config.params_dtype) * config.init_method_std)
+        self.word_embeddings: Optional[nn.Parameter] = None
+        self.output_layer: Optional[nn.Module] = None
+        if config.untie_embeddings_and_output_weights:
+            # GPTModel's own output layer: a head weight of the last stage
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size, tp=TPInfo.single(), bias=False,
+                init_method=init_method_normal(config.init_method_std),
+                params_dtype=config.params_dtype,
+                init_key=embedding_init_key(seed).child("output_layer"))
+        else:
+            # Stands for the word embedding (first stage's or the last stage's tied
+            # copy); it is not counted as a head weight (see ``tied_embedding_*``).
+            self.word_embeddings = nn.Parameter(
+                torch.randn(config.padded_vocab_size, config.hidden_size,
+                            dtype=config.params_dtype) * config.init_method_std)
 
     def own_parameters(self) -> List[nn.Parameter]:
-        return list(self.final_layernorm.parameters())
+        own = list(self.final_layernorm.parameters())
+        return own + (list(self.output_layer.parameters()) if self.output_layer else [])
 
     def forward(self, hidden: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         from megatron.model.language_model import parallel_lm_logits
         from megatron.tensor_parallel import TPInfo, vocab_parallel_cross_entropy
         from pretrain_gpt import loss_func
         tp = TPInfo.single()
-        logits = parallel_lm_logits(self.final_layernorm(hidden), self.word_embeddings, tp)
+        normed = self.final_layernorm(hidden)
+        if self.output_layer is not None:
+            logits, _ = self.output_layer(normed)
+        else:
+            logits = parallel_lm_logits(normed, self.word_embeddings, tp)
         losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), tp,
                                               inplace_backward=True, fused=self.fused)
         loss, _ = loss_func(batch["loss_mask"], losses.transpose(0, 1).contiguous())
@@ -382,10 +432,8 @@ def default_chain_blocks(config: ModelConfig, device: torch.device,
     if device.type == "cuda" or free_bytes is not None:
         if free_bytes is None:
             free_bytes, _ = torch.cuda.mem_get_info(device)
-        h = config.hidden_size
-        ffn = config.ffn_hidden_size or 4 * h
         dtype_bytes = torch.empty((), dtype=config.params_dtype).element_size()
-        layer_bytes = (4 * h * h + 2 * h * ffn + 9 * h + ffn) * dtype_bytes
+        layer_bytes = block_params(config) * dtype_bytes
         chain = max(1, min(chain, int(0.25 * free_bytes) // max(1, layer_bytes)))
     return chain
 
@@ -402,7 +450,7 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     ``chain_blocks``: distinct transformer layers timed back to back for the per-block
     cost (default min(num_layers, 4)).  ``stages``: also time whole stages of that many
     layers (the trainer's per-microbatch work beyond the pieces)."""
-    from megatron.model.transformer import ParallelTransformerLayer
+    from megatron.model.transformer import ParallelTransformerLayer, RotaryEmbedding
     from megatron.tensor_parallel import TPInfo, model_parallel_seed
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -425,18 +473,24 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                            for i in range(chain)).to(device)
     block = blocks[0]
     embedding = EmbeddingPiece(config, seed).to(device)
-    head = HeadPiece(config).to(device)
+    head = HeadPiece(config, seed).to(device)
     for m in (blocks, embedding, head):
         m.train()
         _widen_grads(m, trainer_grad_dtype(config))
+    dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    # RoPE's cos/sin tables, made once as a stage makes them for all its layers: left out
+    # of the block count (as weights are) and recorded once per stage instead
+    rotary = (RotaryEmbedding(config)(s, device, dtype)
+              if config.position_embedding_type == "rope" else None)
+    rotary_ptrs = {t.untyped_storage().data_ptr() for t in rotary} if rotary else set()
+    rotary_bytes = sum(t.untyped_storage().nbytes() for t in rotary) if rotary else 0
 
     def run_blocks(x: torch.Tensor) -> torch.Tensor:
         for layer in blocks:
-            x = layer(x)
+            x = layer(x, None, rotary)
         return x
 
-    dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for b in sorted(set(int(x) for x in micro_batch_sizes)):
@@ -452,7 +506,10 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
 
         row: Dict[str, Any] = {"micro_batch_size": b, "stage_input_bytes": s * b * h * dtype_bytes,
                                "data_bytes": b * (s + 1) * 8}
-        row["block"] = _measure(lambda: run_blocks(x), push, blocks, weight_storage_ptrs(blocks),
+        if rotary:
+            row["rotary_table_bytes"] = rotary_bytes
+        row["block"] = _measure(lambda: run_blocks(x), push, blocks,
+                                weight_storage_ptrs(blocks) | rotary_ptrs,
                                 device, warmup, repeat, per_sync, units=chain)
         row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
                                     weight_storage_ptrs(embedding), device, warmup, repeat,
@@ -467,12 +524,17 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     head_own = head.own_parameters()
     hp = sum(p.numel() for p in head_own)
     word = embedding.embedding.word_embeddings.weight
+    tied = not config.untie_embeddings_and_output_weights
     pieces = {"block": list(block.parameters()), "embedding": list(embedding.parameters()),
-              "head": head_own, "tied_embedding": [word]}
+              "head": head_own}
+    if tied:
+        pieces["tied_embedding"] = [word]
     if chain > 1:
         pieces["blocks"] = list(blocks.parameters())
     calls = {k: _optimizer_step_time(v, config, optimizer, warmup, repeat, device)
              for k, v in pieces.items()}
+    if not tied:  # no last-stage copy of the word embedding to update
+        calls["tied_embedding"] = (0.0, 0.0)
     steps = {clock: optimizer_step_model({k: v[clock] for k, v in calls.items()}, chain)
              for clock in (0, 1)}
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
@@ -489,11 +551,12 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   "dtype_bytes": dtype_bytes, "hidden_dropout": config.hidden_dropout,
                   "attention_dropout": config.attention_dropout, "optimizer": optimizer,
                   "grad_bytes": (trainer_grad_dtype(config) or dtype).itemsize,
-                  "cross_entropy_loss_fusion": config.cross_entropy_loss_fusion},
+                  "cross_entropy_loss_fusion": config.cross_entropy_loss_fusion,
+                  **{k: getattr(config, k) for k in ARCH_FIELDS}},
         "weights": {"block_params": bp, "block_bytes": bb, "embedding_params": ep,
                     "embedding_bytes": eb, "head_params": hp, "head_bytes": hp * dtype_bytes,
-                    "tied_embedding_params": word.numel(),
-                    "tied_embedding_bytes": word.numel() * dtype_bytes},
+                    "tied_embedding_params": word.numel() if tied else 0,
+                    "tied_embedding_bytes": word.numel() * dtype_bytes if tied else 0},
         "optimizer_step_s": steps[0],
         "optimizer_step_cpu_s": steps[1],
         "optimizer_step_calls_s": {k: v[0] for k, v in calls.items()},
@@ -522,6 +585,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type",
+                   action="store_const", const="rope",
+                   help="Megatron-LM's older switch for --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention (default 1, as the "
+                        "trainer's)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     d = g.add_mutually_exclusive_group()
     for name in DTYPES:
         d.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
@@ -555,7 +634,11 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by "
                          f"--num-attention-heads {args.num_attention_heads}")
-    return ModelConfig(
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ValueError(f"--num-query-groups {args.num_query_groups} needs "
+                         f"--group-query-attention (without it the trainer ignores it)")
+    groups = (args.num_query_groups or 1) if args.group_query_attention else None
+    config = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
@@ -563,7 +646,16 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
                                                   args.make_vocab_size_divisible_by, 1),
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         params_dtype=DTYPES[args.dtype or "fp32"],
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        normalization=args.normalization, position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, swiglu=args.swiglu,
+        num_query_groups=groups, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    from megatron.model.transformer import check_architecture
+    from megatron.tensor_parallel import TPInfo
+    check_architecture(config, TPInfo.single())  # the flags' errors before any work
+    return config
 
 
 def summary(profile: Dict[str, Any]) -> str:

@@ -4,6 +4,18 @@ A forward pass of a GPT with l layers, hidden size h, sequence s, vocab V and ba
 costs 24 B s l h^2 (1 + s / (6 h) + V / (16 l h)) floating-point operations (2 per
 multiply-add).  Backward costs twice the forward, so an iteration costs 3x; with
 full activation recomputation the forward runs twice, 4x.
+
+The 24 B s h^2 of a layer are its four weight matrices with an MLP of width f = 4h:
+2 B s (3 h^2 + h^2 + 2 h f).  For other blocks the layer part is counted matrix by
+matrix (as the planner's ``ModelSpec.layer_forward_flops``): with G key/value heads of
+head_dim = h / a dimensions (grouped-query attention; G = a without it) the QKV
+projection is 2 B s h (h + 2 G head_dim); the output projection 2 B s h^2; the MLP
+2 B s h f x 2, or x 3 with SwiGLU (gate, up and down matrices); the attention matmuls
+4 B s^2 h (a query heads whatever G is).  The vocabulary term, 1.5 B s h V inside the
+"forward" (the formula's V / (16 l h)), is the same whether the output layer is tied to
+the word embedding or not: the same matmul.  Norms, RoPE and biases are elementwise
+work, not counted, as in the formula.  A GPT-2 block (f = 4h, multi-head attention, GeLU)
+is counted by the formula itself, so its numbers do not move.
 """
 from __future__ import annotations
 
@@ -14,7 +26,14 @@ def gpt_forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> flo
     """FLOPs of one forward pass over ``batch_size`` sequences of ``seq_len`` tokens."""
     l, h, v = config.num_layers, config.hidden_size, config.padded_vocab_size
     b, s = float(batch_size), float(seq_len)
-    return 24.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+    f = config.ffn_hidden_size or 4 * h
+    groups = config.num_query_groups or config.num_attention_heads
+    if not config.swiglu and groups == config.num_attention_heads and f == 4 * h:
+        return 24.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+    kv = groups * (h // config.num_attention_heads)
+    mlp = (3 if config.swiglu else 2) * h * f
+    layer = 2.0 * b * s * (h * (h + 2 * kv) + h * h + mlp) + 4.0 * b * s * s * h
+    return l * layer + 1.5 * b * s * h * v
 
 
 def gpt_flops_per_iteration(config: ModelConfig, batch_size: int, seq_len: int, *,

@@ -14,7 +14,8 @@ microbatch b, m microbatches per pipeline per batch):
   and one gradient of s b h fp16 values over the link that boundary crosses.
 * data parallelism: ring all-reduce of the stage's fp16 gradients among its w replicas,
   2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
-  gradient between first and last stage.
+  gradient between first and last stage (none with an untied output layer: the first
+  stage then holds the only word embedding and the last stage its own output layer).
 
 Time of one batch (one optimizer step) per pipeline, with slot_i the per-microbatch
 time of stage i (compute + tensor-parallel + inter-stage communication), T = max slot_i:
@@ -257,10 +258,15 @@ class CostModel:
         if self.model.num_attention_heads % config.t:
             raise ValueError(f"--tensor-model-parallel-size {config.t} must divide "
                              f"--num-attention-heads {self.model.num_attention_heads}")
+        if self.model.num_query_groups % config.t:
+            raise ValueError(f"--tensor-model-parallel-size {config.t} must divide "
+                             f"--num-query-groups {self.model.num_query_groups}")
 
     def stage_params(self, stage: int, d: int, layers: Optional[int] = None) -> float:
-        """Logical parameters of a stage; the last stage keeps a tied embedding copy.
-        ``layers``: the stage's layer count (default: an equal share)."""
+        """Logical parameters of a stage: its layers, the embedding on the first, the
+        final norm and output layer on the last (an untied one is in ``head_params``; a
+        tied one is the first stage's word embedding, of which the last of d > 1 stages
+        keeps a copy).  ``layers``: the stage's layer count (default: an equal share)."""
         mdl = self.model
         if layers is None:
             layers = mdl.num_layers // d
@@ -269,7 +275,7 @@ class CostModel:
             p += mdl.embedding_params
         if stage == d - 1:
             p += mdl.head_params
-            if d > 1:
+            if d > 1 and mdl.tied_output:
                 p += mdl.vocab_size * mdl.hidden_size
         return float(p)
 
@@ -369,7 +375,7 @@ class CostModel:
             dp_exposed = max(dp_allreduce / buckets, dp_allreduce - backward)
         else:
             dp_exposed = dp_allreduce
-        if d > 1 and (first or last):
+        if d > 1 and (first or last) and mdl.tied_output:
             emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
             allreduce += ring_allreduce_time(emb, 2, links.embedding)
         n = in_flight(c.schedule, i, d, c.m)

@@ -1,8 +1,9 @@
-"""Named models (the paper's sizes) and clusters (with the V100 calibration)."""
+"""Named models (the paper's sizes, two Llama shapes) and clusters (with the V100
+calibration)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict
+from typing import Dict, Optional
 
 from .cost_model import Config, CostModel
 from .hardware import CPU, DGX_A100, H100_SXM, P3_16XLARGE, HardwareSpec
@@ -25,6 +26,23 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, seq: int = 512,
 #   gpt-3.8b: 32 x 3072, 32 heads (3.78B)
 # gpt-355m / bert-355m are Megatron's "345M" shapes (24 x 1024, 16 heads) used in the
 # paper's convergence experiments (GPT at sequence 1024, BERT at 512).
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, seq: int, vocab: int,
+           query_groups: Optional[int] = None, rotary_base: int = 10000) -> ModelSpec:
+    """A Llama-style GPT: RMSNorm, RoPE, SwiGLU, no linear biases, untied output layer."""
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     ffn_hidden_size=ffn, seq_length=seq, vocab_size=vocab, kind="gpt",
+                     name=name, normalization="RMSNorm", position_embedding_type="rope",
+                     rotary_base=rotary_base, swiglu=True, num_query_groups=query_groups,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+# Two Llama shapes as their model cards publish them (their parameter counts are the
+# tests' check on the Llama-style counts): Llama-2-7B, 32 x 4096, 32 heads, MLP 11008,
+# context 4096, vocabulary 32000, 6,738,415,616 parameters; Llama-3-8B, 32 x 4096, 32
+# query heads in 8 key/value groups, MLP 14336, context 8192, vocabulary 128256, RoPE
+# base 500000, 8,030,261,248 parameters.
 MODEL_PRESETS: Dict[str, ModelSpec] = {
     "gpt-355m": _gpt("gpt-355m", 24, 1024, 16, seq=1024),
     "gpt-1.3b": _gpt("gpt-1.3b", 24, 2048, 16),
@@ -32,6 +50,9 @@ MODEL_PRESETS: Dict[str, ModelSpec] = {
     "gpt-3.8b": _gpt("gpt-3.8b", 32, 3072, 32),
     "bert-355m": ModelSpec(num_layers=24, hidden_size=1024, num_attention_heads=16,
                            seq_length=512, vocab_size=30592, kind="bert", name="bert-355m"),
+    "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 11008, seq=4096, vocab=32000),
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 14336, seq=8192, vocab=128256,
+                        query_groups=8, rotary_base=500000),
 }
 
 

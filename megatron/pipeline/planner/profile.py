@@ -9,10 +9,12 @@ and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
 * forward / backward seconds: layers x block + embedding (first stage) + head (last);
 * bytes stashed per microbatch, exactly as the pipeline executor counts them
   (``megatron.pipeline.memory.StashTracker``): without recomputation the tensors autograd
-  saves (layers x block + embedding + head); with recomputation the stage input
-  (s b h values, none on the first stage) plus the microbatch's token ids;
+  saves (layers x block + embedding + head, plus, with RoPE, the cos/sin table the
+  stage's layers share, once); with recomputation the stage input (s b h values, none
+  on the first stage) plus the microbatch's token ids;
 * optimizer step seconds of the stage's parameters (the last stage of a pipeline also
-  updates its copy of the tied word embedding);
+  updates its copy of the tied word embedding; an untied output layer is part of the
+  head);
 * the trainer's own work per microbatch beyond the pieces (``overhead``): a profile with
   ``stages`` timed a whole ``GPTModel`` stage of each kind (whole, first, middle, last)
   through ``pretrain_gpt.forward_step``; the overhead of a kind is that time minus the
@@ -49,8 +51,24 @@ SCHEMA = "megatron-pipedream-profile/1"
 PIECES = ("block", "embedding", "head")
 STAGE_KINDS = ("whole", "first", "middle", "last")
 CLOCKS = ("wall", "cpu")
-_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
-                 "vocab_size")
+_SIZE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+                "vocab_size")
+# The block's architecture options (``ModelConfig``/``ModelSpec`` names) and their
+# defaults: a profile written before they existed is of a GPT-2 block.
+_ARCH_DEFAULTS: Dict[str, Any] = {
+    "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000, "rotary_percent": 1.0, "swiglu": False, "num_query_groups": None,
+    "add_bias_linear": True, "add_qkv_bias": False,
+    "untie_embeddings_and_output_weights": False}
+_ARCH_TYPES: Dict[str, tuple] = {
+    "normalization": (str,), "position_embedding_type": (str,), "rotary_base": (int,),
+    "rotary_percent": (int, float), "swiglu": (bool,), "num_query_groups": (int, type(None)),
+    "add_bias_linear": (bool,), "add_qkv_bias": (bool,),
+    "untie_embeddings_and_output_weights": (bool,)}
+# what a planned model must share with the profiled one: its sizes and every option that
+# changes a cost (RoPE's base and rotated share change none: left out)
+_SHAPE_FIELDS = _SIZE_FIELDS + tuple(k for k in _ARCH_DEFAULTS
+                                     if k not in ("rotary_base", "rotary_percent"))
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,17 @@ class ProfiledStage:
     """Bytes it counts per microbatch with recomputation (stage input + token ids)."""
     step_s: float
     """Optimizer step over the stage's parameters, once per batch."""
+
+
+def _mismatch(key: str, planned: Any, profiled: Any) -> str:
+    """A model field the plan and the profile disagree on, as the trainer's flag:
+    '--hidden-size 64 (profiled 32)', '--swiglu (profiled without it)'."""
+    if key == "add_bias_linear":
+        key, planned, profiled = "disable_bias_linear", not planned, not profiled
+    flag = f"--{key.replace('_', '-')}"
+    if isinstance(planned, bool):
+        return f"{flag} (profiled without it)" if planned else f"no {flag} (profiled with it)"
+    return f"{flag} {planned} (profiled {profiled})"
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -123,8 +152,17 @@ class Profile:
 
         try:
             self.model: Dict[str, Any] = dict(data["model"])
-            for key in ("num_layers", *_SHAPE_FIELDS):
+            for key in ("num_layers", *_SIZE_FIELDS):
                 num(self.model[key], f"model.{key}", integer=True)
+            for key, default in _ARCH_DEFAULTS.items():
+                value = self.model.setdefault(key, default)
+                types = _ARCH_TYPES[key]
+                if not isinstance(value, types) or (isinstance(value, bool)
+                                                    and bool not in types):
+                    raise ValueError(f"--profile {source}: model.{key} must be "
+                                     f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
+            if self.model["num_query_groups"] is None:  # ModelConfig's meaning of None
+                self.model["num_query_groups"] = self.model["num_attention_heads"]
             if "dtype_bytes" in self.model:
                 num(self.model["dtype_bytes"], "model.dtype_bytes")
             self.device: Dict[str, Any] = dict(data["device"])
@@ -145,6 +183,8 @@ class Profile:
                         num(r[name][key], f"{where}.{name}.{key}")
                 for key in ("stage_input_bytes", "data_bytes"):
                     num(r[key], f"{where}.{key}")
+                # RoPE's table, once per stage (profiles without RoPE, or older: none)
+                num(r.get("rotary_table_bytes", 0), f"{where}.rotary_table_bytes")
                 stages = r.get("stages", {})
                 if not isinstance(stages, dict):
                     raise TypeError("stages")
@@ -162,6 +202,8 @@ class Profile:
             self._input = [r["stage_input_bytes"] for r in rows]
             self._overhead = self._stage_overheads(rows, suffix)
             self._data = [r["data_bytes"] for r in rows]
+            # s x rotary dims, whatever b is
+            self._rotary = int(max((r.get("rotary_table_bytes", 0) for r in rows), default=0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"--profile {source}: malformed profile, missing or not an "
                              f"object: {exc}") from None
@@ -169,6 +211,10 @@ class Profile:
                 min(self.micro_batch_sizes) < 1:
             raise ValueError(f"--profile {source}: needs distinct positive microbatch sizes, "
                              f"got {list(self.micro_batch_sizes)}")
+        try:  # the recorded model must be one the planner can price
+            self.model_spec()
+        except ValueError as exc:
+            raise ValueError(f"--profile {source}: {exc}") from None
         self.raw = data
 
     @staticmethod
@@ -276,10 +322,13 @@ class Profile:
         inp = 0 if first else self.stage_input_bytes(b)
         if t > 1:
             stash = inp + round((stash - inp) / t)
+        if layers > 0:  # the same table on every tensor rank
+            stash += self._rotary
         steps = self.optimizer_step_s
         step = steps["fixed"] + layers * steps["block"] + (steps["embedding"] if first else 0.0)
         if last:
-            step += steps["head"] + (steps["tied_embedding"] if d > 1 else 0.0)
+            tied = not self.model["untie_embeddings_and_output_weights"]
+            step += steps["head"] + (steps["tied_embedding"] if d > 1 and tied else 0.0)
         return ProfiledStage(forward_s=fwd, backward_s=bwd, recompute_s=fwd,
                              stash_bytes=int(stash),
                              recompute_stash_bytes=inp + self.data_bytes(b), step_s=step / t)
@@ -314,14 +363,15 @@ class Profile:
                          num_attention_heads=m["num_attention_heads"],
                          seq_length=m["seq_length"], vocab_size=m["vocab_size"],
                          ffn_hidden_size=m["ffn_hidden_size"], kind=m.get("kind", "gpt"),
-                         name=name or f"profiled {m.get('kind', 'gpt')}")
+                         name=name or f"profiled {m.get('kind', 'gpt')}",
+                         **{k: m[k] for k in _ARCH_DEFAULTS})
 
     def check_model(self, model: ModelSpec) -> None:
         """Raise ValueError when ``model`` does not have the profiled block shape."""
         if model.kind != self.model.get("kind", "gpt"):
             raise ValueError(f"--profile {self.source}: profiled a {self.model.get('kind')} "
                              f"model, planning a {model.kind} model")
-        wrong = [f"--{k.replace('_', '-')} {getattr(model, k)} (profiled {self.model[k]})"
+        wrong = [_mismatch(k, getattr(model, k), self.model[k])
                  for k in _SHAPE_FIELDS if getattr(model, k) != self.model[k]]
         if wrong:
             raise ValueError(f"--profile {self.source} was taken for another model shape: "

@@ -79,6 +79,9 @@ def _shapes(model: ModelSpec, n: int, tensor_parallel: bool, max_tensor: Optiona
                 why = f"d={d} does not divide {model.num_layers} layers"
             elif model.num_attention_heads % t:
                 why = f"t={t} does not divide {model.num_attention_heads} heads"
+            elif model.num_query_groups % t:
+                # each tensor rank holds whole key/value heads
+                why = f"t={t} does not divide {model.num_query_groups} query groups"
             yield t, w, d, why
 
 
@@ -264,7 +267,8 @@ def best_plan(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch
 def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
                  base_script: Optional[str] = None, gpus_per_server: int = 8,
                  extra_args: Sequence[str] = (), precision: str = "fp16") -> str:
-    """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags).
+    """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags,
+    the model's Llama-style options included: ``ModelSpec.llama_options``).
     ``precision``: fp16 (the paper's V100 runs), bf16, or fp32/fp64 (no flag, e.g. a CPU)."""
     if precision not in PRECISIONS:
         raise PlanningError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -286,6 +290,7 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         "--tensor-model-parallel-size", cfg.t, "--pipeline-model-parallel-size", cfg.d,
         "--pipeline-schedule", cfg.schedule,
     ]
+    args += model.llama_options()
     if cfg.first_layers is not None:
         args += ["--decoder-first-pipeline-num-layers", cfg.first_layers]
     if cfg.last_layers is not None:
