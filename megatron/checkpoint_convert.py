@@ -34,7 +34,8 @@ import torch
 from megatron.checkpoint_merge import (LAYER_NAME, MODEL_FILE, OUTPUT_EMBEDDING_COPY,
                                        VOCAB_NAMES, WORD_EMBEDDING, CheckpointShards,
                                        load_stage_payload, megatron_rank_dir, merge_checkpoint,
-                                       merge_shards, partition_dim_by_name, read_checkpoint,
+                                       merge_shards, model_config_of, partition_dim_by_name,
+                                       partition_stride_by_name, read_checkpoint,
                                        split_for_stage, to_global, to_local)
 from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, existing_checkpoints,
                                     iteration_dir, payload_exists, save_payload)
@@ -48,12 +49,14 @@ except ImportError:  # pragma: no cover - checkpointing without manifests
 
 def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: int,
                   stage: int, padded_vocab: Optional[int] = None,
-                  counts: Optional[Sequence[int]] = None
+                  counts: Optional[Sequence[int]] = None,
+                  model_cfg: Optional[Dict[str, Any]] = None
                   ) -> Tuple[Dict[str, Tuple[torch.Size, Optional[int]]], int]:
     """Local (shape, dim) of a stage's names when no module is available, in the stage
     module's parameter order.  ``padded_vocab``: rows of the vocabulary tables in the
     target layout (default: as in ``full``).  ``counts``: layers of each stage (default:
-    an even split)."""
+    an even split).  ``model_cfg``: the checkpoint's config["model"] (SwiGLU's [gate; up]
+    must split in both halves; the error names the model's sizes)."""
     counts = list(counts) if counts is not None else [num_layers // pp] * pp
     per = counts[stage]
     offset = sum(counts[:stage])
@@ -73,10 +76,12 @@ def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: i
         if padded_vocab is not None and is_vocab(gname):
             shape[0] = padded_vocab
         if dim is not None:
-            if shape[dim] % tp:
+            stride = partition_stride_by_name(gname, model_cfg)
+            if shape[dim] % (tp * stride):
+                size = shape[dim] // stride if shape[dim] % stride == 0 else shape[dim]
                 raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the "
-                                      f"checkpoint's {_split_size_name(gname)} ({shape[dim]}; "
-                                      f"dim {dim} of {gname})")
+                                      f"checkpoint's {_split_size_name(gname, model_cfg)} "
+                                      f"({size}; dim {dim} of {gname})")
             shape[dim] //= tp
         targets[to_local(gname, offset)] = (torch.Size(shape), dim)
     tied = "output_layer.weight" not in full and WORD_EMBEDDING in full
@@ -87,34 +92,45 @@ def _name_targets(full: Dict[str, torch.Tensor], num_layers: int, tp: int, pp: i
     return targets, offset
 
 
-def _split_size_name(gname: str) -> str:
+def _split_size_name(gname: str, model_cfg: Optional[Dict[str, Any]] = None) -> str:
     """What the tensor-parallel dim of ``gname`` measures: a model size the user knows,
-    for an error they can act on."""
+    for an error they can act on.  ``model_cfg``: the checkpoint's config["model"]
+    (grouped-query attention's and SwiGLU's rows are other multiples)."""
+    model_cfg = model_cfg or {}
     if is_vocab(gname):
         return "padded vocabulary size"
     if "query_key_value" in gname:
+        heads, groups = model_cfg.get("num_attention_heads"), model_cfg.get("num_query_groups")
+        if isinstance(groups, int) and groups != heads:
+            return ("query/key/value rows ((heads + 2 x query groups) x head size; whole "
+                    "query groups go to each rank)")
         return "query/key/value rows (3 x hidden size)"
     if "self_attention.dense" in gname:
         return "hidden size"
+    if "dense_h_to_4h" in gname and partition_stride_by_name(gname, model_cfg) == 2:
+        return "ffn hidden size (each of SwiGLU's gate and up halves)"
     if "dense_h_to_4h" in gname or "dense_4h_to_h" in gname:
         return "ffn hidden size"
     return "tensor-parallel dimension"
 
 
 # (config["model"] key, name): the sizes t must divide, as the trainer requires of
-# --tensor-model-parallel-size (megatron/arguments.py).
+# --tensor-model-parallel-size (megatron/arguments.py).  num_query_groups: a rank holds
+# whole groups (their queries, key and value); older checkpoints lack the key (their
+# groups are the heads, checked above).
 _TP_SPLIT_SIZES = (("num_attention_heads", "number of attention heads"),
+                   ("num_query_groups", "number of query groups (--num-query-groups)"),
                    ("ffn_hidden_size", "ffn hidden size"))
 
 
 def _check_tensor_split(config: dict, tp: int) -> None:
     """Refuse a t the checkpoint's model cannot be split by before anything is written,
-    naming the model size (a head must not be cut between ranks: the weight shapes alone
-    can divide when the heads do not)."""
-    model = config.get("model") or {}
+    naming the model size (a head, or a query group, must not be cut between ranks: the
+    weight shapes alone can divide when the heads do not)."""
+    model = model_config_of(config)
     for key, name in _TP_SPLIT_SIZES:
         size = model.get(key)
-        if isinstance(size, int) and size % tp:
+        if isinstance(size, int) and size > 0 and size % tp:
             raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the "
                                   f"checkpoint's {name} ({size})")
 
@@ -342,23 +358,30 @@ def _repad(full: Dict[str, torch.Tensor], rows: int, real: Optional[int] = None
             for k, v in full.items()}
 
 
-def _split(full: Dict[str, torch.Tensor], targets, offset: int, t: int, tp: int
-           ) -> Dict[str, torch.Tensor]:
+def _split(full: Dict[str, torch.Tensor], targets, offset: int, t: int, tp: int,
+           model_cfg: Optional[Dict[str, Any]] = None) -> Dict[str, torch.Tensor]:
+    """Tensor rank ``t``'s part of one stage; ``model_cfg`` (the checkpoint's
+    config["model"]) tells which tensors split in sections (SwiGLU's [gate; up])."""
     sub = {n: spec for n, spec in targets.items()
            if to_global(n, offset) in full or n == OUTPUT_EMBEDDING_COPY}
-    state, missing = split_for_stage(full, sub, layer_offset=offset, tp_rank=t, tp_size=tp)
+    strides = {n: partition_stride_by_name(to_global(n, offset), model_cfg) for n in sub}
+    state, missing = split_for_stage(full, sub, layer_offset=offset, tp_rank=t, tp_size=tp,
+                                     strides={n: s for n, s in strides.items() if s > 1})
     if missing:
         raise CheckpointError(f"cannot place {missing[:4]} in the target layout")
     return state
 
 
 def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
-                     rows: int, real: Optional[int] = None) -> Dict[str, Any]:
-    """A ``MegatronOptimizer.state_dict()`` for one (tensor rank, stage) of the target."""
+                     rows: int, real: Optional[int] = None,
+                     model_cfg: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A ``MegatronOptimizer.state_dict()`` for one (tensor rank, stage) of the target;
+    moments and master weights are cut exactly like their parameters (``model_cfg``:
+    SwiGLU's stride)."""
     names = list(targets)
     shapes = [tuple(targets[n][0]) for n in names]
     order = _decay_order(shapes)
-    quantities = {q: _split(_repad(full, rows, real), targets, offset, t, tp)
+    quantities = {q: _split(_repad(full, rows, real), targets, offset, t, tp, model_cfg)
                   for q, full in opt.tensors.items()}
     state: Dict[int, Dict[str, Any]] = {}
     for pos, i in enumerate(order):
@@ -383,7 +406,7 @@ def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
             groups.append(dict(opt.groups[kind], params=list(positions)))
     masters = None
     if opt.masters is not None:
-        split = _split(_repad(opt.masters, rows, real), targets, offset, t, tp)
+        split = _split(_repad(opt.masters, rows, real), targets, offset, t, tp, model_cfg)
         masters = [split[n] for n in names]
     return {"meta": {"optimizer": opt.name, "num_params": len(names),
                      "shapes": [list(s) for s in shapes], "fp32_masters": masters is not None},
@@ -543,11 +566,12 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     if divisible_by:  # the resumed run's --make-vocab-size-divisible-by
         config["data"] = dict(config.get("data") or {}, make_vocab_size_divisible_by=divisible_by)
     _check_tensor_split(config, tp)
+    model_cfg = model_config_of(config)
     real = true_vocab_size(config, true_vocab)
     rows = (target_padded_vocab(state.model[WORD_EMBEDDING].shape[0], config, tp, real)
             if WORD_EMBEDDING in state.model else None)
     for stage in range(pp):  # every weight splits by tp: fail before any note or file
-        _name_targets(state.model, num_layers, tp, pp, stage, rows, counts)
+        _name_targets(state.model, num_layers, tp, pp, stage, rows, counts, model_cfg)
     if rows is not None and rows != state.model[WORD_EMBEDDING].shape[0]:
         have = state.model[WORD_EMBEDDING].shape[0]
         keep = _divisor_keeping(have, real, config, src_t, tp)
@@ -572,18 +596,19 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
 
     def write_files(staging: str) -> None:
         for stage in range(pp):
-            targets, offset = _name_targets(model, num_layers, tp, pp, stage, rows, counts)
+            targets, offset = _name_targets(model, num_layers, tp, pp, stage, rows, counts,
+                                            model_cfg)
             for t in range(tp):
                 payload = dict(state.common)
                 payload.update({
                     "checkpoint_version": CHECKPOINT_VERSION, "iteration": state.iteration,
                     "layout": {"tensor": tp, "pipeline": pp, "data": dp,
                                "layers": [offset, offset + counts[stage]]},
-                    "model": _split(model, targets, offset, t, tp),
-                    "model_shadow": (_split(shadow, targets, offset, t, tp)
+                    "model": _split(model, targets, offset, t, tp, model_cfg),
+                    "model_shadow": (_split(shadow, targets, offset, t, tp, model_cfg)
                                      if shadow is not None else None),
                     "optimizer": (_stage_optimizer(state.optimizer, targets, offset, t, tp,
-                                                   rows or 0, real)
+                                                   rows or 0, real, model_cfg)
                                   if state.optimizer is not None else None),
                     "config": config})
                 if source:

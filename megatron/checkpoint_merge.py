@@ -5,7 +5,9 @@ The trainer writes one file set per (tensor rank, pipeline stage)
 (``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng``; Megatron's ``mp_rank_TT`` at one
 stage), read here only through ``megatron.checkpointing.load_payload``.  Stage-local
 names number the transformer layers from 0 on every stage; tensor-parallel parameters
-hold a contiguous slice of the full tensor along their ``partition_dim``.  This module
+hold a contiguous slice of the full tensor along their ``partition_dim``, except
+SwiGLU's first MLP weight and bias (``--swiglu``), [gate; up], whose rank r holds
+[gate_r; up_r] (stride 2, see ``partition_stride_by_name``).  This module
 
 * merges all files into ONE full state dict with global layer numbers
   (``merge_checkpoint``/``merge_shards``), dropping the last stage's copy of the tied
@@ -17,7 +19,9 @@ hold a contiguous slice of the full tensor along their ``partition_dim``.  This 
 
 Where a module is not at hand, partition dims come from the parameter names
 (``partition_dim_by_name``): Megatron's column-parallel layers (QKV, h->4h, vocabulary
-tables) split dim 0, row-parallel ones (attention output, 4h->h) dim 1.
+tables, an untied output layer) split dim 0, row-parallel ones (attention output, 4h->h)
+dim 1; strides from the names and the checkpoint's recorded config
+(``partition_stride_by_name``).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from megatron.checkpointing import (TRACKER, check_model_payload, iteration_dir,
                                     load_payload, payload_exists, rank_dir, read_tracker,
                                     refuse_hf_model_dir)
 from megatron.errors import CheckpointError
+from megatron.tensor_parallel.param_init import shard, unshard
 
 
 def megatron_rank_dir(base: str, t: int, p: int, pp: int) -> str:
@@ -71,6 +76,28 @@ def partition_dim_by_name(name: str) -> Optional[int]:
     if re.search(r"(self_attention\.dense|dense_4h_to_h)\.weight$", name):
         return 1
     return None
+
+
+_STRIDED = re.compile(r"dense_h_to_4h\.(weight|bias)$")
+
+
+def model_config_of(config: Any) -> Dict[str, Any]:
+    """The ``model`` section of a checkpoint's recorded config ({} when absent or not a
+    dict: checkpoints converted elsewhere, or hand-made ones, may lack it)."""
+    model = config.get("model") if isinstance(config, dict) else None
+    return model if isinstance(model, dict) else {}
+
+
+def partition_stride_by_name(name: str, model_cfg: Optional[Dict[str, Any]]) -> int:
+    """Megatron's ``partition_stride`` of a GPT/BERT parameter: in how many equal
+    sections the tensor-parallel split cuts it separately.  2 for the first MLP weight
+    and bias of a ``--swiglu`` model (``model_cfg`` = the checkpoint's config["model"]):
+    they are [gate; up] and rank r holds [gate_r; up_r], so concatenating the ranks'
+    parts would interleave gate and up rows.  1 (a contiguous slice) for every other
+    tensor, and for checkpoints that predate --swiglu (no ``swiglu`` key)."""
+    if (model_cfg or {}).get("swiglu") is True and _STRIDED.search(name):
+        return 2
+    return 1
 
 
 def to_global(name: str, layer_offset: int) -> str:
@@ -212,8 +239,11 @@ def merge_shards(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
 
     The order of the result is stage 0's names, then stage 1's, ...: the parameter order
     of a one-stage model.  Tensors of a partitioned parameter that are not shaped like
-    the parameter's slice (Adam's 0-d ``step``) are taken from tensor rank 0.
+    the parameter's slice (Adam's 0-d ``step``) are taken from tensor rank 0.  The
+    parts of SwiGLU's [gate; up] weight are put together section by section
+    (``partition_stride_by_name``, from the checkpoint's recorded config).
     """
+    model_cfg = model_config_of(getattr(ckpt, "config", None))
     offsets = ckpt.stage_offsets or [s * (ckpt.num_layers // ckpt.pipeline)
                                      for s in range(ckpt.pipeline)]
     full: Dict[str, torch.Tensor] = {}
@@ -242,7 +272,13 @@ def merge_shards(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
                                       f"{dim}); the rank directories come from different "
                                       f"models")
             else:
-                full[gname] = torch.cat(parts, dim)
+                stride = partition_stride_by_name(gname, model_cfg)
+                if parts[0].shape[dim] % stride:
+                    raise CheckpointError(f"checkpoint {ckpt.root}: {gname} on stage {stage} "
+                                          f"has {parts[0].shape[dim]} rows per tensor rank, "
+                                          f"not [gate; up] halves (its config records "
+                                          f"swiglu); the rank files and config disagree")
+                full[gname] = unshard(parts, dim, stride)
             owner[gname] = stage
     return full
 
@@ -262,12 +298,15 @@ def _fit_vocab(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def split_for_stage(full: Dict[str, torch.Tensor], target: Dict[str, Tuple[torch.Size,
-                    Optional[int]]], *, layer_offset: int, tp_rank: int, tp_size: int
+                    Optional[int]]], *, layer_offset: int, tp_rank: int, tp_size: int,
+                    strides: Optional[Dict[str, int]] = None
                     ) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """This stage's state dict from a full one.
 
-    ``target`` maps each local name to (local shape, partition dim or None).  Returns
-    (state dict, local names the full dict does not provide).
+    ``target`` maps each local name to (local shape, partition dim or None); ``strides``
+    the local names split in sections (SwiGLU's [gate; up]: 2) to their stride, the
+    rest being cut in contiguous slices.  Returns (state dict, local names the full dict
+    does not provide).
     """
     out: Dict[str, torch.Tensor] = {}
     missing: List[str] = []
@@ -282,10 +321,12 @@ def split_for_stage(full: Dict[str, torch.Tensor], target: Dict[str, Tuple[torch
         if gname in VOCAB_NAMES or gname.endswith("word_embeddings.weight"):
             tensor = _fit_vocab(gname, tensor, shape[0] * (tp_size if dim == 0 else 1))
         if dim is not None and tp_size > 1:
-            if tensor.shape[dim] % tp_size:
+            stride = (strides or {}).get(name, 1)
+            if tensor.shape[dim] % (tp_size * stride):
+                sections = f" in each of its {stride} sections" if stride > 1 else ""
                 raise CheckpointError(f"{gname}: dim {dim} of size {tensor.shape[dim]} cannot be "
-                                 f"split over {tp_size} tensor-parallel ranks")
-            tensor = torch.chunk(tensor, tp_size, dim=dim)[tp_rank]
+                                 f"split over {tp_size} tensor-parallel ranks{sections}")
+            tensor = shard(tensor, dim, tp_rank, tp_size, stride)
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{gname}: checkpoint gives shape {tuple(tensor.shape)} for this "
                              f"stage but the model expects {tuple(shape)}; the checkpoint was "
@@ -306,6 +347,14 @@ def module_targets(module: torch.nn.Module) -> Dict[str, Tuple[torch.Size, Optio
             dim = int(p.partition_dim)
         out[name] = (value.shape, dim)
     return out
+
+
+def module_strides(module: torch.nn.Module) -> Dict[str, int]:
+    """Local names of a stage module's parameters split in sections (their
+    ``partition_stride`` > 1: SwiGLU's [gate; up]) -> stride."""
+    return {name: int(p.partition_stride) for name, p in module.named_parameters()
+            if getattr(p, "tensor_model_parallel", False)
+            and int(getattr(p, "partition_stride", 1)) > 1}
 
 
 @dataclass
@@ -371,7 +420,8 @@ def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp
     full = merge_checkpoint(ckpt)
     try:
         state, missing = split_for_stage(full, targets, layer_offset=layer_offset,
-                                         tp_rank=tp_rank, tp_size=tp_size)
+                                         tp_rank=tp_rank, tp_size=tp_size,
+                                         strides=module_strides(module))
     except CheckpointError as exc:  # names the tensor; say which checkpoint too
         raise CheckpointError(f"{flag} {root}: {exc}") from None
     unexpected = [n for n in missing if not any(n.startswith(p) for p in allow_missing)]

@@ -10,6 +10,16 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   transformers' GPT-2 uses ``Conv1D`` ([in, out], the transpose of our Linear weights),
   and its fused ``c_attn`` output is [q of all heads | k | v] while ours is ordered
   [head, (q, k, v), head_dim] so that a tensor-parallel split hands out whole heads.
+* Llama-style GPT (``--normalization RMSNorm --position-embedding-type rope --swiglu``,
+  any ``--num-query-groups``, biases on all four linear layers or on none, tied or
+  untied output) -> ``LlamaForCausalLM``; with ``--disable-bias-linear --add-qkv-bias``
+  (biases on q, k, v only) -> ``Qwen2ForCausalLM``.  Our fused QKV rows [group, (the
+  group's q heads, k, v), head_dim] become ``q_proj``/``k_proj``/``v_proj``; the SwiGLU
+  weight [gate; up] becomes ``gate_proj`` and ``up_proj``.  RoPE is the same "rotate
+  half" rotation of whole heads; a ``--rotary-percent`` below 1 is refused
+  (transformers' Llama does not apply ``partial_rotary_factor``).
+* Any other combination of the Llama-style options has no transformers model and is
+  refused with one line naming the flags; so is a BERT built with any of them.
 * BERT -> ``MegatronBertForPreTraining`` (or ``MegatronBertForMaskedLM`` without the
   sentence-order head): our BERT is Megatron's pre-LayerNorm BERT, which transformers
   implements under that name; the original post-LayerNorm ``BertForPreTraining`` is a
@@ -18,14 +28,16 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   ``make_vocab_size_divisible_by * t``) are dropped: the exported vocabulary has the
   tokenizer's real size.
 * Tokenizer files: GPT-2 BPE -> ``vocab.json`` + ``merges.txt``; BERT WordPiece ->
-  ``vocab.txt``; any other tokenizer (NullTokenizer, SentencePiece) writes none and
-  says so.
+  ``vocab.txt``; a HuggingFaceTokenizer -> its ``save_pretrained`` files; any other
+  tokenizer (NullTokenizer, SentencePiece) writes none and says so.
 
-Import (``--from-hf DIR --save OUT``): a GPT-2 directory with ``model.safetensors`` (or a
-``pytorch_model.bin``, read with ``torch.load(weights_only=True)``, which refuses
+Import (``--from-hf DIR --save OUT``): a GPT-2, Llama or Qwen2 directory
+(``config.json`` ``model_type`` "gpt2", "llama" or "qwen2") with ``model.safetensors``
+(or a ``pytorch_model.bin``, read with ``torch.load(weights_only=True)``, which refuses
 pickled code) becomes an iteration-0 checkpoint of any (t, d) layout, usable with
 ``--load OUT --finetune`` or ``--load OUT``.  The script prints the model flags the
-training run needs.
+training run needs (for Llama: ``--normalization RMSNorm --position-embedding-type rope
+--swiglu ...``).
 """
 from __future__ import annotations
 
@@ -66,6 +78,31 @@ def qkv_hf_to_ours(w: torch.Tensor, heads: int) -> torch.Tensor:
     rest = w.shape[1:]
     hd = w.shape[0] // (3 * heads)
     return w.reshape(3, heads, hd, *rest).transpose(0, 1).reshape(3 * heads * hd, *rest)
+
+
+def qkv_ours_to_groups(w: torch.Tensor, heads: int, groups: int
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [group, (the group's heads/groups q heads, k, v), head_dim] -> (q, k, v)
+    with rows [head, head_dim] / [group, head_dim] each: Llama's q/k/v_proj (weight or
+    bias).  Query head j belongs to group j // (heads / groups), in both layouts."""
+    rest = w.shape[1:]
+    per = heads // groups
+    hd = w.shape[0] // (heads + 2 * groups)
+    grouped = w.reshape(groups, per + 2, hd, *rest)
+    q = grouped[:, :per].reshape(heads * hd, *rest)
+    k = grouped[:, per].reshape(groups * hd, *rest)
+    v = grouped[:, per + 1].reshape(groups * hd, *rest)
+    return q, k, v
+
+
+def qkv_groups_to_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       groups: int) -> torch.Tensor:
+    """The inverse of ``qkv_ours_to_groups``: Llama's q/k/v_proj -> our fused rows."""
+    rest = q.shape[1:]
+    hd = k.shape[0] // groups
+    per = q.shape[0] // (groups * hd)
+    return torch.cat([q.reshape(groups, per, hd, *rest), k.reshape(groups, 1, hd, *rest),
+                      v.reshape(groups, 1, hd, *rest)], dim=1).reshape(-1, *rest)
 
 
 def _layers(full: Dict[str, torch.Tensor], num_layers: int):
@@ -113,6 +150,71 @@ def gpt_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: i
         "initializer_range": float(model_cfg.get("init_method_std", 0.02)),
         "scale_attn_weights": True, "tie_word_embeddings": tied, "use_cache": True,
     }
+    return out, config
+
+
+_LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""transformers' models of the Llama-style block: Llama (biases on the four linear
+layers of a block, or none) and Qwen2 (biases on q, k, v only: --disable-bias-linear
+--add-qkv-bias)."""
+
+
+def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: int
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Our full Llama-style GPT state dict -> (LlamaForCausalLM or Qwen2ForCausalLM
+    state dict, config.json dict).  ``_export_target`` has checked that the config is
+    one of them."""
+    arch = block_options(model_cfg)
+    heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
+    layers = int(model_cfg["num_layers"])
+    hidden = int(model_cfg["hidden_size"])
+    bias = arch["add_bias_linear"]
+    qkv_bias = bias or arch["add_qkv_bias"]
+    family = "llama" if bias or not qkv_bias else "qwen2"
+    tied = "output_layer.weight" not in full
+    out = {"model.embed_tokens.weight": full[WORD_EMBEDDING][:vocab]}
+    for i, get in _layers(full, layers):
+        h = f"model.layers.{i}."
+        out[h + "input_layernorm.weight"] = get("input_layernorm.weight")
+        out[h + "post_attention_layernorm.weight"] = get("post_attention_layernorm.weight")
+        for part in ("weight", "bias") if qkv_bias else ("weight",):
+            q, k, v = qkv_ours_to_groups(get(f"{_ATTN}.{part}"), heads, groups)
+            out[h + f"self_attn.q_proj.{part}"] = q
+            out[h + f"self_attn.k_proj.{part}"] = k
+            out[h + f"self_attn.v_proj.{part}"] = v
+        for part in ("weight", "bias") if bias else ("weight",):
+            out[h + f"self_attn.o_proj.{part}"] = get(f"self_attention.dense.{part}")
+            gate, up = get(f"mlp.dense_h_to_4h.{part}").chunk(2, dim=0)
+            out[h + f"mlp.gate_proj.{part}"] = gate
+            out[h + f"mlp.up_proj.{part}"] = up
+            out[h + f"mlp.down_proj.{part}"] = get(f"mlp.dense_4h_to_h.{part}")
+    out["model.norm.weight"] = full["encoder.final_layernorm.weight"]
+    if not tied:
+        out["lm_head.weight"] = full["output_layer.weight"][:vocab]
+    theta = float(model_cfg.get("rotary_base", 10000))
+    config = {
+        "architectures": [_LLAMA_FAMILY[family]], "model_type": family,
+        "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": int(model_cfg["ffn_hidden_size"]),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": groups, "hidden_act": "silu",
+        "max_position_embeddings": int(model_cfg["max_position_embeddings"]),
+        "rms_norm_eps": float(model_cfg.get("layernorm_epsilon", 1e-5)),
+        # transformers >= 5 reads rope_parameters, older versions the top-level rope_theta
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_theta": theta,
+        "attention_dropout": float(model_cfg.get("attention_dropout", 0.0)),
+        "initializer_range": float(model_cfg.get("init_method_std", 0.02)),
+        "tie_word_embeddings": tied, "use_cache": True,
+        # Llama's defaults (1, 2) are SentencePiece Llama's ids: wrong for any other
+        # vocabulary; export_hf fills them in where the tokenizer says
+        "bos_token_id": None, "eos_token_id": None,
+    }
+    if family == "llama":
+        config.update(head_dim=hidden // heads, attention_bias=bias, mlp_bias=bias,
+                      pretraining_tp=1)
+    else:  # every layer full attention (Qwen2's sliding window is off by default)
+        config.update(use_sliding_window=False)
     return out, config
 
 
@@ -179,6 +281,20 @@ def bert_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: 
     return out, config
 
 
+def _special_token_ids(data_cfg: Dict[str, Any]) -> Dict[str, Optional[int]]:
+    """bos/eos ids for a Llama config.json from a HuggingFaceTokenizer the checkpoint
+    records (its own special tokens); {} (the null ids gpt_to_llama wrote) otherwise."""
+    if data_cfg.get("tokenizer_type") != "HuggingFaceTokenizer":
+        return {}
+    from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+
+    try:
+        hf = HuggingFaceTokenizer(data_cfg.get("tokenizer_model")).hf
+    except (ValueError, TypeError):  # not on this machine: _tokenizer_files says so
+        return {}
+    return {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
+
+
 def _tokenizer_files(data_cfg: Dict[str, Any], out_dir: str, n_positions: int) -> str:
     """Copy the tokenizer's vocabulary files; returns a one-line note of what was done."""
     kind = data_cfg.get("tokenizer_type")
@@ -219,17 +335,108 @@ def _tokenizer_files(data_cfg: Dict[str, Any], out_dir: str, n_positions: int) -
     return f"tokenizer files ({kind}): {', '.join(n for _, n in files)}"
 
 
-def _check_exportable(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
-                      is_bert: bool) -> None:
-    if not is_bert and "embedding.tokentype_embeddings.weight" in full:
-        raise UserError("--to-hf: this GPT has token-type embeddings; transformers' GPT-2 "
-                        "has none, so it cannot be exported")
-    for name, value in full.items():
-        if name.endswith(f"{_ATTN}.weight") and value.shape[0] != 3 * value.shape[1]:
-            raise UserError(f"--to-hf: {name} is {tuple(value.shape)}; only standard "
-                            f"multi-head attention (q, k, v of hidden size) exports")
+_LLAMA_BLOCK = {"normalization": "RMSNorm", "position_embedding_type": "rope",
+               "swiglu": True}
+"""The block options transformers' Llama has (and GPT-2 has not), besides any number of
+query groups and biases on all four linear layers or none."""
+
+
+def block_options(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's block options from its recorded config["model"], with the defaults
+    for the keys older checkpoints lack (they predate the options: GPT-2's block)."""
+    heads = model_cfg.get("num_attention_heads")
+    groups = model_cfg.get("num_query_groups")
+    groups = heads if groups is None else groups
+    if type(groups) is not int or groups < 1 or (type(heads) is int and heads % groups):
+        raise CheckpointError(f"the checkpoint's config records num_query_groups {groups!r}; "
+                              f"expected a divisor of num_attention_heads ({heads!r})")
+    percent = model_cfg.get("rotary_percent", 1.0)
+    if type(percent) not in (int, float):
+        raise CheckpointError(f"the checkpoint's config records rotary_percent {percent!r}; "
+                              f"expected a number")
+    return {"normalization": model_cfg.get("normalization") or "LayerNorm",
+            "position_embedding_type": (model_cfg.get("position_embedding_type")
+                                        or "learned_absolute"),
+            "rotary_percent": float(percent),
+            "swiglu": model_cfg.get("swiglu", False) is True,
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "add_bias_linear": model_cfg.get("add_bias_linear", True) is not False,
+            "add_qkv_bias": model_cfg.get("add_qkv_bias", False) is True}
+
+
+def non_gpt2_flags(model_cfg: Dict[str, Any]) -> List[str]:
+    """The flags of a recorded config whose block differs from GPT-2's and BERT's, as
+    ``megatron.model.transformer.non_gpt2_options`` for a ModelConfig (an untied output
+    layer is not one: GPT-2 has ``lm_head``)."""
+    arch = block_options(model_cfg)
+    found = []
+    if arch["normalization"] != "LayerNorm":
+        found.append(f"--normalization {arch['normalization']}")
+    if arch["position_embedding_type"] != "learned_absolute":
+        found.append(f"--position-embedding-type {arch['position_embedding_type']}")
+    if arch["swiglu"]:
+        found.append("--swiglu")
+    if arch["num_query_groups"] != arch["num_attention_heads"]:
+        found.append(f"--num-query-groups {arch['num_query_groups']}")
+    if not arch["add_bias_linear"]:
+        found.append("--disable-bias-linear")
+        if arch["add_qkv_bias"]:
+            found.append("--add-qkv-bias")
+    return found
+
+
+def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
+                   is_bert: bool) -> str:
+    """"bert", "gpt2" or "llama" (Llama or Qwen2): the transformers model that computes
+    what this checkpoint's model computes.  Anything else is one UserError naming the
+    flags that leave no such model (GPT-2 weights written for an RMSNorm/RoPE/SwiGLU
+    block would load in transformers and silently compute something else)."""
     if int(model_cfg.get("num_attention_heads") or 0) < 1:
         raise UserError("--to-hf: the checkpoint's config lacks num_attention_heads")
+    flags = non_gpt2_flags(model_cfg)
+    if is_bert:
+        if flags:
+            raise UserError(f"--to-hf: this BERT was built with {' '.join(flags)}; "
+                            f"transformers' MegatronBert has BERT's block only, so it cannot "
+                            f"be exported")
+        target = "bert"
+    elif not flags:
+        target = "gpt2"
+    else:
+        arch = block_options(model_cfg)
+        missing = [f"--{k.replace('_', '-')} {v}" if v is not True else f"--{k}"
+                   for k, v in _LLAMA_BLOCK.items() if arch[k] != v]
+        if missing:
+            raise UserError(f"--to-hf: GPT-2 has no equivalent of this GPT's "
+                            f"{' '.join(flags)}, and transformers' LlamaForCausalLM would also "
+                            f"need {' '.join(missing)}; no transformers model matches, so it "
+                            f"cannot be exported")
+        # the bias layouts Llama/Qwen2 have are exactly ours: all four, none, q/k/v only
+        if arch["rotary_percent"] != 1.0:
+            raise UserError(f"--to-hf: this GPT rotates part of each head "
+                            f"(--rotary-percent {arch['rotary_percent']:g}); transformers' "
+                            f"LlamaForCausalLM rotates whole heads (it does not apply "
+                            f"partial_rotary_factor), so it cannot be exported")
+        target = "llama"
+    if not is_bert and "embedding.tokentype_embeddings.weight" in full:
+        raise UserError("--to-hf: this GPT has token-type embeddings; transformers' GPT-2, "
+                        "Llama and Qwen2 have none, so it cannot be exported")
+    heads = int(model_cfg["num_attention_heads"])
+    groups = block_options(model_cfg)["num_query_groups"]
+    for name, value in full.items():
+        if not name.endswith(f"{_ATTN}.weight"):
+            continue
+        if target == "llama":
+            rows = (heads + 2 * groups) * (value.shape[1] // heads)
+            if value.shape[0] != rows or value.shape[1] % heads:
+                raise CheckpointError(f"--to-hf: {name} is {tuple(value.shape)}; its config "
+                                      f"({heads} heads, {groups} query groups) implies "
+                                      f"({rows}, {value.shape[1]})")
+        elif value.shape[0] != 3 * value.shape[1]:
+            raise UserError(f"--to-hf: {name} is {tuple(value.shape)}; only standard "
+                            f"multi-head attention (q, k, v of hidden size) exports")
+    return target
 
 
 def check_export_path(load: Optional[str], out_dir: str) -> None:
@@ -285,7 +492,7 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     model_cfg.setdefault("max_position_embeddings", model_cfg.get("seq_length"))
     full = state.model
     is_bert = "lm_head.bias" in full or "embedding.tokentype_embeddings.weight" in full
-    _check_exportable(model_cfg, full, is_bert)
+    target = _export_target(model_cfg, full, is_bert)
     padded = full[WORD_EMBEDDING].shape[0]
     vocab = true_vocab_size(config, true_vocab)
     if vocab is None or vocab > padded:
@@ -293,7 +500,8 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
              f"all {padded} rows")
         vocab = padded
     try:
-        tensors, hf_config = (bert_to_hf if is_bert else gpt_to_hf)(full, model_cfg, vocab)
+        to_hf = {"bert": bert_to_hf, "gpt2": gpt_to_hf, "llama": gpt_to_llama}[target]
+        tensors, hf_config = to_hf(full, model_cfg, vocab)
     except KeyError as exc:  # a layer or head its config implies is not in the files
         raise CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
                               f"its config (num_layers {model_cfg.get('num_layers')!r}) "
@@ -306,6 +514,8 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     data_cfg = config.get("data") or {}
     if data_cfg.get("tokenizer_type") == "GPT2BPETokenizer" and not is_bert:
         hf_config.update(bos_token_id=50256, eos_token_id=50256)
+    elif target == "llama":
+        hf_config.update(_special_token_ids(data_cfg))
     check_export_path(None, out_dir)  # again: the checkpoint took a while to read
     # a sibling, so the final rename stays on one file system (atomic)
     staging = f"{os.path.abspath(out_dir)}.tmp.{os.getpid()}"
@@ -417,6 +627,44 @@ def _config_float(cfg: Dict[str, Any], key: str, default: float, cfg_path: str) 
     return float(value)
 
 
+def _read_hf_config(hf_dir: str) -> Tuple[Dict[str, Any], str]:
+    """(config.json of ``hf_dir`` as a dict, its path)."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"--from-hf {hf_dir}: expected config.json, found none")
+    return _read_json(cfg_path, "a transformers config"), cfg_path
+
+
+def _tensor_getter(weights: Dict[str, torch.Tensor], hf_dir: str, kind: str, sizes: str):
+    """``get(name, *shape)``: the weight, checked to be a floating-point tensor of that
+    shape.  ``kind`` names the state dict expected, ``sizes`` the config.json values the
+    shapes come from, so a file of another model is one error naming both."""
+    def get(name: str, *shape: int) -> torch.Tensor:
+        if name not in weights:
+            raise CheckpointError(f"--from-hf {hf_dir}: weight {name!r} missing; expected "
+                                  f"a {kind} state dict")
+        t = weights[name]
+        if tuple(t.shape) != shape or not t.is_floating_point():
+            raise CheckpointError(
+                f"--from-hf {hf_dir}: weight {name!r} is {str(t.dtype).removeprefix('torch.')} "
+                f"{tuple(t.shape)}; {sizes} expects floating point {shape}")
+        return t
+    return get
+
+
+def _pad_rows(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """Vocabulary rows zero-padded to Megatron's padded size (as the trainer's padding
+    rows: never an input; their logits enter the softmax until training pushes them down)."""
+    extra = torch.zeros((padded - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
+    return torch.cat([t, extra], 0)
+
+
+def _strip_prefix(weights: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
+    """Names of the base model without ``prefix`` (``transformer.``, ``model.``): the
+    LM-head model's and the bare model's files both read."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()}
+
+
 def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool = False
                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
     """(our full state dict with padded vocabulary, model config dict, real vocab size).
@@ -426,10 +674,7 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
     mis-sized checkpoint."""
     from megatron.tokenizer import vocab_size_with_padding
 
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"--from-hf {hf_dir}: expected config.json, found none")
-    cfg = _read_json(cfg_path, "a transformers config")
+    cfg, cfg_path = _read_hf_config(hf_dir)
     if cfg.get("model_type") != "gpt2":
         raise UserError(f"--from-hf {cfg_path}: expected model_type 'gpt2', found "
                         f"{cfg.get('model_type')!r}")
@@ -452,27 +697,17 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
     eps, resid, attn, init = (_config_float(cfg, k, d, cfg_path) for k, d in (
         ("layer_norm_epsilon", 1e-5), ("resid_pdrop", 0.1), ("attn_pdrop", 0.1),
         ("initializer_range", 0.02)))
-    weights = {k[len("transformer."):] if k.startswith("transformer.") else k: v
-               for k, v in _read_hf_weights(hf_dir, allow_unsafe).items()}
+    tied = cfg.get("tie_word_embeddings", True)
+    if type(tied) is not bool:
+        raise CheckpointError(f"--from-hf {cfg_path}: expected tie_word_embeddings to be "
+                              f"true or false, found {tied!r}")
+    weights = _strip_prefix(_read_hf_weights(hf_dir, allow_unsafe), "transformer.")
     padded = vocab_size_with_padding(vocab, divisible_by, tp)
+    get = _tensor_getter(weights, hf_dir, "GPT2LMHeadModel / GPT2Model",
+                         f"{cfg_path} (n_embd {hidden}, n_inner {ffn}, vocab_size {vocab}, "
+                         f"n_positions {positions})")
 
-    def get(name: str, *shape: int) -> torch.Tensor:
-        if name not in weights:
-            raise CheckpointError(f"--from-hf {hf_dir}: weight {name!r} missing; expected "
-                                  f"a GPT2LMHeadModel / GPT2Model state dict")
-        t = weights[name]
-        if tuple(t.shape) != shape or not t.is_floating_point():
-            raise CheckpointError(
-                f"--from-hf {hf_dir}: weight {name!r} is {str(t.dtype).removeprefix('torch.')} "
-                f"{tuple(t.shape)}; {cfg_path} (n_embd {hidden}, n_inner {ffn}, vocab_size "
-                f"{vocab}, n_positions {positions}) expects floating point {shape}")
-        return t
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        extra = torch.zeros((padded - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
-        return torch.cat([t, extra], 0)
-
-    full = {"embedding.word_embeddings.weight": pad(get("wte.weight", vocab, hidden)),
+    full = {WORD_EMBEDDING: _pad_rows(get("wte.weight", vocab, hidden), padded),
             "embedding.position_embeddings.weight": get("wpe.weight", positions, hidden)}
     for i in range(layers):
         h, o = f"h.{i}.", f"encoder.layers.{i}."
@@ -493,40 +728,261 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
         full[o + "mlp.dense_4h_to_h.bias"] = get(h + "mlp.c_proj.bias", hidden)
     full["encoder.final_layernorm.weight"] = get("ln_f.weight", hidden)
     full["encoder.final_layernorm.bias"] = get("ln_f.bias", hidden)
-    if not cfg.get("tie_word_embeddings", True):
-        raise UserError(f"--from-hf {cfg_path}: tie_word_embeddings=false; this trainer's "
-                        f"GPT ties the output layer to the word embedding")
+    if not tied:  # an lm_head of its own: --untie-embeddings-and-output-weights
+        full["output_layer.weight"] = _pad_rows(get("lm_head.weight", vocab, hidden), padded)
     full = {k: v.contiguous().clone() for k, v in full.items()}
     model_cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
                  "ffn_hidden_size": ffn, "seq_length": positions,
                  "max_position_embeddings": positions, "padded_vocab_size": padded,
                  "layernorm_epsilon": eps, "hidden_dropout": resid, "attention_dropout": attn,
                  "init_method_std": init, "openai_gelu": act in _GELU_TANH,
-                 "params_dtype": str(full["embedding.word_embeddings.weight"].dtype)}
+                 "untie_embeddings_and_output_weights": not tied,
+                 "params_dtype": str(full[WORD_EMBEDDING].dtype)}
     return full, model_cfg, vocab
+
+
+def _rope_base(cfg: Dict[str, Any], cfg_path: str) -> int:
+    """--rotary-base of a Llama config.json: ``rope_parameters.rope_theta``
+    (transformers >= 5), else the top-level ``rope_theta`` (older files), else 10000.
+    RoPE scaling (``rope_scaling`` / a ``rope_type`` other than default: linear, dynamic,
+    yarn, llama3, ...) and partial rotation change the angles, which this trainer's RoPE
+    does not do: refused, one line."""
+    params: Dict[str, Any] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict) or any(isinstance(v, dict) for v in value.values()):
+            raise UserError(f"--from-hf {cfg_path}: expected {key} to be one object of RoPE "
+                            f"settings, found {value!r}")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind != "default":
+            raise UserError(f"--from-hf {cfg_path}: {key} has rope_type {kind!r} (RoPE "
+                            f"scaling), which this trainer's RoPE does not do; only the "
+                            f"default RoPE (--rotary-base) imports")
+        params = {**value, **params}  # rope_parameters wins: transformers' order
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UserError(f"--from-hf {cfg_path}: partial_rotary_factor {partial!r}; "
+                        f"transformers' Llama rotates whole heads, so this file does not "
+                        f"describe a model it runs (expected 1.0)")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if type(theta) not in (int, float) or not theta > 0:
+        raise CheckpointError(f"--from-hf {cfg_path}: expected rope_theta to be a positive "
+                              f"number, found {theta!r}")
+    if theta != int(theta):
+        raise UserError(f"--from-hf {cfg_path}: rope_theta {theta} is not a whole number; "
+                        f"this trainer's --rotary-base takes integers")
+    return int(theta)
+
+
+def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool = False
+                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
+    """A ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` directory (or a bare
+    ``LlamaModel``/``Qwen2Model``) -> (our full state dict with padded vocabulary, model
+    config dict, real vocab size).
+
+    The model config is the Llama-style GPT (RMSNorm, RoPE, SwiGLU, query groups; Llama's
+    attention_bias/mlp_bias as --disable-bias-linear, Qwen2's q/k/v biases as
+    --disable-bias-linear --add-qkv-bias; untied unless tie_word_embeddings); the tensors
+    are checked against config.json as for GPT-2.  A config.json option that changes
+    what the model computes and that this trainer lacks is one UserError naming it."""
+    from megatron.tokenizer import vocab_size_with_padding
+
+    cfg, cfg_path = _read_hf_config(hf_dir)
+    family = cfg.get("model_type")
+    if family not in _LLAMA_FAMILY:
+        raise UserError(f"--from-hf {cfg_path}: expected model_type 'llama' or 'qwen2', "
+                        f"found {family!r}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"--from-hf {cfg_path}: hidden_act {act!r} has no equivalent here "
+                        f"(expected silu: --swiglu)")
+    heads, layers, hidden, vocab, ffn = (
+        _config_int(cfg, k, cfg_path) for k in ("num_attention_heads", "num_hidden_layers",
+                                                "hidden_size", "vocab_size",
+                                                "intermediate_size"))
+    positions = (_config_int(cfg, "max_position_embeddings", cfg_path)
+                 if cfg.get("max_position_embeddings") is not None
+                 else {"llama": 2048, "qwen2": 32768}[family])  # transformers' defaults
+    groups = (_config_int(cfg, "num_key_value_heads", cfg_path)
+              if cfg.get("num_key_value_heads") is not None else heads)
+    if hidden % heads:
+        raise CheckpointError(f"--from-hf {cfg_path}: hidden_size {hidden} is not a multiple "
+                              f"of num_attention_heads {heads}")
+    if heads % groups:
+        raise CheckpointError(f"--from-hf {cfg_path}: num_key_value_heads {groups} does not "
+                              f"divide num_attention_heads {heads}")
+    d = hidden // heads
+    if cfg.get("head_dim") is not None and cfg["head_dim"] != d:
+        raise UserError(f"--from-hf {cfg_path}: head_dim {cfg['head_dim']!r} is not "
+                        f"hidden_size / num_attention_heads ({d}); this trainer's heads have "
+                        f"hidden_size / num_attention_heads dimensions")
+    flags = {}
+    for key, default in (("attention_bias", False), ("mlp_bias", False),
+                         ("tie_word_embeddings", False), ("use_sliding_window", False)):
+        flags[key] = cfg.get(key, default)
+        if type(flags[key]) is not bool:
+            raise CheckpointError(f"--from-hf {cfg_path}: expected {key} to be true or "
+                                  f"false, found {flags[key]!r}")
+    if family == "llama":
+        bias = qkv_bias = flags["attention_bias"]
+        if bias != flags["mlp_bias"]:
+            raise UserError(f"--from-hf {cfg_path}: attention_bias={str(bias).lower()} but "
+                            f"mlp_bias={str(flags['mlp_bias']).lower()}; this trainer's blocks "
+                            f"have biases on all four linear layers or on none "
+                            f"(--disable-bias-linear)")
+    else:  # Qwen2: q, k, v biases, none on o_proj and the MLP
+        bias, qkv_bias = False, True
+        kinds = set(cfg.get("layer_types") or ["full_attention"])
+        if flags["use_sliding_window"] or kinds != {"full_attention"}:
+            raise UserError(f"--from-hf {cfg_path}: sliding-window attention "
+                            f"(use_sliding_window / layer_types) has no equivalent here; "
+                            f"only full attention in every layer imports")
+    tied = flags["tie_word_embeddings"]
+    base = _rope_base(cfg, cfg_path)
+    eps, attn, init = (_config_float(cfg, k, dflt, cfg_path) for k, dflt in (
+        ("rms_norm_eps", 1e-6), ("attention_dropout", 0.0), ("initializer_range", 0.02)))
+    weights = _strip_prefix(_read_hf_weights(hf_dir, allow_unsafe), "model.")
+    padded = vocab_size_with_padding(vocab, divisible_by, tp)
+    get = _tensor_getter(weights, hf_dir, f"{_LLAMA_FAMILY[family]} / {family} base model",
+                         f"{cfg_path} (hidden_size {hidden}, intermediate_size {ffn}, "
+                         f"num_attention_heads {heads}, num_key_value_heads {groups}, "
+                         f"vocab_size {vocab})")
+
+    full = {WORD_EMBEDDING: _pad_rows(get("embed_tokens.weight", vocab, hidden), padded)}
+    parts = ("weight", "bias") if bias else ("weight",)
+    for i in range(layers):  # in our module's parameter order
+        h, o = f"layers.{i}.", f"encoder.layers.{i}."
+        full[o + "input_layernorm.weight"] = get(h + "input_layernorm.weight", hidden)
+        for part in ("weight", "bias") if qkv_bias else ("weight",):
+            rest = (hidden,) if part == "weight" else ()
+            full[o + f"{_ATTN}.{part}"] = qkv_groups_to_ours(
+                get(h + f"self_attn.q_proj.{part}", heads * d, *rest),
+                get(h + f"self_attn.k_proj.{part}", groups * d, *rest),
+                get(h + f"self_attn.v_proj.{part}", groups * d, *rest), groups)
+        full[o + "self_attention.dense.weight"] = get(h + "self_attn.o_proj.weight", hidden,
+                                                      heads * d)
+        if bias:
+            full[o + "self_attention.dense.bias"] = get(h + "self_attn.o_proj.bias", hidden)
+        full[o + "post_attention_layernorm.weight"] = get(h + "post_attention_layernorm.weight",
+                                                          hidden)
+        for part in parts:  # [gate; up], gate first: Megatron-LM's SwiGLU layout
+            rest = (hidden,) if part == "weight" else ()
+            full[o + f"mlp.dense_h_to_4h.{part}"] = torch.cat(
+                [get(h + f"mlp.gate_proj.{part}", ffn, *rest),
+                 get(h + f"mlp.up_proj.{part}", ffn, *rest)], 0)
+        full[o + "mlp.dense_4h_to_h.weight"] = get(h + "mlp.down_proj.weight", hidden, ffn)
+        if bias:
+            full[o + "mlp.dense_4h_to_h.bias"] = get(h + "mlp.down_proj.bias", hidden)
+    full["encoder.final_layernorm.weight"] = get("norm.weight", hidden)
+    if not tied:
+        full["output_layer.weight"] = _pad_rows(get("lm_head.weight", vocab, hidden), padded)
+    full = {k: v.contiguous().clone() for k, v in full.items()}
+    model_cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+                 "ffn_hidden_size": ffn, "seq_length": positions,
+                 "max_position_embeddings": positions, "padded_vocab_size": padded,
+                 "layernorm_epsilon": eps, "hidden_dropout": 0.0, "attention_dropout": attn,
+                 "init_method_std": init, "openai_gelu": False,
+                 "normalization": "RMSNorm", "position_embedding_type": "rope",
+                 "rotary_base": base, "rotary_percent": 1.0, "swiglu": True,
+                 "num_query_groups": groups, "add_bias_linear": bias,
+                 "add_qkv_bias": qkv_bias and not bias,
+                 "untie_embeddings_and_output_weights": not tied,
+                 "params_dtype": str(full[WORD_EMBEDDING].dtype)}
+    return full, model_cfg, vocab
+
+
+_IMPORTERS = {"gpt2": hf_gpt2_to_ours, "llama": hf_llama_to_ours, "qwen2": hf_llama_to_ours}
+
+
+def _import_tokenizer(hf_dir: str, vocab: int) -> Dict[str, Any]:
+    """The tokenizer settings of an imported directory: GPT-2 BPE from vocab.json +
+    merges.txt; else any tokenizer transformers' AutoTokenizer loads from it
+    (HuggingFaceTokenizer: Llama's tokenizer.json) when its vocabulary has the model's
+    size; else none (NullTokenizer, with a note).  Whatever is recorded here is printed
+    as flags and must load in the training run."""
+    if all(os.path.isfile(os.path.join(hf_dir, f)) for f in ("vocab.json", "merges.txt")):
+        tokenizer = {"tokenizer_type": "GPT2BPETokenizer",
+                     "vocab_file": os.path.abspath(os.path.join(hf_dir, "vocab.json")),
+                     "merge_file": os.path.abspath(os.path.join(hf_dir, "merges.txt"))}
+        from megatron.tokenizer import GPT2BPETokenizer
+        try:
+            GPT2BPETokenizer(tokenizer["vocab_file"], tokenizer["merge_file"], fast=False)
+        except ValueError as exc:
+            raise CheckpointError(f"--from-hf {hf_dir}: its vocab.json/merges.txt do not load "
+                                  f"as a GPT-2 tokenizer ({exc})") from None
+        return tokenizer
+    if not any(os.path.isfile(os.path.join(hf_dir, f))
+               for f in ("tokenizer.json", "tokenizer_config.json")):
+        return {}
+    from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+
+    spec = os.path.abspath(hf_dir)
+    try:
+        size = HuggingFaceTokenizer(spec).vocab_size
+    except ValueError as exc:
+        _say(f"note: no tokenizer recorded: {exc}")
+        return {}
+    if size != vocab:
+        _say(f"note: no tokenizer recorded: the tokenizer in {hf_dir} has {size} tokens, the "
+             f"model's vocab_size is {vocab}; pass your tokenizer's flags when training")
+        return {}
+    return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": spec}
+
+
+def _model_flags(model_cfg: Dict[str, Any]) -> str:
+    """The trainer's model flags for an imported config (Megatron-LM's spellings)."""
+    flags = [f"--num-layers {model_cfg['num_layers']}",
+             f"--hidden-size {model_cfg['hidden_size']}",
+             f"--num-attention-heads {model_cfg['num_attention_heads']}",
+             f"--ffn-hidden-size {model_cfg['ffn_hidden_size']}",
+             f"--max-position-embeddings {model_cfg['max_position_embeddings']}"]
+    if model_cfg.get("normalization") == "RMSNorm":
+        flags += ["--normalization RMSNorm", f"--norm-epsilon {model_cfg['layernorm_epsilon']}"]
+    else:
+        flags.append(f"--layernorm-epsilon {model_cfg['layernorm_epsilon']}")
+    if model_cfg.get("position_embedding_type") == "rope":
+        flags += ["--position-embedding-type rope", f"--rotary-base {model_cfg['rotary_base']}"]
+    if model_cfg.get("swiglu"):
+        flags.append("--swiglu")
+    groups = model_cfg.get("num_query_groups")
+    if groups is not None and groups != model_cfg["num_attention_heads"]:
+        flags.append(f"--group-query-attention --num-query-groups {groups}")
+    if model_cfg.get("add_bias_linear") is False:
+        flags.append("--disable-bias-linear")
+        if model_cfg.get("add_qkv_bias"):
+            flags.append("--add-qkv-bias")
+    if model_cfg.get("untie_embeddings_and_output_weights"):
+        flags.append("--untie-embeddings-and-output-weights")
+    if model_cfg.get("openai_gelu"):
+        flags.append("--openai-gelu")
+    if model_cfg.get("swiglu"):  # Llama trains without dropout; the trainer's default is 0.1
+        flags.append(f"--hidden-dropout {model_cfg['hidden_dropout']} "
+                     f"--attention-dropout {model_cfg['attention_dropout']}")
+    return " ".join(flags)
 
 
 def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
               divisible_by: int = 128, allow_unsafe: bool = False,
               first: Optional[int] = None, last: Optional[int] = None) -> str:
-    """Write HF GPT-2 directory ``hf_dir`` as an iteration-0 checkpoint under ``save``.
-    ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only unpickler).
-    ``first``/``last``: layers of the first/last pipeline stage (default: even).  A
-    ``save`` holding checkpoints is refused (``check_save_path``) before anything is read."""
+    """Write HF GPT-2, Llama or Qwen2 directory ``hf_dir`` as an iteration-0 checkpoint
+    under ``save``.  ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only
+    unpickler).  ``first``/``last``: layers of the first/last pipeline stage (default:
+    even).  A ``save`` holding checkpoints is refused (``check_save_path``) before
+    anything is read."""
     check_save_path(hf_dir, save, load_flag="--from-hf")
-    full, model_cfg, vocab = hf_gpt2_to_ours(hf_dir, divisible_by, tp, allow_unsafe)
+    cfg, cfg_path = _read_hf_config(hf_dir)
+    kind = cfg.get("model_type")
+    if kind not in _IMPORTERS:
+        raise UserError(f"--from-hf {cfg_path}: expected model_type 'gpt2', 'llama' or "
+                        f"'qwen2', found {kind!r}")
+    full, model_cfg, vocab = _IMPORTERS[kind](hf_dir, divisible_by, tp, allow_unsafe)
     layers = model_cfg["num_layers"]
-    tokenizer = {"make_vocab_size_divisible_by": divisible_by, "vocab_size": vocab}
-    if all(os.path.isfile(os.path.join(hf_dir, f)) for f in ("vocab.json", "merges.txt")):
-        tokenizer.update(tokenizer_type="GPT2BPETokenizer",
-                         vocab_file=os.path.abspath(os.path.join(hf_dir, "vocab.json")),
-                         merge_file=os.path.abspath(os.path.join(hf_dir, "merges.txt")))
-        from megatron.tokenizer import GPT2BPETokenizer
-        try:  # recorded in the checkpoint and printed as flags: they must load
-            GPT2BPETokenizer(tokenizer["vocab_file"], tokenizer["merge_file"], fast=False)
-        except ValueError as exc:
-            raise CheckpointError(f"--from-hf {hf_dir}: its vocab.json/merges.txt do not load "
-                                  f"as a GPT-2 tokenizer ({exc})") from None
+    # without tokenizer files: NullTokenizer, as the printed flags say (and
+    # --use-checkpoint-args reads)
+    tokenizer = {"make_vocab_size_divisible_by": divisible_by, "vocab_size": vocab,
+                 "tokenizer_type": "NullTokenizer", **_import_tokenizer(hf_dir, vocab)}
     config = {"model": model_cfg, "data": tokenizer}
     ckpt = CheckpointShards(root=hf_dir, iteration=0, tensor=1, pipeline=1, num_layers=layers)
     state = FullState(iteration=0, model=full, shadow=None, optimizer=None,
@@ -537,14 +993,13 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
                        source=os.path.abspath(hf_dir), first=first, last=last)
     split = split_text(*recorded_split(target_stage_counts(state, pp, first, last), first,
                                        last))
+    kind_of = tokenizer.get("tokenizer_type")
     tok = (f"--tokenizer-type GPT2BPETokenizer --vocab-file {tokenizer['vocab_file']} "
-           f"--merge-file {tokenizer['merge_file']}" if "vocab_file" in tokenizer
-           else f"--tokenizer-type NullTokenizer --vocab-size {vocab}")
-    _say(f"train with: --num-layers {layers} --hidden-size {model_cfg['hidden_size']} "
-         f"--num-attention-heads {model_cfg['num_attention_heads']} --ffn-hidden-size "
-         f"{model_cfg['ffn_hidden_size']} --max-position-embeddings "
-         f"{model_cfg['max_position_embeddings']} --layernorm-epsilon "
-         f"{model_cfg['layernorm_epsilon']}{' --openai-gelu' if model_cfg['openai_gelu'] else ''} "
+           f"--merge-file {tokenizer['merge_file']}" if kind_of == "GPT2BPETokenizer" else
+           f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+           f"{tokenizer['tokenizer_model']}" if kind_of == "HuggingFaceTokenizer" else
+           f"--tokenizer-type NullTokenizer --vocab-size {vocab}")
+    _say(f"train with: {_model_flags(model_cfg)} "
          f"--make-vocab-size-divisible-by {divisible_by} "
          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}{split} {tok} "
          f"--load {save} [--finetune]")

@@ -125,11 +125,12 @@ def test_gpt2_tokenizer_files_are_written(tmp_path):
     assert tok("Hello world, it's me.")["input_ids"] == [15496, 995, 11, 340, 338, 502, 13]
 
 
-def _hf_gpt2(tmp_path, act="gelu"):
+def _hf_gpt2(tmp_path, act="gelu", tie=True):
     config = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2,
                                      n_head=4, activation_function=act, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2,
-                                     bos_token_id=99, eos_token_id=99)
+                                     bos_token_id=99, eos_token_id=99,
+                                     tie_word_embeddings=tie)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # non-trivial LayerNorm parameters and biases
@@ -162,6 +163,29 @@ def test_gpt2_import_gives_transformers_logits(tmp_path, capsys, tp, pp, act):
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
+def test_gpt2_with_its_own_lm_head_imports_untied(tmp_path, capsys):
+    """tie_word_embeddings=false: the lm_head becomes our untied output layer
+    (--untie-embeddings-and-output-weights), and exports back as GPT-2's lm_head."""
+    hf, path = _hf_gpt2(tmp_path, tie=False)
+    with torch.no_grad():
+        hf.lm_head.weight.add_(0.5)  # not the word embedding
+    hf.save_pretrained(path)
+    out = str(tmp_path / "ours")
+    main(["--from-hf", path, "--save", out, "--target-tensor-parallel-size", "2",
+          "--target-pipeline-parallel-size", "2", "--make-vocab-size-divisible-by", "64"])
+    assert "--untie-embeddings-and-output-weights" in capsys.readouterr().err
+    cfg = _cfg(padded_vocab_size=128, untie_embeddings_and_output_weights=True)
+    model = GPTModel(cfg, TP, seed=1).eval()
+    model.load_state_dict(merge_checkpoint(read_checkpoint(out)))
+    ids = _ids(vocab=100)
+    with torch.no_grad():
+        assert (model(ids, None, None)[..., :100] - hf(ids).logits).abs().max().item() < 1e-4
+    main(["--load", out, "--to-hf", str(tmp_path / "back")])
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
+    assert back.config.tie_word_embeddings is False
+    assert torch.equal(back.lm_head.weight, hf.lm_head.weight)
+
+
 def test_import_refusals(tmp_path, capsys):
     _, path = _hf_gpt2(tmp_path, act="relu")
     capsys.readouterr()
@@ -186,6 +210,6 @@ def test_import_refusals(tmp_path, capsys):
         from megatron.hf_interop import import_hf
         import_hf(str(evil), str(tmp_path / "o2"))
     assert not marker.exists()
-    with pytest.raises(UserError, match="model_type 'gpt2'"):
-        json.dump({"model_type": "llama"}, open(evil / "config.json", "w"))
+    with pytest.raises(UserError, match="model_type 'gpt2', 'llama' or 'qwen2', found 't5'"):
+        json.dump({"model_type": "t5"}, open(evil / "config.json", "w"))
         import_hf(str(evil), str(tmp_path / "o3"))

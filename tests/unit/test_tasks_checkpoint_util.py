@@ -38,13 +38,15 @@ def _stage(cls, cfg, d, p, seed, **kw):
                layer_numbers=range(p * per, (p + 1) * per), seed=seed, **kw)
 
 
-def _write(root, shards, tp, pp, iteration=5):
+def _write(root, shards, tp, pp, iteration=5, model=None):
+    """``model``: the config["model"] to record (default: num_layers only, as old
+    checkpoints and converted ones without the full config)."""
     base = os.path.join(root, f"iter_{iteration:07d}")
     for (t, p), sd in shards.items():
         path = os.path.join(base, f"mp_rank_{t:02d}_{p:03d}")
         os.makedirs(path, exist_ok=True)
         save_payload({"model": sd, "layout": {"tensor": tp, "pipeline": pp},
-                      "config": {"model": {"num_layers": LAYERS},
+                      "config": {"model": model or {"num_layers": LAYERS},
                                  "data": {"make_vocab_size_divisible_by": 64}},
                       "iteration": iteration},
                      os.path.join(path, "model_optim_rng"))
@@ -194,14 +196,15 @@ def test_different_vocab_padding_is_fitted(tmp_path):
 
 
 # ------------------------------------------------------------- full-state resharding
-def _trained_full_state_checkpoint(root, divisible_by=64, vocab=96):
-    """A one-stage bf16 GPT with fp32 masters after one Adam step, saved like training."""
+def _trained_full_state_checkpoint(root, divisible_by=64, vocab=96, base_cfg=None):
+    """A one-stage bf16 GPT with fp32 masters after one Adam step, saved like training.
+    ``base_cfg``: the model (default ``_cfg()``); given, its whole config is recorded."""
     from megatron.config import OptimizerConfig, PrecisionConfig
     from megatron.optimizer import get_megatron_optimizer
     from megatron.tokenizer import vocab_size_with_padding
 
     padded = vocab_size_with_padding(vocab, divisible_by, 1)
-    cfg = ModelConfig(**{**_cfg().__dict__, "padded_vocab_size": padded,
+    cfg = ModelConfig(**{**(base_cfg or _cfg()).__dict__, "padded_vocab_size": padded,
                          "params_dtype": torch.bfloat16})
     model = GPTModel(cfg, TP, seed=3)
     opt = get_megatron_optimizer(OptimizerConfig(), PrecisionConfig(bf16=True),
@@ -217,7 +220,8 @@ def _trained_full_state_checkpoint(root, divisible_by=64, vocab=96):
                   "model": model.state_dict(), "model_shadow": None,
                   "optimizer": opt.state_dict(), "engine": {"iteration": 7, "batch_scales": {}},
                   "lr_scheduler": {"max_lr": 1e-3, "num_steps": 7},
-                  "config": {"model": {"num_layers": LAYERS},
+                  "config": {"model": (_model_record(cfg) if base_cfg is not None
+                                       else {"num_layers": LAYERS}),
                              "data": {"make_vocab_size_divisible_by": divisible_by,
                                       "tokenizer_type": "NullTokenizer", "vocab_size": vocab}}},
                  os.path.join(base, "model_optim_rng"))
@@ -501,3 +505,161 @@ def test_reshard_writes_the_requested_uneven_stage_split(tmp_path):
     with pytest.raises(SystemExit):
         util_main(["--load", src, "--to-hf", str(tmp_path / "hf"),
                    "--target-decoder-first-pipeline-num-layers", "1"])
+
+
+# --------------------------------------------------- Llama-style blocks (swiglu, GQA, ...)
+LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+             num_query_groups=2, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True)
+
+
+def _llama_cfg(**kw) -> ModelConfig:
+    base = dict(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, seq_length=16,
+                padded_vocab_size=128, ffn_hidden_size=48, hidden_dropout=0.0,
+                attention_dropout=0.0, params_dtype=torch.float64, **LLAMA)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _model_record(cfg: ModelConfig) -> dict:
+    """config["model"] as training saves it (dataclasses.asdict, dtypes as text)."""
+    import dataclasses
+
+    return {k: (str(v) if isinstance(v, torch.dtype) else v)
+            for k, v in dataclasses.asdict(cfg).items()}
+
+
+def _llama_stage(cfg: ModelConfig, tp: int, t: int, d: int, p: int, seed: int) -> GPTModel:
+    """Tensor rank t of stage p of a (tp, d) layout.  The tensor-parallel layers talk to
+    their group only in forward/backward, so a placeholder group builds any rank's
+    parameters in one process: the slices the trainer's rank t holds."""
+    per = cfg.num_layers // d
+    info = TP if tp == 1 else TPInfo(group=object(), size=tp, rank=t)
+    return GPTModel(cfg, info, pre_process=p == 0, post_process=p == d - 1,
+                    layer_numbers=range(p * per, (p + 1) * per), seed=seed)
+
+
+def _llama_shards(cfg, tp, d, seed):
+    return {(t, p): _llama_stage(cfg, tp, t, d, p, seed).state_dict()
+            for t in range(tp) for p in range(d)}
+
+
+_LLAMA_VARIANTS = [dict(), dict(add_bias_linear=True, num_query_groups=4,
+                                untie_embeddings_and_output_weights=False),
+                   dict(add_qkv_bias=True)]
+
+
+@pytest.mark.parametrize("extra", _LLAMA_VARIANTS, ids=["llama-gqa", "mha-bias-tied", "qkv-bias"])
+def test_llama_tensor_parallel_shards_merge_into_the_full_model(tmp_path, extra):
+    """swiglu + GQA + RMSNorm + RoPE (+ no biases, untied output): the ranks' state dicts
+    at t=2, d=2 merge into exactly the t=1 model's.  SwiGLU's [gate; up] is split with
+    stride 2 (rank r holds [gate_r; up_r]): concatenating the ranks' parts, as for every
+    other tensor, would interleave gate and up rows."""
+    cfg = _llama_cfg(**extra)
+    full = _llama_stage(cfg, 1, 0, 1, 0, seed=11).state_dict()
+    shards = _llama_shards(cfg, 2, 2, seed=11)
+    root = _write(str(tmp_path / "t2d2"), shards, tp=2, pp=2, model=_model_record(cfg))
+    merged = merge_checkpoint(read_checkpoint(root))
+    assert list(merged) == list(full)
+    for name, value in full.items():
+        assert torch.equal(merged[name], value), name
+    assert "embedding.position_embeddings.weight" not in merged  # RoPE: no table
+    assert ("output_layer.weight" in merged) == cfg.untie_embeddings_and_output_weights
+    w = "encoder.layers.0.mlp.dense_h_to_4h.weight"
+    assert not torch.equal(torch.cat([shards[(0, 0)][w], shards[(1, 0)][w]]), full[w])
+    # the same files without the config's swiglu key read as an old checkpoint would
+    # (contiguous): the record is what tells the layouts apart
+    old = _write(str(tmp_path / "old"), shards, tp=2, pp=2,
+                 model={k: v for k, v in _model_record(cfg).items() if k != "swiglu"})
+    assert not torch.equal(merge_checkpoint(read_checkpoint(old))[w], full[w])
+
+
+def test_llama_checkpoint_converts_t2_to_t1_and_back(tmp_path):
+    """t=2 d=2 -> t=1 d=1 -> t=2 d=2 gives back every rank file's model exactly, and the
+    t=1 checkpoint is the one-rank model.  A t that does not divide the query groups is
+    refused before anything is written, naming the flag."""
+    cfg = _llama_cfg()
+    shards = _llama_shards(cfg, 2, 2, seed=12)
+    src = _write(str(tmp_path / "t2d2"), shards, tp=2, pp=2, model=_model_record(cfg))
+    convert(src, str(tmp_path / "t1"), tp=1, pp=1)
+    one = read_checkpoint(str(tmp_path / "t1"))
+    for name, value in _llama_stage(cfg, 1, 0, 1, 0, seed=12).state_dict().items():
+        assert torch.equal(one.shards[(0, 0)][name], value), name
+    convert(str(tmp_path / "t1"), str(tmp_path / "back"), tp=2, pp=2)
+    back = read_checkpoint(str(tmp_path / "back"))
+    for key, sd in shards.items():
+        assert list(back.shards[key]) == list(sd), key
+        for name, value in sd.items():
+            assert torch.equal(back.shards[key][name], value), (key, name)
+    with pytest.raises(CheckpointError, match=r"--target-tensor-parallel-size 4 does not divide "
+                                              r"the checkpoint's number of query groups"):
+        convert(src, str(tmp_path / "t4"), tp=4, pp=1)
+    assert not os.path.exists(tmp_path / "t4" / "iter_0000005")
+
+
+def test_llama_full_state_with_adam_reshards_with_the_swiglu_stride(tmp_path):
+    """Adam's moments and the fp32 master weights of SwiGLU's weight are cut like the
+    weight (stride 2), and the round trip through t=2 gives back the whole state."""
+    from megatron.tensor_parallel.param_init import shard
+
+    src, model, opt = _trained_full_state_checkpoint(str(tmp_path / "src"),
+                                                     base_cfg=_llama_cfg())
+    convert(src, str(tmp_path / "t2"), tp=2, pp=1, dp=1)
+    mid = read_checkpoint(str(tmp_path / "t2"))
+    names = list(model.state_dict())
+    w = "encoder.layers.1.mlp.dense_h_to_4h.weight"
+    pos = names.index(w)
+    full_state = opt.state_dict()
+    matrices = [n for n in names if model.state_dict()[n].dim() >= 2]
+    moment = full_state["optimizer"]["state"][matrices.index(w)]["exp_avg"]
+    master = full_state["fp32_masters"][pos]
+    for t in range(2):
+        payload = mid.payloads[(t, 0)]
+        assert torch.equal(payload["model"][w], shard(model.state_dict()[w], 0, t, 2, 2))
+        state = payload["optimizer"]["optimizer"]["state"][matrices.index(w)]
+        assert torch.equal(state["exp_avg"], shard(moment, 0, t, 2, 2))
+        assert torch.equal(payload["optimizer"]["fp32_masters"][pos], shard(master, 0, t, 2, 2))
+    convert(str(tmp_path / "t2"), str(tmp_path / "back"), tp=1, pp=1, dp=2)
+    back = read_checkpoint(str(tmp_path / "back")).payloads[(0, 0)]
+    _assert_same(model.state_dict(), back["model"], "model")
+    _assert_same(opt.state_dict(), back["optimizer"], "optimizer")
+
+
+def test_llama_checkpoint_loads_into_a_tensor_parallel_stage(tmp_path):
+    """Finetuning's loader (load_into_stage) cuts SwiGLU's weight with the module's own
+    partition_stride: rank 1 of t=2 gets exactly what a rank-1 model of the same seed has."""
+    cfg = _llama_cfg()
+    root = _write(str(tmp_path / "t1"), {(0, 0): _llama_stage(cfg, 1, 0, 1, 0, 13).state_dict()},
+                  tp=1, pp=1, model=_model_record(cfg))
+    target = _llama_stage(cfg, 2, 1, 2, 1, seed=99)
+    report = load_into_stage(target, root, layer_offset=2, tp_rank=1, tp_size=2)
+    assert report.missing == []
+    for name, value in _llama_stage(cfg, 2, 1, 2, 1, seed=13).state_dict().items():
+        assert torch.equal(target.state_dict()[name], value), name
+
+
+def test_llama_partition_dims_strides_and_order_agree_with_the_layers():
+    """The names-only rules (no module at hand: merge, convert) give the layers' own
+    partition dim and stride, and each stage's names in the module's parameter order
+    (the optimizer state is positional)."""
+    from megatron.checkpoint_convert import _name_targets
+    from megatron.checkpoint_merge import partition_stride_by_name
+
+    cfg = _llama_cfg()
+    record = _model_record(cfg)
+    full = _llama_stage(cfg, 1, 0, 1, 0, seed=1).state_dict()
+    for name, p in _llama_stage(cfg, 2, 0, 1, 0, seed=1).named_parameters():
+        assert partition_dim_by_name(name) == p.partition_dim if p.tensor_model_parallel \
+            else partition_dim_by_name(name) is None, name
+        if p.tensor_model_parallel:
+            assert partition_stride_by_name(name, record) == p.partition_stride, name
+    assert partition_stride_by_name("encoder.layers.0.mlp.dense_h_to_4h.bias", record) == 2
+    assert partition_stride_by_name("encoder.layers.0.mlp.dense_h_to_4h.weight", {}) == 1
+    assert partition_stride_by_name("encoder.layers.0.mlp.dense_4h_to_h.weight", record) == 1
+    for d in (2, 4):
+        for p in range(d):
+            stage = _llama_stage(cfg, 2, 1, d, p, seed=1)
+            targets, _ = _name_targets(full, LAYERS, 2, d, p, model_cfg=record)
+            assert list(targets) == [n for n, _ in stage.named_parameters()], (d, p)
+            assert [tuple(s) for s, _ in targets.values()] == \
+                [tuple(v.shape) for v in stage.parameters()], (d, p)
