@@ -1,7 +1,7 @@
 """Install the ``megatron`` package and compile its C++ dataset helpers.
 
 Install torch first (``pip install torch==2.13.0``, CPU or CUDA build as you need);
-the ``torch>=2.1`` requirement below is then already satisfied and pip fetches nothing.
+the ``torch>=2.5`` requirement below is then already satisfied and pip fetches nothing.
 """
 from pathlib import Path
 
@@ -37,7 +37,7 @@ setup(
     ext_modules=[helpers],
     cmdclass={"build_ext": build_ext},
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.5",  # nn.RMSNorm (2.4), scaled_dot_product_attention(enable_gqa=) (2.5)
         "numpy",
         "regex",
         "sentencepiece",

@@ -56,6 +56,6 @@ OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 p
     --log-interval 10 --eval-interval 100 --eval-iters 5 --num-workers 0 \
     --save "$OUT/checkpoints" --save-interval "$ITERS" \
     --timeline-file "$OUT/timeline.json" \
-    --distributed-timeout-minutes 5 "${BLOCK_FLAGS[@]}"
+    --distributed-timeout-minutes 5 ${BLOCK_FLAGS[@]+"${BLOCK_FLAGS[@]}"}
 echo "[demo] done: checkpoints in $OUT/checkpoints, traces in $OUT/timeline_rank*.json"
 echo "[demo] draw three batches of the pipeline: $PY tools/draw_timeline.py --trace '$OUT/timeline_rank*.json' --trace-batches $(( ITERS / 2 )):$(( ITERS / 2 + 3 )) --output $OUT/timeline.png"

@@ -90,8 +90,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "unchanged; GPT-NeoX: 0.25).")
     g.add_argument("--swiglu", action="store_true",
                    help="SwiGLU MLP: down(silu(gate(x)) * up(x)), the h -> ffn projection "
-                        "doubled to [gate; up] (Llama).  Llama's --ffn-hidden-size is about "
-                        "8/3 x --hidden-size, not 4 x.")
+                        "doubled to [gate; up] (Llama).  --ffn-hidden-size then defaults to "
+                        "Megatron-LM's 8/3 x --hidden-size rounded down to a multiple of 64.")
     g.add_argument("--group-query-attention", action="store_true",
                    help="Grouped-query attention: --num-query-groups key/value heads, each "
                         "shared by --num-attention-heads / --num-query-groups query heads.")
@@ -429,7 +429,12 @@ def parse_args(argv: Optional[List[str]] = None,
     args.megatron_lm_conflicts = conflicts
     args.megatron_lm_notes = (["note: Megatron-LM's older flag names read as: "
                                + "; ".join(renamed)] if renamed else [])
-    args.flags_given = {t.split("=", 1)[0] for t in rewritten if t.startswith("--")}
+    given = {t.split("=", 1)[0] for t in rewritten if t.startswith("--")}
+    # a flag given under any of its names (--norm-epsilon) or through another flag with
+    # the same destination (--use-rotary-position-embeddings) counts for all of them
+    dests = {a.dest for a in parser._actions if given & set(a.option_strings)}  # noqa: SLF001
+    args.flags_given = given | {s for a in parser._actions  # noqa: SLF001
+                                if a.dest in dests for s in a.option_strings}
     return args
 
 
@@ -471,9 +476,15 @@ def _check_required(args: argparse.Namespace) -> None:
         _require(args.lr is not None, "--lr is required for training (or --skip-train)")
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default MLP width: 4h, or with SwiGLU (three matrices instead of
+    two) 2/3 of that, rounded down to a multiple of 64, for about the same parameters."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
 def _check_model(args: argparse.Namespace) -> None:
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _require(args.seq_length <= args.max_position_embeddings,

@@ -907,10 +907,11 @@ _ARCHITECTURE_FLAGS = (("normalization", "--normalization", "LayerNorm"),
                        ("rotary_percent", "--rotary-percent", 1.0),
                        ("swiglu", "--swiglu", False),
                        ("num_query_groups", "--num-query-groups", None),
-                       ("add_bias_linear", "--disable-bias-linear (biases)", True),
+                       ("add_bias_linear", "biases (--disable-bias-linear)", True),
                        ("add_qkv_bias", "--add-qkv-bias", False),
                        ("untie_embeddings_and_output_weights",
-                        "--untie-embeddings-and-output-weights", False))
+                        "--untie-embeddings-and-output-weights", False),
+                       ("layernorm_epsilon", "--norm-epsilon", 1e-5))
 
 
 def _flag_value(value: Any) -> str:
@@ -946,6 +947,13 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
         theirs = saved.get(name, default)  # a checkpoint from before the option: its default
         if name == "num_query_groups":
             theirs = theirs if theirs is not None else saved.get("num_attention_heads")
+        if name.startswith("rotary_") and not (
+                getattr(model, "position_embedding_type", None)
+                == saved.get("position_embedding_type") == "rope"):
+            continue  # RoPE's settings matter only where both sides rotate
+        if name == "add_qkv_bias" and (getattr(model, "add_bias_linear", True)
+                                       and saved.get("add_bias_linear", True)):
+            continue  # every linear layer has its bias anyway
         if ours is None or theirs is None or ours == theirs:
             continue
         diffs.append(f"{flag} {_flag_value(theirs)} in the checkpoint, {_flag_value(ours)} "

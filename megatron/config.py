@@ -32,7 +32,8 @@ class ModelConfig:
     num_attention_heads: int
     """Attention heads per block (must divide hidden_size and be divisible by TP size)."""
     ffn_hidden_size: Optional[int] = None
-    """Width of the MLP; defaults to 4 * hidden_size."""
+    """Width of the MLP; defaults to 4 * hidden_size (with swiglu: 8/3 of hidden_size,
+    rounded down to a multiple of 64, as Megatron-LM)."""
     seq_length: int = 1024
     """Tokens per sample."""
     max_position_embeddings: Optional[int] = None
@@ -87,8 +88,9 @@ class ModelConfig:
     """GPT's output layer has its own weight instead of the word embedding's."""
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size is None:  # Megatron-LM's default (arguments.py's)
+            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
+                                    else 4 * self.hidden_size)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.num_query_groups is None:

@@ -218,8 +218,9 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
         if not base.grouped_query:
             fields["num_query_groups"] = None  # multi-head, whatever the head count
         fields.update(over)
-        if "hidden_size" in over and "ffn_hidden_size" not in over:
-            fields["ffn_hidden_size"] = None
+        resized = "hidden_size" in over or over.get("swiglu", base.swiglu) != base.swiglu
+        if resized and "ffn_hidden_size" not in over:
+            fields["ffn_hidden_size"] = None  # the default width of the new shape
         return ModelSpec(**fields, name=f"{args.model} (modified)")
     missing = [f"--{k.replace('_', '-')}" for k in shape if getattr(args, k) is None]
     if missing:

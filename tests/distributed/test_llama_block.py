@@ -86,8 +86,3 @@ def test_2bw_resume_is_bit_identical(runs):
     for t in range(1, 5):
         got = first["losses"][t] if t <= 2 else second["losses"][t]
         assert got == full[t], (t, got, full[t])
-
-
-def test_untied_output_layer_shares_nothing(runs):
-    """No tied word embedding on any rank (the harness reports it where one exists)."""
-    assert all(rank["d2"]["shared_embedding"] is None for rank in runs)

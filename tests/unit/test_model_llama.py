@@ -162,15 +162,6 @@ def test_parameter_names_and_counts():
                                      "--untie-embeddings-and-output-weights"]
 
 
-def test_default_model_is_unchanged_by_the_options_code():
-    """A plain GPT draws the same initial weights as before the options existed: the
-    QKV split and init keys are the old ones (tests elsewhere pin its losses)."""
-    a = GPTModel(_config(), TPInfo.single(), seed=5)
-    b = GPTModel(_config(num_query_groups=8), TPInfo.single(), seed=5)
-    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
-        assert na == nb and torch.equal(pa, pb)
-
-
 def test_tensor_parallel_partitions_reassemble_the_single_process_weights():
     """t = 2: each rank holds whole key/value groups with their queries, and [gate_r; up_r]
     of SwiGLU's first weight (stride 2); the pieces give back the t = 1 tensors."""
@@ -258,6 +249,13 @@ def test_flags_reach_the_model_config():
     qwen = build_config(_validate(SMALL + ["--disable-bias-linear", "--add-qkv-bias"])).model
     assert (qwen.add_bias_linear, qwen.add_qkv_bias) == (False, True)
     assert non_gpt2_options(qwen) == ["--disable-bias-linear", "--add-qkv-bias"]
+    # SwiGLU's default width is Megatron-LM's: 8/3 h rounded down to a multiple of 64
+    assert build_config(_validate(SMALL + ["--swiglu"])).model.ffn_hidden_size == 128
+    wide = [a if a != "64" else "4096" for a in SMALL]
+    assert build_config(_validate(wide + ["--swiglu"])).model.ffn_hidden_size == 10880
+    assert build_config(_validate(wide)).model.ffn_hidden_size == 16384
+    assert ModelConfig(num_layers=1, hidden_size=4096, num_attention_heads=32,
+                       swiglu=True).ffn_hidden_size == 10880
     # --num-query-groups alone is Megatron-LM's default 1, read only with the switch
     assert build_config(_validate(SMALL + ["--num-query-groups", "2"])).model.num_query_groups == 8
 
@@ -299,7 +297,7 @@ def test_checkpoint_of_another_block_is_refused_naming_the_flags():
     run = _config(num_query_groups=2, **LLAMA)
     old = {"model": dict(num_layers=2, hidden_size=64, num_attention_heads=8,
                          ffn_hidden_size=96, seq_length=16, max_position_embeddings=16,
-                         padded_vocab_size=128)}  # saved before the options existed
+                         padded_vocab_size=128, layernorm_epsilon=1e-6)}  # before the options
     with pytest.raises(CheckpointError) as err:
         check_model_shape("ck", old, run)
     msg = str(err.value)
@@ -307,10 +305,18 @@ def test_checkpoint_of_another_block_is_refused_naming_the_flags():
                  "--position-embedding-type learned_absolute in the checkpoint, rope",
                  "--swiglu off in the checkpoint, on in this run",
                  "--num-query-groups 8 in the checkpoint, 2 in this run",
-                 "--disable-bias-linear (biases) on in the checkpoint, off in this run",
+                 "biases (--disable-bias-linear) on in the checkpoint, off in this run",
                  "--untie-embeddings-and-output-weights off in the checkpoint, on"):
         assert part in msg, msg
     check_model_shape("ck", old, _config())  # an old checkpoint of the plain block loads
+    # RoPE's settings without RoPE, and a QKV bias where every layer has biases: no change
+    check_model_shape("ck", old, _config(rotary_base=500000, add_qkv_bias=True))
+    with pytest.raises(CheckpointError, match="--norm-epsilon 1e-05 in the checkpoint, 1e-06"):
+        check_model_shape("ck", {"model": dict(old["model"], layernorm_epsilon=1e-5)},
+                          _config(layernorm_epsilon=1e-6))
+    with pytest.raises(CheckpointError, match="--rotary-base 10000 in the checkpoint, 500000"):
+        check_model_shape("ck", {"model": dict(old["model"], position_embedding_type="rope")},
+                          _config(position_embedding_type="rope", rotary_base=500000))
     same = {"model": dict(old["model"], **LLAMA, num_query_groups=2, rotary_base=10000,
                           rotary_percent=1.0)}
     check_model_shape("ck", same, run)
@@ -336,6 +342,15 @@ def test_use_checkpoint_args_takes_the_block_options(tmp_path):
     note = next(n for n in args.megatron_lm_notes if "--use-checkpoint-args" in n)
     assert "--swiglu" in note and "--group-query-attention --num-query-groups 2" in note
     assert "--disable-bias-linear" in note
+    # a flag given under another name counts as given: the command line still wins
+    args = validate_args(parse_args(["--use-checkpoint-args", "--load", ck, "--micro-batch-size",
+                                     "2", "--train-iters", "4", "--lr", "1e-4", "--mock-data",
+                                     "--layernorm-epsilon", "1e-5"]), 1)
+    assert args.layernorm_epsilon == 1e-5
+    args = validate_args(parse_args(["--use-checkpoint-args", "--load", ck, "--micro-batch-size",
+                                     "2", "--train-iters", "4", "--lr", "1e-4", "--mock-data",
+                                     "--norm-epsilon", "1e-4"]), 1)
+    assert args.layernorm_epsilon == 1e-4
 
 
 # ------------------------------------------------------------------ Megatron-LM scripts

@@ -62,7 +62,10 @@ def test_toy_counts_by_hand():
     base = ModelSpec(**gpt).params_per_layer
     assert base == 12 * H * H + 13 * H
     assert ModelSpec(**gpt, normalization="RMSNorm").params_per_layer == base - 2 * H
-    assert ModelSpec(**gpt, swiglu=True).params_per_layer == base + 4 * H * H + 4 * H
+    assert ModelSpec(**gpt, swiglu=True, ffn_hidden_size=4 * H).params_per_layer == \
+        base + 4 * H * H + 4 * H
+    # SwiGLU's default width is Megatron-LM's 8h/3 rounded down to 64: 128 for h = 64
+    assert ModelSpec(**gpt, swiglu=True).ffn == 128
     no_bias = base - (3 * H + H + 4 * H + H)              # QKV, output, MLP biases
     assert ModelSpec(**gpt, add_bias_linear=False).params_per_layer == no_bias
     assert ModelSpec(**gpt, add_bias_linear=False, add_qkv_bias=True).params_per_layer == \

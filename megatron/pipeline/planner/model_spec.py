@@ -103,7 +103,7 @@ class ModelSpec:
     seq_length: int
     vocab_size: int
     ffn_hidden_size: Optional[int] = None
-    """MLP width; None means 4 * hidden_size."""
+    """MLP width; None means 4 * hidden_size (with swiglu 8/3 of it, to a multiple of 64)."""
     kind: str = "gpt"
     """'gpt' (causal LM) or 'bert'."""
     name: str = ""
@@ -140,8 +140,10 @@ class ModelSpec:
                              f"--num-attention-heads {self.num_attention_heads}")
         if self.kind not in MODEL_KINDS:
             raise ValueError(f"model: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
-        if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.ffn_hidden_size is None:  # Megatron-LM's default: 4h, or 8h/3 (to 64) with SwiGLU
+            object.__setattr__(self, "ffn_hidden_size",
+                               int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
+                               else 4 * self.hidden_size)
         if self.ffn_hidden_size < 1:
             raise ValueError(f"model: --ffn-hidden-size must be >= 1, got {self.ffn_hidden_size}")
         if self.normalization not in NORMALIZATIONS:
