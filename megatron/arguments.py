@@ -88,10 +88,23 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="Fraction of each head's dimensions RoPE rotates (the rest pass "
                         "unchanged; GPT-NeoX: 0.25).")
+    g.add_argument("--use-rope-scaling", dest="rope_scaling", action="store_true",
+                   help="Llama 3.1's long-context RoPE: frequencies slower than the 8192-token "
+                        "context turn --rope-scaling-factor times slower (blended between "
+                        "8192/4 and 8192 tokens of wavelength).")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="With --use-rope-scaling: 8 (Llama 3.1) or 32 (Llama 3.2).")
     g.add_argument("--swiglu", action="store_true",
                    help="SwiGLU MLP: down(silu(gate(x)) * up(x)), the h -> ffn projection "
                         "doubled to [gate; up] (Llama).  --ffn-hidden-size then defaults to "
                         "Megatron-LM's 8/3 x --hidden-size rounded down to a multiple of 64.")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="Normalise each query and key head over its dimensions (with "
+                        "--normalization), before RoPE (Qwen3).")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Size of one attention head (default: --hidden-size / "
+                        "--num-attention-heads); queries, keys and values are heads x this "
+                        "wide (Qwen3-0.6B: 16 heads of 128 in a hidden size of 1024).")
     g.add_argument("--group-query-attention", action="store_true",
                    help="Grouped-query attention: --num-query-groups key/value heads, each "
                         "shared by --num-attention-heads / --num-query-groups query heads.")
@@ -490,9 +503,12 @@ def _check_model(args: argparse.Namespace) -> None:
     _require(args.seq_length <= args.max_position_embeddings,
              f"--seq-length ({args.seq_length}) must be <= --max-position-embeddings "
              f"({args.max_position_embeddings})")
-    _require(args.hidden_size % args.num_attention_heads == 0,
-             f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
-             f"({args.num_attention_heads})")
+    if args.kv_channels is None:
+        _require(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size ({args.hidden_size}) must be divisible by "
+                 f"--num-attention-heads ({args.num_attention_heads}), or give --kv-channels")
+    else:
+        _require(args.kv_channels >= 1, f"--kv-channels must be >= 1, got {args.kv_channels}")
     for dest in ("hidden_dropout", "attention_dropout"):
         p = getattr(args, dest)
         _require(0.0 <= p < 1.0, f"{_flag(dest)} must be in [0, 1), got {p}")
@@ -515,12 +531,16 @@ def _check_architecture(args: argparse.Namespace) -> None:
     if rope:
         _require(0.0 < args.rotary_percent <= 1.0,
                  f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
-        head = args.hidden_size // args.num_attention_heads
+        head = args.kv_channels or args.hidden_size // args.num_attention_heads
         _require(int(head * args.rotary_percent) >= 2,
                  f"--rotary-percent {args.rotary_percent} of the head size {head} "
-                 f"(--hidden-size / --num-attention-heads) leaves fewer than 2 dimensions "
-                 f"to rotate")
+                 f"(--kv-channels, or --hidden-size / --num-attention-heads) leaves fewer "
+                 f"than 2 dimensions to rotate")
         _require(args.rotary_base > 0, f"--rotary-base must be positive, got {args.rotary_base}")
+    if args.rope_scaling:
+        _require(rope, "--use-rope-scaling needs --position-embedding-type rope")
+        _require(args.rope_scaling_factor >= 1.0,
+                 f"--rope-scaling-factor must be >= 1, got {args.rope_scaling_factor}")
 
 
 def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
@@ -941,7 +961,9 @@ CHECKPOINT_ARGS = (
     ("model", "ffn_hidden_size"), ("model", "seq_length"), ("model", "max_position_embeddings"),
     ("model", "layernorm_epsilon"), ("model", "openai_gelu"),
     ("model", "normalization"), ("model", "position_embedding_type"), ("model", "rotary_base"),
-    ("model", "rotary_percent"), ("model", "swiglu"), ("model", "add_qkv_bias"),
+    ("model", "rotary_percent"), ("model", "rope_scaling"), ("model", "rope_scaling_factor"),
+    ("model", "swiglu"), ("model", "qk_layernorm"), ("model", "add_qkv_bias"),
+    ("model", "kv_channels"),
     ("model", "untie_embeddings_and_output_weights"),
     ("data", "tokenizer_type"), ("data", "vocab_file"), ("data", "merge_file"),
     ("data", "tokenizer_model"), ("data", "vocab_size"), ("data", "make_vocab_size_divisible_by"),
@@ -1130,7 +1152,9 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         normalization=args.normalization, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, swiglu=args.swiglu,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
         num_query_groups=args.query_groups, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)

@@ -905,8 +905,12 @@ _ARCHITECTURE_FLAGS = (("normalization", "--normalization", "LayerNorm"),
                         "learned_absolute"),
                        ("rotary_base", "--rotary-base", 10000),
                        ("rotary_percent", "--rotary-percent", 1.0),
+                       ("rope_scaling", "--use-rope-scaling", False),
+                       ("rope_scaling_factor", "--rope-scaling-factor", 8.0),
                        ("swiglu", "--swiglu", False),
+                       ("qk_layernorm", "--qk-layernorm", False),
                        ("num_query_groups", "--num-query-groups", None),
+                       ("kv_channels", "--kv-channels", None),
                        ("add_bias_linear", "biases (--disable-bias-linear)", True),
                        ("add_qkv_bias", "--add-qkv-bias", False),
                        ("untie_embeddings_and_output_weights",
@@ -947,7 +951,9 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
         theirs = saved.get(name, default)  # a checkpoint from before the option: its default
         if name == "num_query_groups":
             theirs = theirs if theirs is not None else saved.get("num_attention_heads")
-        if name.startswith("rotary_") and not (
+        if name == "kv_channels" and theirs is None and saved.get("num_attention_heads"):
+            theirs = (saved.get("hidden_size") or 0) // saved["num_attention_heads"]
+        if name.startswith(("rotary_", "rope_")) and not (
                 getattr(model, "position_embedding_type", None)
                 == saved.get("position_embedding_type") == "rope"):
             continue  # RoPE's settings matter only where both sides rotate

@@ -75,8 +75,19 @@ class ModelConfig:
     """RoPE's base: the rotation of dimension pair i is position / base^(2i / rotary dims)."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates (GPT-NeoX rotates 0.25)."""
+    rope_scaling: bool = False
+    """Llama 3.1's long-context RoPE frequencies (--use-rope-scaling)."""
+    rope_scaling_factor: float = 8.0
+    """How many times slower the low RoPE frequencies turn with rope_scaling (3.1: 8, 3.2: 32)."""
     swiglu: bool = False
     """MLP = down(silu(gate(x)) * up(x)) instead of down(gelu(up(x)))."""
+    qk_layernorm: bool = False
+    """Normalise every query and key head (over its head_dim, with ``normalization``)
+    before RoPE (Qwen3, OLMo 2)."""
+    kv_channels: Optional[int] = None
+    """Size of one attention head (--kv-channels); None: hidden_size / num_attention_heads.
+    Queries, keys and values are heads x kv_channels wide, which need not be hidden_size
+    (Qwen3-0.6B: 16 heads of 128 in a hidden size of 1024)."""
     num_query_groups: Optional[int] = None
     """Grouped-query attention: key/value heads (each shared by num_attention_heads /
     num_query_groups query heads).  None: one per query head (multi-head attention)."""
@@ -95,15 +106,14 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads > 0 \
+                and self.hidden_size % self.num_attention_heads == 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
 
     @property
     def gelu_approximate(self) -> str:
         """``approximate`` argument of ``F.gelu``."""
         return "tanh" if self.openai_gelu else "none"
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:

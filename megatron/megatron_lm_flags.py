@@ -192,8 +192,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "RoPE pairs dimension i with i + r/2 (Llama's layout), not adjacent ones"),
     CompatFlag("--rotary-seq-len-interpolation-factor", "refused",
                "RoPE position interpolation is not built", nargs=None),
-    CompatFlag("--use-rope-scaling", "refused", "Llama 3.1's RoPE scaling is not built"),
-    CompatFlag("--qk-layernorm", "refused", "query/key LayerNorm is not built"),
     CompatFlag("--fp32-residual-connection", "refused",
                "the residual stream is kept in the training precision"),
     CompatFlag("--apply-residual-connection-post-layernorm", "refused",
@@ -209,9 +207,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--num-experts", "refused", "mixture-of-experts models are not built", nargs=None),
     CompatFlag("--fp8-format", "refused", "fp8 training is not built (--bf16, --fp16)",
                nargs=None),
-    CompatFlag("--kv-channels", "refused",
-               "the attention head size is always --hidden-size / --num-attention-heads "
-               "(a value equal to that is accepted)", nargs=None),
     CompatFlag("--use-dist-ckpt", "refused",
                "torch_dist checkpoints are not written, tools/checkpoint_util.py converts "
                "this trainer's checkpoints (docs/checkpoint_conversion.md)"),
@@ -345,22 +340,8 @@ def verdicts(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
             continue
         kind, why = f.verdict(value)
         shown = f.name if value is True else f"{f.name} {value if isinstance(value, str) else ' '.join(map(str, value))}"
-        if f.name == "--kv-channels" and _head_size(args) == _as_int(value):
-            kind, why = "ignored", "equals --hidden-size / --num-attention-heads"
         (ignored if kind == "ignored" else refused).append(f"{shown.strip()}: {why}")
     return ignored, refused
-
-
-def _as_int(value) -> Optional[int]:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _head_size(args: argparse.Namespace) -> Optional[int]:
-    h, n = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
-    return h // n if h and n and h % n == 0 else None
 
 
 def markdown() -> str:

@@ -96,7 +96,8 @@ class BertLMHead(nn.Module):
 
 def _check_stage(config: ModelConfig, tp: TPInfo, layer_numbers: range, pre_process: bool,
                  post_process: bool) -> None:
-    divide(config.hidden_size, config.num_attention_heads, "--hidden-size")
+    if config.kv_channels is None:  # the head size comes from hidden / heads
+        divide(config.hidden_size, config.num_attention_heads, "--hidden-size")
     divide(config.num_attention_heads, tp.size, "--num-attention-heads")
     divide(config.padded_vocab_size, tp.size, "padded vocab size")
     if pre_process != (layer_numbers.start == 0):

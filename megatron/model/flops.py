@@ -7,11 +7,12 @@ full activation recomputation the forward runs twice, 4x.
 
 The 24 B s h^2 of a layer are its four weight matrices with an MLP of width f = 4h:
 2 B s (3 h^2 + h^2 + 2 h f).  For other blocks the layer part is counted matrix by
-matrix (as the planner's ``ModelSpec.layer_forward_flops``): with G key/value heads of
-head_dim = h / a dimensions (grouped-query attention; G = a without it) the QKV
-projection is 2 B s h (h + 2 G head_dim); the output projection 2 B s h^2; the MLP
-2 B s h f x 2, or x 3 with SwiGLU (gate, up and down matrices); the attention matmuls
-4 B s^2 h (a query heads whatever G is).  The vocabulary term, 1.5 B s h V inside the
+matrix (as the planner's ``ModelSpec.layer_forward_flops``): with G key/value heads
+(grouped-query attention; G = a without it) of head_dim dimensions the QKV
+projection is 2 B s h (a head_dim + 2 G head_dim); the output projection
+2 B s (a head_dim) h; the MLP 2 B s h f x 2, or x 3 with SwiGLU (gate, up and down
+matrices); the attention matmuls 4 B s^2 (a head_dim), whatever G is.  head_dim is
+--kv-channels, h / a by default.  The vocabulary term, 1.5 B s h V inside the
 "forward" (the formula's V / (16 l h)), is the same whether the output layer is tied to
 the word embedding or not: the same matmul.  Norms, RoPE and biases are elementwise
 work, not counted, as in the formula.  A GPT-2 block (f = 4h, multi-head attention, GeLU)
@@ -27,12 +28,14 @@ def gpt_forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> flo
     l, h, v = config.num_layers, config.hidden_size, config.padded_vocab_size
     b, s = float(batch_size), float(seq_len)
     f = config.ffn_hidden_size or 4 * h
-    groups = config.num_query_groups or config.num_attention_heads
-    if not config.swiglu and groups == config.num_attention_heads and f == 4 * h:
+    a = config.num_attention_heads
+    groups = config.num_query_groups or a
+    d = config.kv_channels or h // a
+    if not config.swiglu and groups == a and f == 4 * h and a * d == h:
         return 24.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
-    kv = groups * (h // config.num_attention_heads)
+    q, kv = a * d, groups * d  # query and key/value widths (h and h without GQA/--kv-channels)
     mlp = (3 if config.swiglu else 2) * h * f
-    layer = 2.0 * b * s * (h * (h + 2 * kv) + h * h + mlp) + 4.0 * b * s * s * h
+    layer = 2.0 * b * s * (h * (q + 2 * kv) + q * h + mlp) + 4.0 * b * s * s * q
     return l * layer + 1.5 * b * s * h * v
 
 

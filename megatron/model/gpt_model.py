@@ -23,7 +23,8 @@ from megatron.tensor_parallel import (ColumnParallelLinear, TPInfo, VocabParalle
 
 def _check_config(config: ModelConfig, tp: TPInfo, layer_numbers: range,
                   pre_process: bool, post_process: bool) -> None:
-    divide(config.hidden_size, config.num_attention_heads, "--hidden-size")
+    if config.kv_channels is None:  # the head size comes from hidden / heads
+        divide(config.hidden_size, config.num_attention_heads, "--hidden-size")
     divide(config.num_attention_heads, tp.size, "--num-attention-heads")
     divide(config.ffn_hidden_size, tp.size, "--ffn-hidden-size")
     divide(config.padded_vocab_size, tp.size, "padded vocab size")

@@ -17,8 +17,8 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.tensor_parallel import (ColumnParallelLinear, InitKey, RowParallelLinear, TPInfo,
-                                      checkpoint, divide, get_rng_tracker, init_method_normal,
-                                      scaled_init_method_normal)
+                                      checkpoint, copy_to_tp_region, divide, get_rng_tracker,
+                                      init_method_normal, scaled_init_method_normal)
 
 _MASK_FILL = -10000.0  # Megatron's value: fully masked rows become uniform, never NaN
 
@@ -38,6 +38,12 @@ def layer_norm(config: ModelConfig) -> nn.Module:
                          f"{', '.join(NORMALIZATIONS)}")
     return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                         dtype=config.params_dtype)
+
+
+def head_norm(config: ModelConfig) -> nn.Module:
+    """--qk-layernorm's norm of one attention head: ``normalization`` over head_dim."""
+    cls = nn.RMSNorm if config.normalization == "RMSNorm" else nn.LayerNorm
+    return cls(config.kv_channels, eps=config.layernorm_epsilon, dtype=config.params_dtype)
 
 
 def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
@@ -62,6 +68,12 @@ def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
                              f"{config.kv_channels} dimensions leaves fewer than 2 to rotate")
         if config.rotary_base <= 0:
             raise ValueError(f"--rotary-base {config.rotary_base}: expected > 0")
+    if config.rope_scaling:
+        if config.position_embedding_type != "rope":
+            raise ValueError("--use-rope-scaling needs --position-embedding-type rope")
+        if not config.rope_scaling_factor >= 1.0:
+            raise ValueError(f"--rope-scaling-factor {config.rope_scaling_factor}: expected "
+                             f">= 1 (how many times slower the low frequencies turn)")
 
 
 def non_gpt2_options(config: ModelConfig) -> list:
@@ -72,10 +84,16 @@ def non_gpt2_options(config: ModelConfig) -> list:
         found.append(f"--normalization {config.normalization}")
     if config.position_embedding_type != "learned_absolute":
         found.append(f"--position-embedding-type {config.position_embedding_type}")
+        if config.rope_scaling:
+            found.append(f"--use-rope-scaling --rope-scaling-factor {config.rope_scaling_factor:g}")
     if config.swiglu:
         found.append("--swiglu")
+    if config.qk_layernorm:
+        found.append("--qk-layernorm")
     if config.num_query_groups != config.num_attention_heads:
         found.append(f"--num-query-groups {config.num_query_groups}")
+    if config.kv_channels * config.num_attention_heads != config.hidden_size:
+        found.append(f"--kv-channels {config.kv_channels}")
     if not config.add_bias_linear:
         found.append("--disable-bias-linear")
         if config.add_qkv_bias:
@@ -90,16 +108,28 @@ class RotaryEmbedding(nn.Module):
     a head (r = ``config.rotary_dim``), in the "rotate half" layout of Megatron-LM and
     Hugging Face's Llama: dimension j < r/2 is paired with j + r/2.
 
+    With ``config.rope_scaling`` (--use-rope-scaling) the frequencies are Llama 3.1's:
+    see ``llama3_scaled_inv_freq``.
+
     No parameters and no buffers (nothing in the state dict): the tables are made for
-    the sequence length at hand, in float32, and kept for the next call with the same
-    length, device and dtype.
+    the sequence length at hand, computed in float64 and cast to the activations' dtype,
+    and kept for the next call with the same length, device and dtype.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.dim = config.rotary_dim
         self.base = float(config.rotary_base)
+        self.scaling_factor = config.rope_scaling_factor if config.rope_scaling else None
         self._cache: dict = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """base^(-2i/r) for i < r/2 (float64), Llama 3.1-scaled when asked for."""
+        inv = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64,
+                                                device=device) / self.dim))
+        if self.scaling_factor is not None:
+            inv = llama3_scaled_inv_freq(inv, self.scaling_factor)
+        return inv
 
     def forward(self, seq_len: int, device: torch.device,
                 dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -108,14 +138,30 @@ class RotaryEmbedding(nn.Module):
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float64,
-                                                     device=device) / self.dim))
         angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device),
-                             inv_freq)
+                             self.inv_freq(device))
         angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
         table = (angles.cos().to(dtype), angles.sin().to(dtype))
         self._cache = {key: table}  # one length at a time: no growth over a run
         return table
+
+
+# Llama 3.1's RoPE scaling constants (Megatron-LM fixes them too; only the factor is a flag)
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: frequencies whose wavelength exceeds the original
+    8192-token context / 1 are slowed down ``factor`` times, those shorter than 8192 / 4
+    are kept, and the band between is blended linearly in context / wavelength.  (Only
+    the rotation speeds change; positions stay 0, 1, 2, ...)"""
+    wavelength = 2 * math.pi / inv_freq
+    ratio = LLAMA3_ORIGINAL_CONTEXT / wavelength  # periods that fit in the old context
+    blend = ((ratio - LLAMA3_LOW_FREQ_FACTOR)
+             / (LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR)).clamp(0.0, 1.0)
+    return (1.0 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -216,8 +262,14 @@ class ParallelAttention(nn.Module):
             init_method=init_method_normal(config.init_method_std),
             params_dtype=config.params_dtype, init_key=key.child("query_key_value"))
         self.core_attention = CoreAttention(config, tp)
+        self.tp = tp
+        # one weight of head_dim for all query heads and one for all key heads; replicated
+        # across tensor-parallel ranks (see ``_head_norm``)
+        self.q_layernorm = head_norm(config) if config.qk_layernorm else None
+        self.k_layernorm = head_norm(config) if config.qk_layernorm else None
         self.dense = RowParallelLinear(
-            h, h, tp=tp, input_is_parallel=True, bias=config.add_bias_linear,
+            config.num_attention_heads * self.head_dim, h, tp=tp, input_is_parallel=True,
+            bias=config.add_bias_linear,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
             params_dtype=config.params_dtype, init_key=key.child("dense"))
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
@@ -230,6 +282,8 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.view(s, b, g, per + 2, self.head_dim).split([per, 1, 1], dim=3)
         q = q.reshape(s, b, g * per, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)
+        if self.q_layernorm is not None:
+            q, k = self._head_norm(self.q_layernorm, q), self._head_norm(self.k_layernorm, k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.checkpoint_core_attention and torch.is_grad_enabled():
@@ -238,6 +292,19 @@ class ParallelAttention(nn.Module):
             ctx = self.core_attention(q, k, v, mask)
         out, _ = self.dense(ctx)
         return out
+
+
+    def _head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm`` over the last dim of x [s, b, heads, head_dim].  Each tensor-parallel
+        rank normalises only its own heads with the shared weight, so the weight's
+        gradient is the sum over ranks: it enters through ``copy_to_tp_region``
+        (identity forward, all-reduce backward), and every rank then holds the same
+        whole gradient, as for the block's other replicated weights."""
+        weight = copy_to_tp_region(norm.weight, self.tp)
+        if isinstance(norm, nn.RMSNorm):
+            return F.rms_norm(x, norm.normalized_shape, weight, norm.eps)
+        return F.layer_norm(x, norm.normalized_shape, weight,
+                            copy_to_tp_region(norm.bias, self.tp), norm.eps)
 
 
 class ParallelMLP(nn.Module):

@@ -258,11 +258,13 @@ def test_all_refused_flags_are_named_in_one_line():
                                    "--squared-relu"))
 
 
-def test_kv_channels_equal_to_the_head_size_is_accepted():
+def test_kv_channels_sets_the_head_size():
     args = validate_args(parse_args(SMALL + ["--kv-channels", "16"]), 1)  # 64 / 4
-    assert any("--kv-channels 16" in n for n in args.megatron_lm_notes)
-    with pytest.raises(ArgumentError, match="--kv-channels 8"):
-        validate_args(parse_args(SMALL + ["--kv-channels", "8"]), 1)
+    assert args.kv_channels == 16
+    args = validate_args(parse_args(SMALL + ["--kv-channels", "8"]), 1)
+    assert args.kv_channels == 8  # heads of 8: queries 32 wide in a hidden size of 64
+    with pytest.raises(ArgumentError, match="--kv-channels must be >= 1"):
+        validate_args(parse_args(SMALL + ["--kv-channels", "0"]), 1)
 
 
 def test_old_launcher_local_rank_is_accepted():

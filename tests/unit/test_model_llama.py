@@ -36,7 +36,7 @@ def _to_llama_state(model: GPTModel, cfg: ModelConfig) -> dict:
     megatron/hf_interop.py: q/k/v rows per group, SwiGLU's [gate; up])."""
     p = {n: t.detach() for n, t in model.named_parameters()}
     a, g, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.hidden_size
-    d, per = h // a, a // g
+    d, per = cfg.kv_channels, a // g
     out = {"model.embed_tokens.weight": p["embedding.word_embeddings.weight"],
            "lm_head.weight": p["output_layer.weight"],
            "model.norm.weight": p["encoder.final_layernorm.weight"]}
@@ -58,17 +58,30 @@ def _to_llama_state(model: GPTModel, cfg: ModelConfig) -> dict:
         out[t + "mlp.down_proj.weight"] = p[o + "mlp.dense_4h_to_h.weight"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[t + norm + ".weight"] = p[o + norm + ".weight"]
+        if cfg.qk_layernorm:  # Qwen3's names
+            out[t + "self_attn.q_norm.weight"] = p[o + "self_attention.q_layernorm.weight"]
+            out[t + "self_attn.k_norm.weight"] = p[o + "self_attention.k_layernorm.weight"]
     return out
 
 
-@pytest.mark.parametrize("family, groups", [("llama", 8), ("llama", 2), ("llama", 1),
-                                            ("qwen2", 2)],
-                         ids=["llama-mha", "llama-gqa", "llama-mqa", "qwen2-qkv-bias"])
-def test_equals_transformers_in_float64(family, groups, monkeypatch):
-    """Llama (no biases), and Qwen2 (--disable-bias-linear --add-qkv-bias)."""
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("family, groups, head", [
+    ("llama", 8, 8), ("llama", 2, 8), ("llama", 1, 8), ("qwen2", 2, 8), ("qwen3", 2, 8),
+    ("qwen3", 2, 16), ("llama3.1", 2, 8)],
+    ids=["llama-mha", "llama-gqa", "llama-mqa", "qwen2-qkv-bias", "qwen3-qk-norm",
+         "qwen3-wide-heads", "llama3.1-rope-scaling"])
+def test_equals_transformers_in_float64(family, groups, head, monkeypatch):
+    """Llama (no biases), Qwen2 (--disable-bias-linear --add-qkv-bias), Qwen3
+    (--qk-layernorm; with heads of 16 in a hidden size of 64: --kv-channels, as
+    Qwen3-0.6B) and Llama 3.1 (--use-rope-scaling)."""
     transformers = pytest.importorskip("transformers")
     import importlib
 
+    scaled = family == "llama3.1"
+    family = "llama" if scaled else family
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
     # transformers computes RMSNorm in float32 whatever the model's dtype (and RoPE's
@@ -76,11 +89,11 @@ def test_equals_transformers_in_float64(family, groups, monkeypatch):
     def rms_norm(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
                                               + self.variance_epsilon))
-    norm_class = "LlamaRMSNorm" if family == "llama" else "Qwen2RMSNorm"
-    monkeypatch.setattr(getattr(module, norm_class), "forward", rms_norm)
+    norm_class = {"llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm", "qwen3": "Qwen3RMSNorm"}
+    monkeypatch.setattr(getattr(module, norm_class[family]), "forward", rms_norm)
 
-    qkv_bias = family == "qwen2"
-    cfg = _config(num_query_groups=groups, rotary_base=500000, add_qkv_bias=qkv_bias, **LLAMA)
+    cfg = _config(num_query_groups=groups, rotary_base=500000, add_qkv_bias=family == "qwen2",
+                  qk_layernorm=family == "qwen3", rope_scaling=scaled, kv_channels=head, **LLAMA)
     model = GPTModel(cfg, TPInfo.single(), seed=3).eval()
     with torch.no_grad():  # norms away from 1 and biases away from 0, so a swap would show
         for name, p in model.named_parameters():
@@ -91,14 +104,25 @@ def test_equals_transformers_in_float64(family, groups, monkeypatch):
                   num_attention_heads=8, num_key_value_heads=groups, max_position_embeddings=16,
                   rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False)
     if family == "llama":
+        if scaled:
+            common["rope_parameters"] = dict(LLAMA31_ROPE, rope_theta=500000.0)
+            common["max_position_embeddings"] = 16384  # > the original 8192 context
         hf_cfg = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
         hf = transformers.LlamaForCausalLM(hf_cfg)
-    else:
+    elif family == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=head, **common))
     hf = hf.double().eval()
+    ours_inv = model.encoder.rotary.inv_freq(torch.device("cpu"))
+    if scaled:  # transformers' own Llama 3.1 frequencies (float32) against ours (float64)
+        theirs_inv = hf.model.rotary_emb.inv_freq.double()
+        assert torch.allclose(ours_inv, theirs_inv, rtol=1e-6, atol=0)
+        assert not torch.allclose(ours_inv, 1.0 / 500000.0 ** (torch.arange(0, 8, 2).double() / 8))
 
     def rope64(x, position_ids):  # the same angles in float64
-        inv = 1.0 / (500000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+        inv = ours_inv if scaled else \
+            1.0 / (500000.0 ** (torch.arange(0, head, 2, dtype=torch.float64) / head))
         ang = position_ids[..., None].double() * inv
         ang = torch.cat((ang, ang), dim=-1)
         return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
@@ -246,6 +270,11 @@ def test_flags_reach_the_model_config():
     old = build_config(_validate(SMALL + ["--use-rotary-position-embeddings",
                                           "--no-position-embedding"])).model
     assert old.position_embedding_type == "rope"
+    qwen3 = build_config(_validate(SMALL + LLAMA_FLAGS + ["--qk-layernorm", "--use-rope-scaling",
+                                                          "--rope-scaling-factor", "32"])).model
+    assert (qwen3.qk_layernorm, qwen3.rope_scaling, qwen3.rope_scaling_factor) == (True, True, 32)
+    assert {"--qk-layernorm", "--use-rope-scaling --rope-scaling-factor 32"} <= set(
+        non_gpt2_options(qwen3))
     qwen = build_config(_validate(SMALL + ["--disable-bias-linear", "--add-qkv-bias"])).model
     assert (qwen.add_bias_linear, qwen.add_qkv_bias) == (False, True)
     assert non_gpt2_options(qwen) == ["--disable-bias-linear", "--add-qkv-bias"]
@@ -271,7 +300,8 @@ def test_flags_reach_the_model_config():
      "--rotary-percent must be in (0, 1]"),
     (["--no-position-embedding"], 1, "--no-position-embedding"),
     (["--rotary-interleaved"], 1, "--rotary-interleaved"),
-    (["--use-rope-scaling"], 1, "--use-rope-scaling"),
+    (["--use-rope-scaling"], 1, "--use-rope-scaling needs --position-embedding-type rope"),
+    (["--qk-layernorm", "--swiglu", "--squared-relu"], 1, "--squared-relu"),
 ])
 def test_flag_errors_name_the_flag(extra, world, text):
     with pytest.raises(ArgumentError) as info:
@@ -370,13 +400,13 @@ LLAMA31_8B = [  # the model flags of a Megatron-LM Llama-3.1-8B command line
 
 
 def test_megatron_lm_llama3_command_line_validates():
-    """32 ranks (t=8: one key/value group per rank, d=4).  Llama 3.1's RoPE scaling
-    (--use-rope-scaling) is refused by name: without it the model would differ."""
-    model = build_config(_validate(LLAMA31_8B, world=32)).model
+    """32 ranks (t=8: one key/value group per rank, d=4), with Llama 3.1's RoPE scaling."""
+    model = build_config(_validate(LLAMA31_8B + ["--use-rope-scaling"], world=32)).model
     assert (model.num_query_groups, model.swiglu, model.rotary_base, model.kv_channels,
             model.untie_embeddings_and_output_weights) == (8, True, 500000, 128, True)
-    with pytest.raises(ArgumentError, match="--use-rope-scaling"):
-        _validate(LLAMA31_8B + ["--use-rope-scaling"], world=32)
+    assert (model.rope_scaling, model.rope_scaling_factor) == (True, 8.0)
+    with pytest.raises(ArgumentError, match="--rope-scaling-factor must be >= 1"):
+        _validate(LLAMA31_8B + ["--use-rope-scaling", "--rope-scaling-factor", "0.5"], world=32)
     with pytest.raises(ArgumentError, match=r"--num-query-groups \(8\) must be divisible by "
                                             r"--tensor-model-parallel-size \(16\)"):
         _validate([a if a != "8" or LLAMA31_8B[i - 1] != "--tensor-model-parallel-size"
