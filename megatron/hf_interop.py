@@ -13,13 +13,24 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
 * Llama-style GPT (``--normalization RMSNorm --position-embedding-type rope --swiglu``,
   any ``--num-query-groups``, biases on all four linear layers or on none, tied or
   untied output) -> ``LlamaForCausalLM``; with ``--disable-bias-linear --add-qkv-bias``
-  (biases on q, k, v only) -> ``Qwen2ForCausalLM``.  Our fused QKV rows [group, (the
-  group's q heads, k, v), head_dim] become ``q_proj``/``k_proj``/``v_proj``; the SwiGLU
-  weight [gate; up] becomes ``gate_proj`` and ``up_proj``.  RoPE is the same "rotate
-  half" rotation of whole heads; a ``--rotary-percent`` below 1 is refused
-  (transformers' Llama does not apply ``partial_rotary_factor``).
+  (biases on q, k, v only) -> ``Qwen2ForCausalLM``; with ``--qk-layernorm`` and no
+  biases -> ``Qwen3ForCausalLM`` (its ``q_norm``/``k_norm`` are our per-head query and
+  key RMSNorms, applied before RoPE in both).  Our fused QKV rows [group, (the group's
+  q heads, k, v), head_dim] become ``q_proj``/``k_proj``/``v_proj``; the SwiGLU weight
+  [gate; up] becomes ``gate_proj`` and ``up_proj``; ``--kv-channels`` is ``head_dim``.
+  RoPE is the same "rotate half" rotation of whole heads; a ``--rotary-percent`` below
+  1 is refused (transformers' Llama does not apply ``partial_rotary_factor``).
+  ``--use-rope-scaling`` is transformers' ``rope_type: "llama3"`` with Llama 3.1's
+  constants (all three models compute their frequencies through the same
+  ``rope_type`` table); config.json keeps our ``max_position_embeddings`` even where it
+  is not above the original 8192, which transformers warns about and which changes
+  nothing it computes (the llama3 frequencies do not depend on it), rather than
+  claiming a context the model was not built for.
 * Any other combination of the Llama-style options has no transformers model and is
-  refused with one line naming the flags; so is a BERT built with any of them.
+  refused with one line naming the flags; so is a BERT built with any of them, and so
+  is a checkpoint whose recorded model config holds an option this module does not
+  know with a value other than its default (``_check_known_options``): an export never
+  drops what it does not understand.
 * BERT -> ``MegatronBertForPreTraining`` (or ``MegatronBertForMaskedLM`` without the
   sentence-order head): our BERT is Megatron's pre-LayerNorm BERT, which transformers
   implements under that name; the original post-LayerNorm ``BertForPreTraining`` is a
@@ -31,16 +42,19 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   ``vocab.txt``; a HuggingFaceTokenizer -> its ``save_pretrained`` files; any other
   tokenizer (NullTokenizer, SentencePiece) writes none and says so.
 
-Import (``--from-hf DIR --save OUT``): a GPT-2, Llama or Qwen2 directory
-(``config.json`` ``model_type`` "gpt2", "llama" or "qwen2") with ``model.safetensors``
+Import (``--from-hf DIR --save OUT``): a GPT-2, Llama, Qwen2 or Qwen3 directory
+(``config.json`` ``model_type`` "gpt2", "llama", "qwen2" or "qwen3") with ``model.safetensors``
 (or a ``pytorch_model.bin``, read with ``torch.load(weights_only=True)``, which refuses
 pickled code) becomes an iteration-0 checkpoint of any (t, d) layout, usable with
 ``--load OUT --finetune`` or ``--load OUT``.  The script prints the model flags the
 training run needs (for Llama: ``--normalization RMSNorm --position-embedding-type rope
---swiglu ...``).
+--swiglu ...``; Llama 3.1/3.2's ``llama3`` RoPE adds ``--use-rope-scaling
+--rope-scaling-factor F``, Qwen3 ``--qk-layernorm``, a ``head_dim`` other than hidden /
+heads ``--kv-channels``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -55,7 +69,10 @@ from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullS
                                          read_full_state, recorded_split,
                                          target_stage_counts, true_vocab_size, write_layout)
 from megatron.checkpointing import split_text
+from megatron.config import ModelConfig
 from megatron.errors import CheckpointError, UserError
+from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
+                                        LLAMA3_ORIGINAL_CONTEXT)
 
 _ATTN = "self_attention.query_key_value"
 _GELU_EXACT = ("gelu",)
@@ -103,6 +120,19 @@ def qkv_groups_to_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     per = q.shape[0] // (groups * hd)
     return torch.cat([q.reshape(groups, per, hd, *rest), k.reshape(groups, 1, hd, *rest),
                       v.reshape(groups, 1, hd, *rest)], dim=1).reshape(-1, *rest)
+
+
+class _ReadNames(dict):
+    """A state dict that records the names read from it, so that the export can tell
+    whether any tensor was left behind."""
+
+    def __init__(self, full: Dict[str, torch.Tensor]) -> None:
+        super().__init__(full)
+        self.names: set = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.names.add(name)
+        return super().__getitem__(name)
 
 
 def _layers(full: Dict[str, torch.Tensor], num_layers: int):
@@ -153,24 +183,51 @@ def gpt_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: i
     return out, config
 
 
-_LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 """transformers' models of the Llama-style block: Llama (biases on the four linear
-layers of a block, or none) and Qwen2 (biases on q, k, v only: --disable-bias-linear
---add-qkv-bias)."""
+layers of a block, or none), Qwen2 (biases on q, k, v only: --disable-bias-linear
+--add-qkv-bias) and Qwen3 (no biases, per-head query/key RMSNorms: --qk-layernorm)."""
+
+
+def llama_family(arch: Dict[str, Any]) -> str:
+    """The ``_LLAMA_FAMILY`` key of a Llama-style block (``block_options``) that
+    ``_export_target`` has accepted."""
+    if arch["qk_layernorm"]:
+        return "qwen3"
+    return "qwen2" if not arch["add_bias_linear"] and arch["add_qkv_bias"] else "llama"
+
+
+def rope_config(theta: float, scaling_factor: Optional[float]) -> Dict[str, Any]:
+    """config.json's RoPE keys.  transformers >= 5 reads ``rope_parameters`` (theta
+    inside); older versions the top-level ``rope_theta`` and, for Llama 3.1's scaling,
+    ``rope_scaling`` (the same keys without theta: they warn about any other key).
+    transformers 5 prefers ``rope_scaling`` where both are present, so the two always
+    say the same."""
+    out: Dict[str, Any] = {"rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                           "rope_theta": theta}
+    if scaling_factor is not None:
+        scaling = {"rope_type": "llama3", "factor": float(scaling_factor),
+                   "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+                   "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                   "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+        out.update(rope_parameters={**scaling, "rope_theta": theta}, rope_scaling=scaling)
+    return out
 
 
 def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: int
                  ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Our full Llama-style GPT state dict -> (LlamaForCausalLM or Qwen2ForCausalLM
-    state dict, config.json dict).  ``_export_target`` has checked that the config is
-    one of them."""
+    """Our full Llama-style GPT state dict -> (LlamaForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM state dict, config.json dict).  ``_export_target`` has checked
+    that the config is one of them."""
     arch = block_options(model_cfg)
     heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
     layers = int(model_cfg["num_layers"])
     hidden = int(model_cfg["hidden_size"])
+    head_dim = arch["kv_channels"]
     bias = arch["add_bias_linear"]
     qkv_bias = bias or arch["add_qkv_bias"]
-    family = "llama" if bias or not qkv_bias else "qwen2"
+    family = llama_family(arch)
     tied = "output_layer.weight" not in full
     out = {"model.embed_tokens.weight": full[WORD_EMBEDDING][:vocab]}
     for i, get in _layers(full, layers):
@@ -182,6 +239,13 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
             out[h + f"self_attn.q_proj.{part}"] = q
             out[h + f"self_attn.k_proj.{part}"] = k
             out[h + f"self_attn.v_proj.{part}"] = v
+        if arch["qk_layernorm"]:  # one head_dim weight each, shared by all heads
+            for ours, theirs in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+                weight = get(f"self_attention.{ours}.weight")
+                if tuple(weight.shape) != (head_dim,):
+                    raise ValueError(f"layer {i}'s self_attention.{ours}.weight is "
+                                     f"{tuple(weight.shape)}, expected ({head_dim},)")
+                out[h + f"self_attn.{theirs}.weight"] = weight
         for part in ("weight", "bias") if bias else ("weight",):
             out[h + f"self_attn.o_proj.{part}"] = get(f"self_attention.dense.{part}")
             gate, up = get(f"mlp.dense_h_to_4h.{part}").chunk(2, dim=0)
@@ -192,7 +256,7 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
     if not tied:
         out["lm_head.weight"] = full["output_layer.weight"][:vocab]
     theta = float(model_cfg.get("rotary_base", 10000))
-    config = {
+    config: Dict[str, Any] = {
         "architectures": [_LLAMA_FAMILY[family]], "model_type": family,
         "vocab_size": vocab, "hidden_size": hidden,
         "intermediate_size": int(model_cfg["ffn_hidden_size"]),
@@ -200,9 +264,7 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
         "num_key_value_heads": groups, "hidden_act": "silu",
         "max_position_embeddings": int(model_cfg["max_position_embeddings"]),
         "rms_norm_eps": float(model_cfg.get("layernorm_epsilon", 1e-5)),
-        # transformers >= 5 reads rope_parameters, older versions the top-level rope_theta
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "rope_theta": theta,
+        **rope_config(theta, arch["rope_scaling_factor"] if arch["rope_scaling"] else None),
         "attention_dropout": float(model_cfg.get("attention_dropout", 0.0)),
         "initializer_range": float(model_cfg.get("init_method_std", 0.02)),
         "tie_word_embeddings": tied, "use_cache": True,
@@ -211,10 +273,14 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
         "bos_token_id": None, "eos_token_id": None,
     }
     if family == "llama":
-        config.update(head_dim=hidden // heads, attention_bias=bias, mlp_bias=bias,
+        config.update(head_dim=head_dim, attention_bias=bias, mlp_bias=bias,
                       pretraining_tp=1)
-    else:  # every layer full attention (Qwen2's sliding window is off by default)
+    elif family == "qwen2":  # every layer full attention (the sliding window is off by default)
         config.update(use_sliding_window=False)
+        if head_dim * heads != hidden:  # read where present (transformers' Qwen2Attention)
+            config.update(head_dim=head_dim)
+    else:  # Qwen3's head_dim defaults to 128 whatever the width: always written
+        config.update(head_dim=head_dim, attention_bias=False, use_sliding_window=False)
     return out, config
 
 
@@ -350,16 +416,30 @@ def block_options(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
     if type(groups) is not int or groups < 1 or (type(heads) is int and heads % groups):
         raise CheckpointError(f"the checkpoint's config records num_query_groups {groups!r}; "
                               f"expected a divisor of num_attention_heads ({heads!r})")
-    percent = model_cfg.get("rotary_percent", 1.0)
-    if type(percent) not in (int, float):
-        raise CheckpointError(f"the checkpoint's config records rotary_percent {percent!r}; "
-                              f"expected a number")
+    hidden = model_cfg.get("hidden_size")
+    kv = model_cfg.get("kv_channels")
+    if kv is None and type(heads) is int and type(hidden) is int and heads > 0:
+        kv = hidden // heads  # checkpoints from before --kv-channels: hidden / heads
+    if kv is not None and (type(kv) is not int or kv < 1):
+        raise CheckpointError(f"the checkpoint's config records kv_channels {kv!r}; expected a "
+                              f"positive integer")
+    numbers = {}
+    for key, default in (("rotary_percent", 1.0), ("rope_scaling_factor", 8.0)):
+        value = model_cfg.get(key, default)
+        if type(value) not in (int, float):
+            raise CheckpointError(f"the checkpoint's config records {key} {value!r}; "
+                                  f"expected a number")
+        numbers[key] = float(value)
     return {"normalization": model_cfg.get("normalization") or "LayerNorm",
             "position_embedding_type": (model_cfg.get("position_embedding_type")
                                         or "learned_absolute"),
-            "rotary_percent": float(percent),
+            "rotary_percent": numbers["rotary_percent"],
+            "rope_scaling": model_cfg.get("rope_scaling", False) is True,
+            "rope_scaling_factor": numbers["rope_scaling_factor"],
             "swiglu": model_cfg.get("swiglu", False) is True,
+            "qk_layernorm": model_cfg.get("qk_layernorm", False) is True,
             "num_attention_heads": heads,
+            "kv_channels": kv,
             "num_query_groups": groups,
             "add_bias_linear": model_cfg.get("add_bias_linear", True) is not False,
             "add_qkv_bias": model_cfg.get("add_qkv_bias", False) is True}
@@ -375,10 +455,18 @@ def non_gpt2_flags(model_cfg: Dict[str, Any]) -> List[str]:
         found.append(f"--normalization {arch['normalization']}")
     if arch["position_embedding_type"] != "learned_absolute":
         found.append(f"--position-embedding-type {arch['position_embedding_type']}")
+        if arch["rope_scaling"]:
+            found.append(f"--use-rope-scaling --rope-scaling-factor "
+                         f"{_number(arch['rope_scaling_factor'])}")
     if arch["swiglu"]:
         found.append("--swiglu")
+    if arch["qk_layernorm"]:
+        found.append("--qk-layernorm")
     if arch["num_query_groups"] != arch["num_attention_heads"]:
         found.append(f"--num-query-groups {arch['num_query_groups']}")
+    kv = model_cfg.get("kv_channels")  # recorded; without it heads are hidden / heads
+    if kv is not None and kv * arch["num_attention_heads"] != model_cfg.get("hidden_size"):
+        found.append(f"--kv-channels {kv}")
     if not arch["add_bias_linear"]:
         found.append("--disable-bias-linear")
         if arch["add_qkv_bias"]:
@@ -386,14 +474,60 @@ def non_gpt2_flags(model_cfg: Dict[str, Any]) -> List[str]:
     return found
 
 
+def _number(x: float) -> str:
+    """A flag's number as short as it reads back exactly: 8.0 -> '8', 0.125 -> '0.125'."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
+
+
+_EXPORT_READS = frozenset({
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+    "max_position_embeddings", "layernorm_epsilon", "openai_gelu", "hidden_dropout",
+    "attention_dropout", "init_method_std", "num_tokentypes", "normalization",
+    "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling",
+    "rope_scaling_factor", "swiglu", "qk_layernorm", "kv_channels", "num_query_groups",
+    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights"})
+"""config["model"] keys the export writes into the transformers model, or refuses."""
+_EXPORT_IGNORES = frozenset({
+    "seq_length", "padded_vocab_size", "params_dtype", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "compile_layers", "cross_entropy_loss_fusion"})
+"""config["model"] keys that say how the model was trained, not what it computes: the
+training sequence length (max_position_embeddings is the model's), the vocabulary
+padding (dropped; the tensors have it), the weights' dtype (the tensors have it) and
+the recomputation and fusion switches."""
+
+
+def _check_known_options(model_cfg: Dict[str, Any]) -> None:
+    """Refuse a recorded model option this module does not know (not in
+    ``_EXPORT_READS`` or ``_EXPORT_IGNORES``) unless it has ``ModelConfig``'s default,
+    or, for a key ``ModelConfig`` lacks too (a newer trainer's), unless it is null or
+    false.  A block option added to the trainer then stops the export until it is
+    mapped here, instead of being dropped from a transformers model that would load and
+    silently compute something else."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                if f.default is not dataclasses.MISSING}
+    for key, value in model_cfg.items():
+        if key in _EXPORT_READS or key in _EXPORT_IGNORES:
+            continue
+        if (value == defaults[key]) if key in defaults else value in (None, False):
+            continue
+        shown = "" if key not in defaults else f" (default {defaults[key]!r})"
+        raise UserError(f"--to-hf: the checkpoint's config records {key}={value!r}{shown}, "
+                        f"a model option this export does not know how to write; a "
+                        f"transformers model without it would compute something else, so "
+                        f"it cannot be exported")
+
+
 def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
                    is_bert: bool) -> str:
-    """"bert", "gpt2" or "llama" (Llama or Qwen2): the transformers model that computes
-    what this checkpoint's model computes.  Anything else is one UserError naming the
-    flags that leave no such model (GPT-2 weights written for an RMSNorm/RoPE/SwiGLU
-    block would load in transformers and silently compute something else)."""
+    """"bert", "gpt2" or "llama" (Llama, Qwen2 or Qwen3: ``llama_family``): the
+    transformers model that computes what this checkpoint's model computes.  Anything
+    else is one UserError naming the flags that leave no such model (GPT-2 weights
+    written for an RMSNorm/RoPE/SwiGLU block would load in transformers and silently
+    compute something else)."""
     if int(model_cfg.get("num_attention_heads") or 0) < 1:
         raise UserError("--to-hf: the checkpoint's config lacks num_attention_heads")
+    _check_known_options(model_cfg)
     flags = non_gpt2_flags(model_cfg)
     if is_bert:
         if flags:
@@ -407,32 +541,43 @@ def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
         arch = block_options(model_cfg)
         missing = [f"--{k.replace('_', '-')} {v}" if v is not True else f"--{k}"
                    for k, v in _LLAMA_BLOCK.items() if arch[k] != v]
+        # the bias layouts Llama/Qwen2 have are exactly ours: all four, none, q/k/v only;
+        # Qwen3 (the query/key norms) has none (its attention_bias would put biases on
+        # q, k, v and o_proj, and none in the MLP: no layout of ours)
+        model = "LlamaForCausalLM"
+        if arch["qk_layernorm"]:
+            model = "Qwen3ForCausalLM"
+            if arch["add_bias_linear"]:
+                missing.append("--disable-bias-linear")
+            elif arch["add_qkv_bias"]:
+                missing.append("--disable-bias-linear without --add-qkv-bias")
         if missing:
             raise UserError(f"--to-hf: GPT-2 has no equivalent of this GPT's "
-                            f"{' '.join(flags)}, and transformers' LlamaForCausalLM would also "
+                            f"{' '.join(flags)}, and transformers' {model} would also "
                             f"need {' '.join(missing)}; no transformers model matches, so it "
                             f"cannot be exported")
-        # the bias layouts Llama/Qwen2 have are exactly ours: all four, none, q/k/v only
         if arch["rotary_percent"] != 1.0:
             raise UserError(f"--to-hf: this GPT rotates part of each head "
                             f"(--rotary-percent {arch['rotary_percent']:g}); transformers' "
-                            f"LlamaForCausalLM rotates whole heads (it does not apply "
+                            f"{model} rotates whole heads (it does not apply "
                             f"partial_rotary_factor), so it cannot be exported")
         target = "llama"
     if not is_bert and "embedding.tokentype_embeddings.weight" in full:
         raise UserError("--to-hf: this GPT has token-type embeddings; transformers' GPT-2, "
-                        "Llama and Qwen2 have none, so it cannot be exported")
+                        "Llama and Qwen2/3 have none, so it cannot be exported")
     heads = int(model_cfg["num_attention_heads"])
-    groups = block_options(model_cfg)["num_query_groups"]
+    arch = block_options(model_cfg)
+    groups, kv = arch["num_query_groups"], arch["kv_channels"]
     for name, value in full.items():
         if not name.endswith(f"{_ATTN}.weight"):
             continue
         if target == "llama":
-            rows = (heads + 2 * groups) * (value.shape[1] // heads)
-            if value.shape[0] != rows or value.shape[1] % heads:
+            rows = (heads + 2 * groups) * kv
+            if tuple(value.shape) != (rows, model_cfg["hidden_size"]):
                 raise CheckpointError(f"--to-hf: {name} is {tuple(value.shape)}; its config "
-                                      f"({heads} heads, {groups} query groups) implies "
-                                      f"({rows}, {value.shape[1]})")
+                                      f"({heads} heads of {kv}, {groups} query groups, hidden "
+                                      f"size {model_cfg['hidden_size']}) implies "
+                                      f"({rows}, {model_cfg['hidden_size']})")
         elif value.shape[0] != 3 * value.shape[1]:
             raise UserError(f"--to-hf: {name} is {tuple(value.shape)}; only standard "
                             f"multi-head attention (q, k, v of hidden size) exports")
@@ -499,9 +644,10 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
         _say(f"note: unpadded vocabulary size unknown (pass --true-vocab-size); exporting "
              f"all {padded} rows")
         vocab = padded
+    read = _ReadNames(full)
     try:
         to_hf = {"bert": bert_to_hf, "gpt2": gpt_to_hf, "llama": gpt_to_llama}[target]
-        tensors, hf_config = to_hf(full, model_cfg, vocab)
+        tensors, hf_config = to_hf(read, model_cfg, vocab)
     except KeyError as exc:  # a layer or head its config implies is not in the files
         raise CheckpointError(f"--load {load}: the checkpoint has no {exc.args[0]!r}, which "
                               f"its config (num_layers {model_cfg.get('num_layers')!r}) "
@@ -509,8 +655,21 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     except (TypeError, ValueError, RuntimeError) as exc:  # config values, head split
         raise CheckpointError(f"--load {load}: its config does not describe its tensors "
                               f"({type(exc).__name__}: {exc})") from None
+    left = sorted(set(full) - read.names)
+    if left:  # a tensor of an option the record does not show: never dropped silently
+        raise CheckpointError(f"--load {load}: the checkpoint holds {left[0]!r}"
+                              f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}, "
+                              f"which its recorded config does not account for; the export "
+                              f"would drop it, so it is refused")
     dtype = next(iter(tensors.values())).dtype
     hf_config["torch_dtype"] = str(dtype).replace("torch.", "")
+    scaling = hf_config.get("rope_scaling") or {}
+    positions = hf_config.get("max_position_embeddings")
+    if scaling.get("original_max_position_embeddings", 0) >= (positions or 0) > 0:
+        _say(f"note: config.json keeps max_position_embeddings {positions} (the model's); "
+             f"transformers warns that original_max_position_embeddings "
+             f"{scaling['original_max_position_embeddings']} should be below it, which "
+             f"changes nothing it computes (the llama3 frequencies do not depend on it)")
     data_cfg = config.get("data") or {}
     if data_cfg.get("tokenizer_type") == "GPT2BPETokenizer" and not is_bert:
         hf_config.update(bos_token_id=50256, eos_token_id=50256)
@@ -741,13 +900,33 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
     return full, model_cfg, vocab
 
 
-def _rope_base(cfg: Dict[str, Any], cfg_path: str) -> int:
-    """--rotary-base of a Llama config.json: ``rope_parameters.rope_theta``
-    (transformers >= 5), else the top-level ``rope_theta`` (older files), else 10000.
-    RoPE scaling (``rope_scaling`` / a ``rope_type`` other than default: linear, dynamic,
-    yarn, llama3, ...) and partial rotation change the angles, which this trainer's RoPE
-    does not do: refused, one line."""
-    params: Dict[str, Any] = {}
+_ROPE_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor", "factor",
+              "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""RoPE settings compared between ``rope_parameters`` and ``rope_scaling``."""
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _rope_settings(cfg: Dict[str, Any], cfg_path: str, positions: int
+                   ) -> Tuple[int, Optional[float]]:
+    """(--rotary-base, --rope-scaling-factor or None) of a Llama-family config.json.
+
+    The settings are in ``rope_parameters`` (transformers >= 5; theta inside) or in
+    ``rope_scaling`` plus a top-level ``rope_theta`` (older files).  transformers 5.23
+    takes ``rope_scaling`` over ``rope_parameters`` and older versions know only the
+    former, so a file holding both that disagree describes two models: refused, as is a
+    top-level ``rope_theta`` that differs from ``rope_parameters``'.
+
+    ``rope_type`` "default" is plain RoPE; "llama3" is Llama 3.1's scaling, which this
+    trainer has with its constants fixed (low_freq_factor 1, high_freq_factor 4,
+    original_max_position_embeddings 8192; Megatron-LM's too): other constants, any
+    other ``rope_type`` (linear, dynamic, yarn, ...) and partial rotation change the
+    angles in ways this trainer's RoPE does not: refused, one line.
+    ``original_max_position_embeddings`` is read where transformers 5 reads it: the
+    top level first, then the RoPE settings, then ``max_position_embeddings``."""
+    found: Dict[str, Dict[str, Any]] = {}
     for key in ("rope_parameters", "rope_scaling"):
         value = cfg.get(key)
         if value is None:
@@ -755,45 +934,101 @@ def _rope_base(cfg: Dict[str, Any], cfg_path: str) -> int:
         if not isinstance(value, dict) or any(isinstance(v, dict) for v in value.values()):
             raise UserError(f"--from-hf {cfg_path}: expected {key} to be one object of RoPE "
                             f"settings, found {value!r}")
-        kind = value.get("rope_type", value.get("type", "default"))
-        if kind != "default":
-            raise UserError(f"--from-hf {cfg_path}: {key} has rope_type {kind!r} (RoPE "
-                            f"scaling), which this trainer's RoPE does not do; only the "
-                            f"default RoPE (--rotary-base) imports")
-        params = {**value, **params}  # rope_parameters wins: transformers' order
+        value = dict(value)
+        value.setdefault("rope_type", value.pop("type", "default"))
+        if value["rope_type"] not in ("default", "llama3"):
+            raise UserError(f"--from-hf {cfg_path}: {key} has rope_type "
+                            f"{value['rope_type']!r} (RoPE scaling), which this trainer's RoPE "
+                            f"does not do; only the default RoPE (--rotary-base) and Llama "
+                            f"3.1's 'llama3' scaling (--use-rope-scaling) import")
+        found[key] = value
+    if len(found) == 2:
+        a, b = found["rope_parameters"], found["rope_scaling"]
+        for k in _ROPE_KEYS:
+            if k in a and k in b and a[k] != b[k]:
+                raise UserError(f"--from-hf {cfg_path}: rope_parameters and rope_scaling "
+                                f"disagree on {k} ({a[k]!r} and {b[k]!r}); transformers "
+                                f"versions read different ones, so this file does not say "
+                                f"which model it is")
+    params = {**found.get("rope_scaling", {}), **found.get("rope_parameters", {})}
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise UserError(f"--from-hf {cfg_path}: partial_rotary_factor {partial!r}; "
                         f"transformers' Llama rotates whole heads, so this file does not "
                         f"describe a model it runs (expected 1.0)")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if type(theta) not in (int, float) or not theta > 0:
+    top = cfg.get("rope_theta")
+    if top is not None and "rope_theta" in params and top != params["rope_theta"]:
+        raise UserError(f"--from-hf {cfg_path}: rope_theta {top!r} at the top level but "
+                        f"{params['rope_theta']!r} in the RoPE settings; transformers versions "
+                        f"read different ones, so this file does not say which model it is")
+    if not _is_number(theta) or not theta > 0:
         raise CheckpointError(f"--from-hf {cfg_path}: expected rope_theta to be a positive "
                               f"number, found {theta!r}")
     if theta != int(theta):
         raise UserError(f"--from-hf {cfg_path}: rope_theta {theta} is not a whole number; "
                         f"this trainer's --rotary-base takes integers")
-    return int(theta)
+    if params.get("rope_type", "default") == "default":
+        return int(theta), None
+    factor = params.get("factor")
+    if not _is_number(factor) or not factor >= 1.0:
+        raise CheckpointError(f"--from-hf {cfg_path}: expected the llama3 RoPE factor to be a "
+                              f"number >= 1, found {factor!r}")
+    originals = [v for v in (cfg.get("original_max_position_embeddings"),
+                             params.get("original_max_position_embeddings")) if v is not None]
+    constants = {"low_freq_factor": params.get("low_freq_factor"),
+                 "high_freq_factor": params.get("high_freq_factor"),
+                 "original_max_position_embeddings": originals[0] if originals else positions}
+    fixed = {"low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+             "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+             "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+    wrong = [f"{k} {v!r}" for k, v in constants.items()
+             if not _is_number(v) or v != fixed[k]]
+    if len(set(originals)) > 1:
+        wrong.append(f"original_max_position_embeddings {originals[0]!r} at the top level but "
+                     f"{originals[1]!r} in the RoPE settings")
+    if wrong:
+        raise UserError(f"--from-hf {cfg_path}: llama3 RoPE scaling with {', '.join(wrong)}; "
+                        f"this trainer's --use-rope-scaling has Llama 3.1's low_freq_factor 1, "
+                        f"high_freq_factor 4 and original_max_position_embeddings 8192 fixed "
+                        f"(only --rope-scaling-factor is a flag)")
+    return int(theta), float(factor)
+
+
+def _head_dim(cfg: Dict[str, Any], family: str, hidden: int, heads: int, cfg_path: str) -> int:
+    """Dimensions of one attention head (our --kv-channels): config.json's ``head_dim``;
+    without one, Qwen3's default of 128 (whatever the width: transformers' Qwen3Config)
+    and hidden_size / num_attention_heads for Llama and Qwen2."""
+    if family == "qwen3" and "head_dim" not in cfg:
+        return 128
+    if family == "qwen3" or cfg.get("head_dim") is not None:
+        return _config_int(cfg, "head_dim", cfg_path)
+    if hidden % heads:
+        raise CheckpointError(f"--from-hf {cfg_path}: hidden_size {hidden} is not a multiple "
+                              f"of num_attention_heads {heads}, and there is no head_dim")
+    return hidden // heads
 
 
 def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool = False
                      ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], int]:
-    """A ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` directory (or a bare
-    ``LlamaModel``/``Qwen2Model``) -> (our full state dict with padded vocabulary, model
-    config dict, real vocab size).
+    """A ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` directory (or a
+    bare ``LlamaModel``/``Qwen2Model``/``Qwen3Model``) -> (our full state dict with padded
+    vocabulary, model config dict, real vocab size).
 
     The model config is the Llama-style GPT (RMSNorm, RoPE, SwiGLU, query groups; Llama's
     attention_bias/mlp_bias as --disable-bias-linear, Qwen2's q/k/v biases as
-    --disable-bias-linear --add-qkv-bias; untied unless tie_word_embeddings); the tensors
-    are checked against config.json as for GPT-2.  A config.json option that changes
-    what the model computes and that this trainer lacks is one UserError naming it."""
+    --disable-bias-linear --add-qkv-bias, Qwen3's q_norm/k_norm as --qk-layernorm; a
+    head_dim other than hidden / heads as --kv-channels; llama3 RoPE scaling as
+    --use-rope-scaling; untied unless tie_word_embeddings); the tensors are checked
+    against config.json as for GPT-2.  A config.json option that changes what the model
+    computes and that this trainer lacks is one UserError naming it."""
     from megatron.tokenizer import vocab_size_with_padding
 
     cfg, cfg_path = _read_hf_config(hf_dir)
     family = cfg.get("model_type")
     if family not in _LLAMA_FAMILY:
-        raise UserError(f"--from-hf {cfg_path}: expected model_type 'llama' or 'qwen2', "
-                        f"found {family!r}")
+        raise UserError(f"--from-hf {cfg_path}: expected model_type 'llama', 'qwen2' or "
+                        f"'qwen3', found {family!r}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"--from-hf {cfg_path}: hidden_act {act!r} has no equivalent here "
@@ -804,20 +1039,13 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
                                                 "intermediate_size"))
     positions = (_config_int(cfg, "max_position_embeddings", cfg_path)
                  if cfg.get("max_position_embeddings") is not None
-                 else {"llama": 2048, "qwen2": 32768}[family])  # transformers' defaults
+                 else {"llama": 2048, "qwen2": 32768, "qwen3": 32768}[family])  # their defaults
     groups = (_config_int(cfg, "num_key_value_heads", cfg_path)
               if cfg.get("num_key_value_heads") is not None else heads)
-    if hidden % heads:
-        raise CheckpointError(f"--from-hf {cfg_path}: hidden_size {hidden} is not a multiple "
-                              f"of num_attention_heads {heads}")
     if heads % groups:
         raise CheckpointError(f"--from-hf {cfg_path}: num_key_value_heads {groups} does not "
                               f"divide num_attention_heads {heads}")
-    d = hidden // heads
-    if cfg.get("head_dim") is not None and cfg["head_dim"] != d:
-        raise UserError(f"--from-hf {cfg_path}: head_dim {cfg['head_dim']!r} is not "
-                        f"hidden_size / num_attention_heads ({d}); this trainer's heads have "
-                        f"hidden_size / num_attention_heads dimensions")
+    d = _head_dim(cfg, family, hidden, heads, cfg_path)
     flags = {}
     for key, default in (("attention_bias", False), ("mlp_bias", False),
                          ("tie_word_embeddings", False), ("use_sliding_window", False)):
@@ -832,15 +1060,25 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
                             f"mlp_bias={str(flags['mlp_bias']).lower()}; this trainer's blocks "
                             f"have biases on all four linear layers or on none "
                             f"(--disable-bias-linear)")
-    else:  # Qwen2: q, k, v biases, none on o_proj and the MLP
+    elif family == "qwen2":  # q, k, v biases, none on o_proj and the MLP
         bias, qkv_bias = False, True
+    else:  # Qwen3: no biases (attention_bias would add them to q, k, v and o_proj only)
+        bias = qkv_bias = False
+        if flags["attention_bias"]:
+            raise UserError(f"--from-hf {cfg_path}: attention_bias=true (Qwen3: biases on "
+                            f"q, k, v and o_proj, none in the MLP); this trainer's blocks have "
+                            f"biases on all four linear layers, on none, or on q, k, v only "
+                            f"(--add-qkv-bias)")
+    if family != "llama":
         kinds = set(cfg.get("layer_types") or ["full_attention"])
         if flags["use_sliding_window"] or kinds != {"full_attention"}:
             raise UserError(f"--from-hf {cfg_path}: sliding-window attention "
                             f"(use_sliding_window / layer_types) has no equivalent here; "
                             f"only full attention in every layer imports")
     tied = flags["tie_word_embeddings"]
-    base = _rope_base(cfg, cfg_path)
+    base, scaling = _rope_settings(cfg, cfg_path, positions)
+    if d < 2:
+        raise CheckpointError(f"--from-hf {cfg_path}: head_dim {d} leaves nothing to rotate")
     eps, attn, init = (_config_float(cfg, k, dflt, cfg_path) for k, dflt in (
         ("rms_norm_eps", 1e-6), ("attention_dropout", 0.0), ("initializer_range", 0.02)))
     weights = _strip_prefix(_read_hf_weights(hf_dir, allow_unsafe), "model.")
@@ -848,7 +1086,7 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
     get = _tensor_getter(weights, hf_dir, f"{_LLAMA_FAMILY[family]} / {family} base model",
                          f"{cfg_path} (hidden_size {hidden}, intermediate_size {ffn}, "
                          f"num_attention_heads {heads}, num_key_value_heads {groups}, "
-                         f"vocab_size {vocab})")
+                         f"head_dim {d}, vocab_size {vocab})")
 
     full = {WORD_EMBEDDING: _pad_rows(get("embed_tokens.weight", vocab, hidden), padded)}
     parts = ("weight", "bias") if bias else ("weight",)
@@ -861,6 +1099,9 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
                 get(h + f"self_attn.q_proj.{part}", heads * d, *rest),
                 get(h + f"self_attn.k_proj.{part}", groups * d, *rest),
                 get(h + f"self_attn.v_proj.{part}", groups * d, *rest), groups)
+        if family == "qwen3":
+            full[o + "self_attention.q_layernorm.weight"] = get(h + "self_attn.q_norm.weight", d)
+            full[o + "self_attention.k_layernorm.weight"] = get(h + "self_attn.k_norm.weight", d)
         full[o + "self_attention.dense.weight"] = get(h + "self_attn.o_proj.weight", hidden,
                                                       heads * d)
         if bias:
@@ -885,7 +1126,10 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
                  "layernorm_epsilon": eps, "hidden_dropout": 0.0, "attention_dropout": attn,
                  "init_method_std": init, "openai_gelu": False,
                  "normalization": "RMSNorm", "position_embedding_type": "rope",
-                 "rotary_base": base, "rotary_percent": 1.0, "swiglu": True,
+                 "rotary_base": base, "rotary_percent": 1.0,
+                 "rope_scaling": scaling is not None,
+                 "rope_scaling_factor": scaling if scaling is not None else 8.0,
+                 "swiglu": True, "qk_layernorm": family == "qwen3", "kv_channels": d,
                  "num_query_groups": groups, "add_bias_linear": bias,
                  "add_qkv_bias": qkv_bias and not bias,
                  "untie_embeddings_and_output_weights": not tied,
@@ -893,7 +1137,8 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
     return full, model_cfg, vocab
 
 
-_IMPORTERS = {"gpt2": hf_gpt2_to_ours, "llama": hf_llama_to_ours, "qwen2": hf_llama_to_ours}
+_IMPORTERS = {"gpt2": hf_gpt2_to_ours, "llama": hf_llama_to_ours, "qwen2": hf_llama_to_ours,
+              "qwen3": hf_llama_to_ours}
 
 
 def _import_tokenizer(hf_dir: str, vocab: int) -> Dict[str, Any]:
@@ -944,8 +1189,16 @@ def _model_flags(model_cfg: Dict[str, Any]) -> str:
         flags.append(f"--layernorm-epsilon {model_cfg['layernorm_epsilon']}")
     if model_cfg.get("position_embedding_type") == "rope":
         flags += ["--position-embedding-type rope", f"--rotary-base {model_cfg['rotary_base']}"]
+        if model_cfg.get("rope_scaling"):
+            flags.append(f"--use-rope-scaling --rope-scaling-factor "
+                         f"{_number(model_cfg['rope_scaling_factor'])}")
     if model_cfg.get("swiglu"):
         flags.append("--swiglu")
+    if model_cfg.get("qk_layernorm"):
+        flags.append("--qk-layernorm")
+    kv = model_cfg.get("kv_channels")
+    if kv is not None and kv * model_cfg["num_attention_heads"] != model_cfg["hidden_size"]:
+        flags.append(f"--kv-channels {kv}")
     groups = model_cfg.get("num_query_groups")
     if groups is not None and groups != model_cfg["num_attention_heads"]:
         flags.append(f"--group-query-attention --num-query-groups {groups}")
@@ -966,7 +1219,7 @@ def _model_flags(model_cfg: Dict[str, Any]) -> str:
 def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
               divisible_by: int = 128, allow_unsafe: bool = False,
               first: Optional[int] = None, last: Optional[int] = None) -> str:
-    """Write HF GPT-2, Llama or Qwen2 directory ``hf_dir`` as an iteration-0 checkpoint
+    """Write HF GPT-2, Llama, Qwen2 or Qwen3 directory ``hf_dir`` as an iteration-0 checkpoint
     under ``save``.  ``allow_unsafe``: also read a ``pytorch_model.bin`` pickle (weights-only
     unpickler).  ``first``/``last``: layers of the first/last pipeline stage (default:
     even).  A ``save`` holding checkpoints is refused (``check_save_path``) before
@@ -975,8 +1228,8 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
     cfg, cfg_path = _read_hf_config(hf_dir)
     kind = cfg.get("model_type")
     if kind not in _IMPORTERS:
-        raise UserError(f"--from-hf {cfg_path}: expected model_type 'gpt2', 'llama' or "
-                        f"'qwen2', found {kind!r}")
+        raise UserError(f"--from-hf {cfg_path}: expected model_type 'gpt2', 'llama', "
+                        f"'qwen2' or 'qwen3', found {kind!r}")
     full, model_cfg, vocab = _IMPORTERS[kind](hf_dir, divisible_by, tp, allow_unsafe)
     layers = model_cfg["num_layers"]
     # without tokenizer files: NullTokenizer, as the printed flags say (and

@@ -6,9 +6,9 @@ Three workflows (``python tools/checkpoint_util.py --help``)::
     python tools/checkpoint_util.py --load ckpt_t1_d2 --save ckpt_t2_d1 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 \\
         --target-data-parallel-size 2
-    # 2. export to a transformers model directory (GPT-2, Llama, Qwen2 or Megatron-BERT)
+    # 2. export to a transformers model directory (GPT-2, Llama, Qwen2/3 or Megatron-BERT)
     python tools/checkpoint_util.py --load ckpt --to-hf hf_model
-    # 3. import a transformers GPT-2 / Llama / Qwen2 directory, then train with
+    # 3. import a transformers GPT-2 / Llama / Qwen2 / Qwen3 directory, then train with
     #    --load OUT [--finetune] and the model flags the script prints
     python tools/checkpoint_util.py --from-hf gpt2_dir --save ckpt_gpt2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -55,7 +55,7 @@ _EPILOG = """workflows:
   reshard   --load CKPT --save OUT --target-tensor-parallel-size T
             --target-pipeline-parallel-size D [--target-data-parallel-size W]
             [--target-decoder-first/last-pipeline-num-layers N]  (an uneven stage split)
-  export    --load CKPT --to-hf HF_DIR          (GPT-2, Llama, Qwen2 or Megatron-BERT)
+  export    --load CKPT --to-hf HF_DIR          (GPT-2, Llama, Qwen2/3 or Megatron-BERT)
   import    --from-hf HF_DIR --save OUT --target-tensor-parallel-size T
             --target-pipeline-parallel-size D   (then train with --load OUT [--finetune])
 """
@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-hf", metavar="DIR", help="export --load as a Hugging Face "
                    "transformers model directory (safetensors, config.json, tokenizer files); "
                    "a new or empty directory, written in place only when complete")
-    p.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face GPT-2, Llama or "
-                   "Qwen2 directory (model.safetensors + config.json) into a checkpoint at "
+    p.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face GPT-2, Llama, "
+                   "Qwen2 or Qwen3 directory (model.safetensors + config.json) into a checkpoint at "
                    "--save")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="T",
                    help="t of the written checkpoint (default: the source's; 1 for import)")

@@ -210,6 +210,7 @@ def test_import_refusals(tmp_path, capsys):
         from megatron.hf_interop import import_hf
         import_hf(str(evil), str(tmp_path / "o2"))
     assert not marker.exists()
-    with pytest.raises(UserError, match="model_type 'gpt2', 'llama' or 'qwen2', found 't5'"):
+    with pytest.raises(UserError, match="model_type 'gpt2', 'llama', 'qwen2' or 'qwen3', "
+                                         "found 't5'"):
         json.dump({"model_type": "t5"}, open(evil / "config.json", "w"))
         import_hf(str(evil), str(tmp_path / "o3"))

@@ -176,7 +176,8 @@ def test_finetuning_model_gets_new_head_and_errors_are_clear(tmp_path):
                              allow_missing=("classification_head.",))
     assert report.missing == ["classification_head.weight", "classification_head.bias"]
     torch.testing.assert_close(clf.classification_head.weight, head, rtol=0, atol=0)
-    bigger = ModelConfig(**{**_cfg().__dict__, "hidden_size": 64, "ffn_hidden_size": 256})
+    bigger = ModelConfig(**{**_cfg().__dict__, "hidden_size": 64, "ffn_hidden_size": 256,
+                           "kv_channels": None})
     with pytest.raises(CheckpointError, match="--hidden-size"):
         load_into_stage(BertModel(bigger, TP, seed=1), root, layer_offset=0, tp_rank=0,
                         tp_size=1)
