@@ -22,7 +22,10 @@ compute times and activation sizes (megatron/pipeline/planner/profile.py); model
 left out are then taken from the profile.  The Llama-style block options are the
 trainer's flags (--normalization, --position-embedding-type, --swiglu,
 --group-query-attention --num-query-groups, --disable-bias-linear, --add-qkv-bias,
---untie-embeddings-and-output-weights); the planned command passes them on.
+--untie-embeddings-and-output-weights, --qk-layernorm, --use-rope-scaling
+--rope-scaling-factor, --kv-channels); the planned command passes them on.
+
+    python tools/plan.py --model qwen3-0.6b --cluster h100-sxm --num-gpus 8 --max-batch-size 64
 """
 from __future__ import annotations
 
@@ -122,8 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rotary-base", type=int, help="RoPE's base (default 10000)")
     g.add_argument("--rotary-percent", type=float,
                    help="share of each head RoPE rotates (default 1.0)")
+    g.add_argument("--use-rope-scaling", dest="rope_scaling", action="store_true",
+                   default=None,
+                   help="Llama 3.1's RoPE frequencies (no cost; passed on to the command)")
+    g.add_argument("--rope-scaling-factor", type=float,
+                   help="with --use-rope-scaling (default 8.0)")
     g.add_argument("--swiglu", action="store_true", default=None,
                    help="SwiGLU MLP: 3 matrices, the first h -> 2 x ffn")
+    g.add_argument("--qk-layernorm", action="store_true", default=None,
+                   help="query and key norms over each head (Qwen3): 2 head_dim-wide norms "
+                        "per layer")
+    g.add_argument("--kv-channels", type=int,
+                   help="size of one attention head (default --hidden-size / "
+                        "--num-attention-heads): queries heads x this wide, keys and values "
+                        "query groups x this")
     g.add_argument("--group-query-attention", action="store_true", default=None,
                    help="grouped-query attention with --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int,
@@ -173,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
-               "swiglu", "num_query_groups", "add_bias_linear", "add_qkv_bias",
+               "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
+               "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
                "untie_embeddings_and_output_weights")
 """ModelSpec's Llama-style options, each set by the trainer's flag of the same name."""
 
@@ -196,6 +212,18 @@ def arch_from_args(args: argparse.Namespace) -> dict:
 
 
 def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None) -> ModelSpec:
+    """The planned model: a preset, a profile's shape or the flags, with the flags given
+    on top.  A --rope-scaling-factor that the model would not use (no
+    --use-rope-scaling, its own or its preset's or profile's) is an error, as
+    --num-query-groups without --group-query-attention."""
+    model = _model_from_args(args, profile)
+    if args.rope_scaling_factor is not None and not model.rope_scaling:
+        raise PlanningError(f"--rope-scaling-factor {args.rope_scaling_factor:g} needs "
+                            f"--use-rope-scaling (without it the trainer ignores it)")
+    return model
+
+
+def _model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None) -> ModelSpec:
     shape = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
     arch = arch_from_args(args)
     if profile is not None and not args.model:
@@ -204,6 +232,10 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
             if getattr(args, k) is None:
                 setattr(args, k, profile.model[k])
         arch = {**{k: profile.model[k] for k in ARCH_FIELDS}, **arch}
+        if args.kv_channels is None and \
+                profile.model["kv_channels"] * profile.model["num_attention_heads"] == \
+                profile.model["hidden_size"]:
+            arch["kv_channels"] = None  # h / a of the planned shape, as the trainer's default
     if args.model:
         base = get_model(args.model)
         over = {k: getattr(args, k) for k in shape + ("ffn_hidden_size", "vocab_size")
@@ -217,6 +249,8 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
                   for k in shape + ("ffn_hidden_size", "vocab_size", "kind") + ARCH_FIELDS}
         if not base.grouped_query:
             fields["num_query_groups"] = None  # multi-head, whatever the head count
+        if not base.custom_head_dim:
+            fields["kv_channels"] = None  # h / a of the new shape (a preset's own d stays)
         fields.update(over)
         resized = "hidden_size" in over or over.get("swiglu", base.swiglu) != base.swiglu
         if resized and "ffn_hidden_size" not in over:

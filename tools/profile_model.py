@@ -25,7 +25,8 @@ warm-up runs first and the median of the timed runs kept:
 The model flags are the trainer's, the Llama-style block options included
 (--normalization, --position-embedding-type, --swiglu, --group-query-attention
 --num-query-groups, --disable-bias-linear, --add-qkv-bias,
---untie-embeddings-and-output-weights).
+--untie-embeddings-and-output-weights, --qk-layernorm, --use-rope-scaling
+--rope-scaling-factor, --kv-channels).
 With RoPE the layers of a stage share one cos/sin table (``RotaryEmbedding``'s cache):
 the block count leaves it out (it would otherwise be charged once per chained layer)
 and ``rotary_table_bytes`` records it, charged once per stage (the executor counts it
@@ -63,9 +64,11 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                "cross_entropy_loss_fusion",
                "grad_bytes",  # 4 under bf16: the trainer accumulates gradients in fp32
                "normalization", "position_embedding_type", "rotary_base",
-               "rotary_percent", "swiglu", "num_query_groups", "add_bias_linear",
+               "rotary_percent", "rope_scaling", "rope_scaling_factor", "swiglu",
+               "qk_layernorm", "kv_channels", "num_query_groups", "add_bias_linear",
                "add_qkv_bias", "untie_embeddings_and_output_weights"},
-               # ModelConfig's values (older profiles: absent, meaning the defaults)
+               # ModelConfig's values (older profiles: absent, meaning the defaults;
+               # kv_channels: the head size, h / a unless --kv-channels gave another)
      "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
                  "head_params", "head_bytes",  # an untied output layer is the head's
                  "tied_embedding_params", "tied_embedding_bytes"},
@@ -115,7 +118,8 @@ COMPONENTS = ("block", "embedding", "head")
 # ModelConfig's block options, recorded in the profile's "model" (the planner's ModelSpec
 # carries the same names: megatron/pipeline/planner/profile.py)
 ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
-               "swiglu", "num_query_groups", "add_bias_linear", "add_qkv_bias",
+               "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
+               "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
                "untie_embeddings_and_output_weights")
 # stage kind -> (pre_process, post_process) of the GPTModel stage timed whole
 STAGE_KINDS = {"whole": (True, True), "first": (True, False), "middle": (False, False),
@@ -139,6 +143,7 @@ def block_params(config: ModelConfig) -> int:
                      num_attention_heads=config.num_attention_heads, seq_length=1,
                      vocab_size=1, ffn_hidden_size=config.ffn_hidden_size,
                      normalization=config.normalization, swiglu=config.swiglu,
+                     qk_layernorm=config.qk_layernorm, kv_channels=config.kv_channels,
                      num_query_groups=config.num_query_groups,
                      add_bias_linear=config.add_bias_linear,
                      add_qkv_bias=config.add_qkv_bias).params_per_layer
@@ -593,7 +598,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron-LM's older switch for --position-embedding-type rope")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", dest="rope_scaling", action="store_true",
+                   help="Llama 3.1's RoPE frequencies (recorded; changes no cost)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="query and key norms over each head, before RoPE (Qwen3)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="size of one attention head (default --hidden-size / "
+                        "--num-attention-heads; Qwen3-0.6B: 128 with 1024 / 16)")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="key/value heads with --group-query-attention (default 1, as the "
@@ -631,9 +644,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:
     from megatron.tokenizer import vocab_size_with_padding
-    if args.hidden_size % args.num_attention_heads:
+    if args.num_attention_heads < 1:
+        raise ValueError(f"--num-attention-heads must be >= 1, got {args.num_attention_heads}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--hidden-size {args.hidden_size} must be divisible by "
-                         f"--num-attention-heads {args.num_attention_heads}")
+                         f"--num-attention-heads {args.num_attention_heads}, or give "
+                         f"--kv-channels")
+    if args.kv_channels is not None and args.kv_channels < 1:
+        raise ValueError(f"--kv-channels must be >= 1, got {args.kv_channels}")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ValueError(f"--num-query-groups {args.num_query_groups} needs "
                          f"--group-query-attention (without it the trainer ignores it)")
@@ -648,7 +666,9 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         params_dtype=DTYPES[args.dtype or "fp32"],
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         normalization=args.normalization, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, swiglu=args.swiglu,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
         num_query_groups=groups, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)

@@ -1,5 +1,6 @@
 """The planner and the FLOP count with the Llama-style block options (RMSNorm, RoPE,
-SwiGLU, grouped-query attention, no linear biases, untied output layer).
+SwiGLU, grouped-query attention, no linear biases, untied output layer, Qwen3's
+query/key norms and head size (--kv-channels), Llama 3.1's RoPE scaling).
 
 Expected values are written out by hand (or are the published parameter counts), not
 taken from the module's helpers; the activation formula is also held to the bytes the
@@ -52,6 +53,40 @@ def test_llama_presets_have_the_published_parameter_counts():
     assert 32 * (h * (h + 2048) + h * h + 3 * h * f + 2 * h) + 2 * v * h + h == 8_030_261_248
 
 
+def test_qwen3_preset_has_the_published_parameter_count():
+    """Qwen3-0.6B: 596,049,920 parameters (its safetensors hold 751,632,384 because the
+    tied lm_head is stored too: + 151936 x 1024)."""
+    # the same shape built field by field here, not from the preset's helper
+    by_hand = ModelSpec(num_layers=28, hidden_size=1024, num_attention_heads=16,
+                        num_query_groups=8, kv_channels=128, ffn_hidden_size=3072,
+                        seq_length=32768, vocab_size=151936, normalization="RMSNorm",
+                        position_embedding_type="rope", rotary_base=1000000, swiglu=True,
+                        qk_layernorm=True, add_bias_linear=False,
+                        untie_embeddings_and_output_weights=False)
+    assert by_hand.num_params == 596_049_920
+    qwen = get_model("qwen3-0.6b")
+    assert qwen == dataclasses.replace(by_hand, name="qwen3-0.6b")
+    # per layer: q 16 x 128 = 2048 (twice h) and k, v 8 x 128 = 1024 each, so QKV is
+    # 1024 x 4096 and the output projection 2048 x 1024; SwiGLU 3 x 1024 x 3072; two
+    # RMSNorms of 1024 and the query and key RMSNorms of 128.  Then the word embedding
+    # (tied: counted once, no output layer) and the final RMSNorm.
+    h, f, v = 1024, 3072, 151936
+    layer = h * (2048 + 2 * 1024) + 2048 * h + 3 * h * f + 2 * h + 2 * 128
+    assert layer == 15_730_944 and qwen.params_per_layer == layer
+    assert 28 * layer + v * h + h == 596_049_920
+    assert qwen.num_params - qwen.embedding_params == 440_467_456   # the card's "0.44B"
+    assert qwen.llama_options()[qwen.llama_options().index("--kv-channels") + 1] == "128"
+    assert "16 heads of 128" in qwen.describe() and "QK norm" in qwen.describe()
+    assert "untied output" not in qwen.describe() and "0.60B parameters" in qwen.describe()
+    # its layer FLOPs are the model FLOP count's (megatron/model/flops.py) layer part
+    cfg = ModelConfig(num_layers=28, hidden_size=h, num_attention_heads=16, num_query_groups=8,
+                      kv_channels=128, ffn_hidden_size=f, seq_length=4096,
+                      padded_vocab_size=v, swiglu=True)
+    spec = dataclasses.replace(qwen, seq_length=4096)
+    assert gpt_forward_flops(cfg, 2, 4096) - 1.5 * 2 * 4096 * h * v == pytest.approx(
+        28 * spec.layer_forward_flops(2), rel=1e-14)
+
+
 def test_toy_counts_by_hand():
     assert TOY.params_per_layer == TOY_LAYER
     assert TOY.embedding_params == V * H                  # RoPE: no position table
@@ -75,20 +110,59 @@ def test_toy_counts_by_hand():
     assert ModelSpec(**gpt, position_embedding_type="rope").embedding_params == V * H
     untied = ModelSpec(**gpt, untie_embeddings_and_output_weights=True)
     assert untied.num_params == ModelSpec(**gpt).num_params + V * H
+    # --qk-layernorm: a query and a key norm of head_dim (8) each, weight (and bias)
+    assert ModelSpec(**gpt, qk_layernorm=True).params_per_layer == base + 4 * 8
+    assert ModelSpec(**gpt, qk_layernorm=True, normalization="RMSNorm").params_per_layer == \
+        base - 2 * H + 2 * 8
+    # RoPE scaling: other angles, no parameters
+    scaled = ModelSpec(**gpt, position_embedding_type="rope", rope_scaling=True)
+    assert scaled.num_params == ModelSpec(**gpt, position_embedding_type="rope").num_params
+    # --kv-channels 16 (twice h / a = 8): queries, keys and values 8 x 16 = 128 = 2 H wide;
+    # QKV H x 3 x 128 + 3 x 128 bias, output 128 x H + H bias: 4 H^2 + 3 H more
+    wide = ModelSpec(**gpt, kv_channels=16)
+    assert wide.params_per_layer == base + 4 * H * H + 3 * H
+    assert wide.params_per_layer == (H * 384 + 384) + (128 * H + H) + (2 * H * 4 * H + 5 * H) \
+        + 4 * H
+    # --kv-channels 4 (half): 32 = H / 2 wide, QKV H x 96 + 96, output 32 x H + H
+    narrow = ModelSpec(**gpt, kv_channels=4)
+    assert narrow.params_per_layer == base - 2 * H * H - 3 * H // 2
+    # with GQA (2 groups: keys and values 2 x 16 = 32 wide) and the query/key norms of 16
+    wide_gqa = ModelSpec(**gpt, kv_channels=16, num_query_groups=2, qk_layernorm=True)
+    assert wide_gqa.params_per_layer == H * (128 + 64) + (128 + 64) + 128 * H + H \
+        + 2 * H * 4 * H + 5 * H + 4 * H + 4 * 16
+    # the default given explicitly is the same model (and no flag)
+    assert ModelSpec(**gpt, kv_channels=H // A) == ModelSpec(**gpt)
+    assert "--kv-channels" not in ModelSpec(**gpt, kv_channels=H // A).llama_options()
+    assert wide.llama_options() == ["--kv-channels", "16"]
+    # a hidden size the heads do not divide, with the head size given: 60 = 8 x 7.5
+    odd = dict(gpt, hidden_size=60)
+    assert ModelSpec(**odd, kv_channels=8).params_per_layer == \
+        60 * 192 + 192 + 64 * 60 + 60 + 2 * 60 * 240 + 240 + 60 + 4 * 60
 
 
 @pytest.mark.parametrize("options", [
     {}, LLAMA, {**LLAMA, "num_query_groups": 2}, {"swiglu": True, "num_query_groups": 1},
     {"add_bias_linear": False, "add_qkv_bias": True, "normalization": "RMSNorm"},
+    {**LLAMA, "num_query_groups": 2, "qk_layernorm": True, "rope_scaling": True},
+    {"qk_layernorm": True},
+    # --kv-channels: heads of 2x and 0.5x h / a (8), with GQA, MQA, norms, biases
+    {"kv_channels": 16}, {"kv_channels": 4, "qk_layernorm": True},
+    {**LLAMA, "kv_channels": 16, "num_query_groups": 2, "qk_layernorm": True},
+    {"kv_channels": 4, "num_query_groups": 1, "add_bias_linear": False, "add_qkv_bias": True},
+    # a hidden size the 4 heads do not divide (30), with the head size given
+    {"hidden_size": 30, "kv_channels": 8},
+    {**LLAMA, "hidden_size": 30, "kv_channels": 6, "num_query_groups": 2,
+     "qk_layernorm": True},
 ])
 def test_closed_form_counts_the_trainers_model(options):
     """ModelSpec.num_params is the number of parameters the trainer's GPTModel builds."""
     from megatron.model import GPTModel
     from megatron.tensor_parallel import TPInfo
 
-    spec = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=40,
+    options = {"hidden_size": 32, **options}
+    spec = ModelSpec(num_layers=2, num_attention_heads=4, ffn_hidden_size=40,
                      seq_length=16, vocab_size=64, **options)
-    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    config = ModelConfig(num_layers=2, num_attention_heads=4,
                          ffn_hidden_size=40, seq_length=16, padded_vocab_size=64, **options)
     model = GPTModel(config, TPInfo.single())
     assert sum(p.numel() for p in model.parameters()) == spec.num_params
@@ -109,8 +183,11 @@ def test_all_defaults_keep_the_gpt_numbers():
                 s * b * h * (10.0 + 8.0 / t) + 4.0 * s * b * f / t + 5.0 * a * s * s * b / t
         assert m.llama_options() == [] and "RMSNorm" not in m.describe()
         assert m == dataclasses.replace(m, num_query_groups=None)  # None means G = a
+        assert m.kv_channels == h // a and m == dataclasses.replace(m, kv_channels=None)
+        assert f"{a} heads," in m.describe()                      # no "of d"
     assert get_model("gpt-355m").num_params == 354_871_296
     assert "--swiglu" not in command_line(Config(w=1, d=2, b=1, m=4), get_model("gpt-1.3b"))
+    assert "--kv-channels" not in command_line(Config(w=1, d=2, b=1, m=4), get_model("llama3-8b"))
 
 
 # ------------------------------------------------------------------ FLOPs
@@ -125,6 +202,42 @@ def test_gqa_swiglu_layer_flops_by_hand():
     # the vocabulary matmul is the same whether the output layer is tied or not
     tied = dataclasses.replace(TOY, untie_embeddings_and_output_weights=False)
     assert TOY.head_forward_flops(b) == tied.head_forward_flops(b) == 2 * b * S * H * V
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"kv_channels": 16}, {"kv_channels": 4}, {"swiglu": True, "kv_channels": 16,
+                                                  "num_query_groups": 2},
+    {**LLAMA, "kv_channels": 4, "num_query_groups": 1, "qk_layernorm": True},
+    {"hidden_size": 60, "kv_channels": 8, "ffn_hidden_size": 200},
+])
+def test_layer_flops_are_the_model_flops_layer_part(options):
+    """ModelSpec.layer_forward_flops is megatron/model/flops.py's layer part, head size
+    (--kv-channels) included."""
+    options = {"hidden_size": H, "ffn_hidden_size": F, **options}
+    spec = ModelSpec(num_layers=L, num_attention_heads=A, seq_length=S, vocab_size=V,
+                     **options)
+    cfg = _config(**options)
+    b, h = 3, options["hidden_size"]
+    assert gpt_forward_flops(cfg, b, S) - 1.5 * b * S * h * V == pytest.approx(
+        L * spec.layer_forward_flops(b), rel=1e-14)
+
+
+def test_kv_channels_layer_flops_by_hand():
+    """Heads of 16 (2 h / a): the queries and the attention context are 128 = 2h wide."""
+    b = 3
+    wide = dataclasses.replace(TOY, kv_channels=16)        # q = 8 x 16, kv = 2 x 16
+    qkv = 2 * b * S * H * (128 + 2 * 32)      # 2 * 3 * 32 * 64 * 192 = 2,359,296
+    out = 2 * b * S * 128 * H                 # 1,572,864
+    mlp = 2 * b * S * 3 * H * F               # 3,538,944
+    attn = 4 * b * S * S * 128                # 1,572,864
+    assert qkv + out + mlp + attn == 9_043_968
+    assert wide.layer_forward_flops(b) == 9_043_968
+    # heads of 4: 32 = h / 2 wide
+    narrow = dataclasses.replace(TOY, kv_channels=4)       # q = 32, kv = 8
+    assert narrow.layer_forward_flops(b) == 2 * b * S * (H * 48 + 32 * H + 3 * H * F) + \
+        4 * b * S * S * 32
+    # the head's vocabulary matmul is h wide whatever d is
+    assert wide.head_forward_flops(b) == TOY.head_forward_flops(b)
 
 
 def _config(**kw) -> ModelConfig:
@@ -183,6 +296,48 @@ def test_activation_bytes_by_hand():
             replicated + (split - 2 * s * b * (h + kv) + 2 * s * b * h) / t
         # the head: final norm input + fp32 logits, tied or not
         assert TOY.head_activation_bytes(b, t) == 2 * s * b * h + 4 * s * b * V / t
+        # --qk-layernorm with RoPE: the query norm keeps the query copy alive (its input;
+        # the key norm's input is a view of the QKV output); RoPE keeps the rotated ones
+        qk = dataclasses.replace(TOY, qk_layernorm=True)
+        assert qk.layer_activation_bytes(b, t) == replicated + (split + 2 * s * b * h) / t
+        # without RoPE: attention keeps the normalised q and k, the query norm the copy
+        qk_no_rope = dataclasses.replace(qk, position_embedding_type="learned_absolute")
+        assert qk_no_rope.layer_activation_bytes(b, t) == qk.layer_activation_bytes(b, t)
+        # multi-head (and multi-query) attention: q is a view, nothing copied (kv = h:
+        # the QKV output and the rotated k grow by 2 (h - kv) and h - kv values)
+        mha = dataclasses.replace(qk, num_query_groups=A)
+        assert mha.layer_activation_bytes(b, t) == replicated + (
+            split + 2 * s * b * 2 * (h - kv) + 2 * s * b * (h - kv)) / t
+        mqa = dataclasses.replace(qk, num_query_groups=1)   # kv = h / A
+        assert mqa.layer_activation_bytes(b, t) == replicated + (
+            split - 2 * s * b * 2 * (kv - h // A) - 2 * s * b * (kv - h // A)) / t
+        # RoPE scaling changes the angles only
+        scaled = dataclasses.replace(TOY, rope_scaling=True, rope_scaling_factor=32.0)
+        assert scaled.layer_activation_bytes(b, t) == TOY.layer_activation_bytes(b, t)
+        # --kv-channels 16 (2 h / a): q = 8 x 16 = 128, k and v 2 x 16 = 32 wide; the
+        # replicated 10 s b h (norms, matrix inputs, residual masks: width h) and the
+        # per-head softmax terms stay, every query/key/value width doubles
+        wide = dataclasses.replace(TOY, kv_channels=16)
+        wide_split = (2 * s * b * (128 + 2 * 32)   # QKV output
+                      + 2 * s * b * (128 + 32)     # rotated q and k
+                      + 2 * s * b * 128            # context, the output projection's input
+                      + 8 * s * b * f + 5 * a * s * s * b)
+        assert wide.layer_activation_bytes(b, t) == replicated + wide_split / t
+        # without RoPE: the query copy (128 wide) instead of the rotated q and k
+        assert dataclasses.replace(wide, position_embedding_type="learned_absolute") \
+            .layer_activation_bytes(b, t) == \
+            replicated + (wide_split - 2 * s * b * (128 + 32) + 2 * s * b * 128) / t
+        # with the query/key norms and RoPE: + the query copy the query norm keeps
+        assert dataclasses.replace(wide, qk_layernorm=True).layer_activation_bytes(b, t) == \
+            replicated + (wide_split + 2 * s * b * 128) / t
+        # --kv-channels 4 (h / 2a): q = 32, k and v 8 wide
+        narrow = dataclasses.replace(TOY, kv_channels=4)
+        assert narrow.layer_activation_bytes(b, t) == replicated + (
+            2 * s * b * (32 + 16) + 2 * s * b * (32 + 8) + 2 * s * b * 32
+            + 8 * s * b * f + 5 * a * s * s * b) / t
+        # the stage input and the head are h wide whatever d is
+        assert wide.input_activation_bytes(b) == TOY.input_activation_bytes(b)
+        assert wide.head_activation_bytes(b, t) == TOY.head_activation_bytes(b, t)
 
 
 def _layer_stash(config: ModelConfig, b: int) -> int:
@@ -224,25 +379,68 @@ def _norm_extra_values(normalization: str, s: int, b: int, h: int) -> int:
     return kept
 
 
+def _head_norm_extra_values(normalization: str, s: int, b: int, heads: int, d: int) -> int:
+    """The same for one --qk-layernorm norm over the d dimensions of each of ``heads``
+    heads: its statistics per head and token (and a composite RMSNorm's normalised
+    input), measured as above."""
+    return _norm_extra_values(normalization, s, b * heads, d)
+
+
 @pytest.mark.parametrize("options", [
     {}, {"normalization": "RMSNorm"}, {"position_embedding_type": "rope"},
-    {"swiglu": True}, {"num_query_groups": 2}, {"add_bias_linear": False},
+    {"swiglu": True}, {"num_query_groups": 2}, {"num_query_groups": 1},
+    {"add_bias_linear": False},
     {"position_embedding_type": "rope", "num_query_groups": 2, "rotary_percent": 0.5},
     {**LLAMA, "num_query_groups": 2}, LLAMA,
+    # --qk-layernorm: LayerNorm and RMSNorm, with and without RoPE, MHA, GQA and MQA
+    {"qk_layernorm": True}, {"qk_layernorm": True, "num_query_groups": 2},
+    {"qk_layernorm": True, "num_query_groups": 1},
+    {"qk_layernorm": True, "position_embedding_type": "rope", "num_query_groups": 2},
+    {"qk_layernorm": True, "position_embedding_type": "rope", "num_query_groups": 1,
+     "normalization": "RMSNorm"},
+    {**LLAMA, "qk_layernorm": True, "num_query_groups": 2, "rope_scaling": True},
+    {**LLAMA, "qk_layernorm": True},
+    # --kv-channels: heads of 16 and 4 (h / a = 8), with and without GQA, MQA, RoPE and
+    # the query/key norms, and a hidden size the heads do not divide
+    {"kv_channels": 16}, {"kv_channels": 4},
+    {"kv_channels": 16, "num_query_groups": 2}, {"kv_channels": 4, "num_query_groups": 2},
+    {"kv_channels": 16, "num_query_groups": 1},
+    {"kv_channels": 16, "position_embedding_type": "rope"},
+    {"kv_channels": 4, "position_embedding_type": "rope", "num_query_groups": 2,
+     "rotary_percent": 0.5},
+    {"kv_channels": 16, "qk_layernorm": True}, {"kv_channels": 4, "qk_layernorm": True,
+                                                "num_query_groups": 2},
+    {"kv_channels": 16, "qk_layernorm": True, "position_embedding_type": "rope",
+     "num_query_groups": 2},
+    {**LLAMA, "kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2},   # Qwen3's
+    {**LLAMA, "kv_channels": 4, "num_query_groups": 1, "qk_layernorm": True},
+    {**LLAMA, "kv_channels": 4},
+    {"hidden_size": 36, "kv_channels": 8},
+    {**LLAMA, "hidden_size": 36, "kv_channels": 8, "qk_layernorm": True,
+     "num_query_groups": 2},
 ])
 def test_activation_formula_matches_the_bytes_the_executor_counts(options):
     """The closed form, less what this measurement does not have (no dropout: no masks;
     torch's fused attention: no s x s tensors, a log-sum-exp per query instead), equals
-    the counted bytes of a trainer layer up to the per-token norm statistics the
-    formula neglects.  fp32 here: the formula's 2-byte values are 4 bytes."""
-    s, b, h, a, f = 16, 2, 32, 4, 40
-    config = ModelConfig(num_layers=2, hidden_size=h, num_attention_heads=a, seq_length=s,
+    the counted bytes of a trainer layer up to the norm statistics the formula neglects
+    (per token for the block's norms, per head and token for the query/key norms).
+    fp32 here: the formula's 2-byte values are 4 bytes."""
+    s, b, a, f = 16, 2, 4, 40
+    options = {"hidden_size": 32, **options}
+    h = options["hidden_size"]
+    config = ModelConfig(num_layers=2, num_attention_heads=a, seq_length=s,
                          ffn_hidden_size=f, padded_vocab_size=64, hidden_dropout=0.0,
                          attention_dropout=0.0, **options)
-    spec = ModelSpec(num_layers=2, hidden_size=h, num_attention_heads=a, seq_length=s,
+    spec = ModelSpec(num_layers=2, num_attention_heads=a, seq_length=s,
                      ffn_hidden_size=f, vocab_size=64, **options)
+    assert config.kv_channels == spec.head_dim
+    # the residual branches' dropout masks are h wide (s b h bytes each)
     fp16 = spec.layer_activation_bytes(b) - 2 * s * b * h - 5 * a * s * s * b
     norms = 2 * _norm_extra_values(config.normalization, s, b, h)
+    if config.qk_layernorm:
+        norms += sum(_head_norm_extra_values(config.normalization, s, b, heads,
+                                             config.kv_channels)
+                     for heads in (a, config.num_query_groups))
     lse = a * b * s
     assert _layer_stash(config, b) == 4 * (fp16 / 2 + norms + lse)
 
@@ -298,6 +496,25 @@ def test_bad_options_are_clear_errors():
         ModelSpec(**base, position_embedding_type="rope", rotary_percent=0.1)
     with pytest.raises(ValueError, match="--swiglu apply to GPT models only"):
         ModelSpec(**base, kind="bert", swiglu=True)
+    with pytest.raises(ValueError, match="--qk-layernorm apply to GPT models only"):
+        ModelSpec(**base, kind="bert", qk_layernorm=True)
+    with pytest.raises(ValueError, match="--use-rope-scaling needs --position-embedding-type"):
+        ModelSpec(**base, rope_scaling=True)
+    with pytest.raises(ValueError, match="--rope-scaling-factor 0.5: expected >= 1"):
+        ModelSpec(**base, position_embedding_type="rope", rope_scaling=True,
+                  rope_scaling_factor=0.5)
+    # the trainer's rule: h / a must divide unless the head size is given
+    with pytest.raises(ValueError, match="--hidden-size 60 must be divisible by "
+                                         "--num-attention-heads 8, or give --kv-channels"):
+        ModelSpec(**{**base, "hidden_size": 60})
+    assert ModelSpec(**{**base, "hidden_size": 60}, kv_channels=8).q_size == 64
+    with pytest.raises(ValueError, match="--kv-channels must be >= 1, got 0"):
+        ModelSpec(**base, kv_channels=0)
+    with pytest.raises(ValueError, match="--rotary-percent 0.5 of the head size 2"):
+        ModelSpec(**base, kv_channels=2, position_embedding_type="rope", rotary_percent=0.5)
+    with pytest.raises(ValueError, match="--kv-channels 16 apply to GPT models only"):
+        ModelSpec(**base, kind="bert", kv_channels=16)
+    ModelSpec(**base, kind="bert", kv_channels=8)          # h / a: BERT's own heads
 
 
 def test_command_line_passes_the_options_the_trainer_parses():
@@ -313,6 +530,26 @@ def test_command_line_passes_the_options_the_trainer_parses():
     assert args.swiglu and args.group_query_attention and args.num_query_groups == 8
     assert not args.add_bias_linear and args.untie_embeddings_and_output_weights
     assert args.ffn_hidden_size == 14336
+    # Qwen3's norms and Llama 3.2's RoPE scaling reach the trainer's parser too
+    qwen = dataclasses.replace(model, qk_layernorm=True, rope_scaling=True,
+                               rope_scaling_factor=32.0)
+    cmd = command_line(Config(w=2, d=4, t=8, b=1, m=8, schedule="flush"), qwen)
+    assert "--use-rope-scaling --rope-scaling-factor 32 --swiglu --qk-layernorm" in cmd
+    words = shlex.split(cmd)
+    args = parse_args(words[next(i for i, w in enumerate(words) if w.endswith(".py")) + 1:])
+    assert args.qk_layernorm and args.rope_scaling and args.rope_scaling_factor == 32.0
+    assert "QK norm" in qwen.describe() and "RoPE scaling x32" in qwen.describe()
+    assert "--qk-layernorm" not in command_line(Config(w=2, d=4, t=8, b=1, m=8), model)
+    # Qwen3-0.6B's 16 heads of 128: the command gives the trainer --kv-channels 128
+    qwen3 = get_model("qwen3-0.6b")
+    cmd = command_line(Config(w=2, d=4, t=2, b=1, m=8, schedule="flush"), qwen3)
+    assert "--qk-layernorm --kv-channels 128 --group-query-attention --num-query-groups 8" \
+        in cmd
+    words = shlex.split(cmd)
+    args = parse_args(words[next(i for i, w in enumerate(words) if w.endswith(".py")) + 1:])
+    assert (args.kv_channels, args.hidden_size, args.num_attention_heads) == (128, 1024, 16)
+    assert args.qk_layernorm and args.rotary_base == 1000000
+    assert not args.untie_embeddings_and_output_weights
 
 
 # ------------------------------------------------------------------ profiles
@@ -347,6 +584,20 @@ def test_an_old_profile_is_of_a_gpt2_block():
         CostModel(dataclasses.replace(spec, swiglu=True), PLAIN, profile=prof)
     with pytest.raises(ValueError, match=r"--disable-bias-linear \(profiled without it\)"):
         CostModel(dataclasses.replace(spec, add_bias_linear=False), PLAIN, profile=prof)
+    with pytest.raises(ValueError, match=r"--qk-layernorm \(profiled without it\)"):
+        CostModel(dataclasses.replace(spec, qk_layernorm=True), PLAIN, profile=prof)
+    assert (prof.model["qk_layernorm"], prof.model["rope_scaling"],
+            prof.model["rope_scaling_factor"]) == (False, False, 8.0)
+    # no kv_channels recorded: heads of h / a
+    assert prof.model["kv_channels"] == H // A and spec.kv_channels == H // A
+    with pytest.raises(ValueError, match=r"--kv-channels 16 \(profiled 8\)"):
+        CostModel(dataclasses.replace(spec, kv_channels=16), PLAIN, profile=prof)
+    # another hidden size with default heads: named once, not again as a head size
+    with pytest.raises(ValueError, match=r"other model shape: --hidden-size 128 "
+                                         r"\(profiled 64\)$"):
+        CostModel(ModelSpec(num_layers=4, hidden_size=2 * H, num_attention_heads=A,
+                            ffn_hidden_size=4 * H, seq_length=S, vocab_size=V), PLAIN,
+                  profile=prof)
     # the last of d > 1 stages steps its copy of the tied embedding
     assert prof.stage(2, False, True, 1, d=2).step_s == pytest.approx(2e-3 + 3e-3 + 5e-3)
 
@@ -358,6 +609,17 @@ def test_a_llama_profile_carries_its_options():
     spec = prof.model_spec(num_layers=L)
     assert spec == dataclasses.replace(TOY, rotary_base=500000, name=spec.name)
     CostModel(dataclasses.replace(spec, rotary_base=10000), PLAIN, profile=prof)  # no cost
+    CostModel(dataclasses.replace(spec, rope_scaling=True), PLAIN, profile=prof)   # no cost
+    # a profile of Qwen3's block with Llama 3.1's RoPE carries both
+    qwen = Profile(_profile_dict({**model, "qk_layernorm": True, "rope_scaling": True,
+                                  "rope_scaling_factor": 32.0}, rotary=640))
+    qspec = qwen.model_spec(num_layers=L)
+    assert (qspec.qk_layernorm, qspec.rope_scaling, qspec.rope_scaling_factor) == \
+        (True, True, 32.0)
+    with pytest.raises(ValueError, match=r"no --qk-layernorm \(profiled with it\)"):
+        CostModel(dataclasses.replace(qspec, qk_layernorm=False), PLAIN, profile=qwen)
+    with pytest.raises(ValueError, match="model.qk_layernorm must be bool"):
+        Profile(_profile_dict({**model, "qk_layernorm": 1}))
     with pytest.raises(ValueError, match="--num-query-groups 8 .profiled 2."):
         CostModel(dataclasses.replace(spec, num_query_groups=None), PLAIN, profile=prof)
     # RoPE's table once per stage, whatever its layers; no tied copy to step when untied
@@ -368,6 +630,29 @@ def test_a_llama_profile_carries_its_options():
         Profile(_profile_dict({**model, "swiglu": "yes"}))
     with pytest.raises(ValueError, match="--num-query-groups 3 must divide"):
         Profile(_profile_dict({**model, "num_query_groups": 3}))
+
+
+def test_a_profile_carries_its_head_size():
+    """A Qwen3-like profile (heads of 16 where h / a = 8): the planned model gets the
+    head size, and a plan with another one is refused, naming the flag."""
+    model = {**GPT_MODEL, "ffn_hidden_size": F, "num_query_groups": G, **LLAMA,
+             "qk_layernorm": True, "kv_channels": 16}
+    prof = Profile(_profile_dict(model, rotary=2 * S * 16 * 4))
+    spec = prof.model_spec(num_layers=L)
+    assert spec == dataclasses.replace(TOY, qk_layernorm=True, kv_channels=16, name=spec.name)
+    assert spec.q_size == 2 * H
+    with pytest.raises(ValueError, match=r"--kv-channels 8 \(profiled 16\)"):
+        CostModel(dataclasses.replace(spec, kv_channels=None), PLAIN, profile=prof)
+    with pytest.raises(ValueError, match="model.kv_channels must be int or NoneType"):
+        Profile(_profile_dict({**model, "kv_channels": "16"}))
+    with pytest.raises(ValueError, match="--kv-channels must be >= 1"):
+        Profile(_profile_dict({**model, "kv_channels": 0}))
+    # a hidden size the heads do not divide: loads only with its head size
+    odd = {**model, "hidden_size": 60, "kv_channels": 8}
+    assert Profile(_profile_dict(odd)).model_spec().q_size == 64
+    with pytest.raises(ValueError, match="--hidden-size 60 must be divisible by "
+                                         "--num-attention-heads 8, or give --kv-channels"):
+        Profile(_profile_dict({**odd, "kv_channels": None}))
 
 
 def test_profiler_takes_the_options_and_its_pieces_compose_into_stages(tmp_path):
@@ -384,7 +669,8 @@ def test_profiler_takes_the_options_and_its_pieces_compose_into_stages(tmp_path)
                "--attention-dropout", "0", "--normalization", "RMSNorm",
                "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
                "--num-query-groups", "2", "--disable-bias-linear",
-               "--untie-embeddings-and-output-weights", "--micro-batch-sizes", "1", "2",
+               "--untie-embeddings-and-output-weights", "--qk-layernorm", "--use-rope-scaling",
+               "--rope-scaling-factor", "32", "--micro-batch-sizes", "1", "2",
                "--warmup", "0", "--repeat", "1", "--device", "cpu", "--output", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -392,10 +678,12 @@ def test_profiler_takes_the_options_and_its_pieces_compose_into_stages(tmp_path)
     assert (m["normalization"], m["position_embedding_type"], m["swiglu"],
             m["num_query_groups"], m["add_bias_linear"],
             m["untie_embeddings_and_output_weights"]) == ("RMSNorm", "rope", True, 2, False, True)
+    assert (m["qk_layernorm"], m["rope_scaling"], m["rope_scaling_factor"]) == (True, True, 32.0)
     spec = Profile(data).model_spec()
     w = data["weights"]
-    # QKV 32 x (32 + 2 x 16), output 32 x 32, SwiGLU 3 x 32 x 40, two RMSNorms
-    assert w["block_params"] == spec.params_per_layer == 2048 + 1024 + 3840 + 64
+    # QKV 32 x (32 + 2 x 16), output 32 x 32, SwiGLU 3 x 32 x 40, two RMSNorms, the
+    # query and key RMSNorms of head_dim 8
+    assert w["block_params"] == spec.params_per_layer == 2048 + 1024 + 3840 + 64 + 16
     assert w["embedding_params"] == 64 * 32                      # no position table
     assert w["head_params"] == 32 + 64 * 32 and w["tied_embedding_params"] == 0
     chain = data["settings"]["chain_blocks"]
@@ -419,8 +707,46 @@ def test_profiler_takes_the_options_and_its_pieces_compose_into_stages(tmp_path)
     assert res.returncode == 0, res.stderr
     for flag in ("--normalization RMSNorm", "--position-embedding-type rope", "--swiglu",
                  "--group-query-attention --num-query-groups 2", "--disable-bias-linear",
-                 "--untie-embeddings-and-output-weights"):
+                 "--untie-embeddings-and-output-weights", "--qk-layernorm",
+                 "--use-rope-scaling --rope-scaling-factor 32"):
         assert flag in res.stdout
+
+
+def test_profiler_records_the_head_size(tmp_path, capsys):
+    """tools/profile_model.py --kv-channels: the head size reaches the model and the JSON,
+    the weights are the closed form's, and a plan from the profile passes it on."""
+    from tools.plan import run
+    from tools.profile_model import main
+
+    out = tmp_path / "qwen.json"
+    torch.set_num_threads(1)
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--ffn-hidden-size", "40", "--seq-length", "16", "--vocab-size", "64",
+             "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope", "--swiglu", "--qk-layernorm",
+             "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"]
+    rc = main([*flags, "--kv-channels", "16", "--micro-batch-sizes", "2", "--warmup", "0",
+               "--repeat", "1", "--no-stages", "--device", "cpu", "--output", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["model"]["kv_channels"] == 16
+    spec = Profile(data).model_spec()
+    # QKV 32 x (64 + 2 x 32), output 64 x 32, SwiGLU 3 x 32 x 40, two RMSNorms of 32,
+    # the query and key RMSNorms of 16
+    assert data["weights"]["block_params"] == spec.params_per_layer == \
+        4096 + 2048 + 3840 + 64 + 32
+    assert data["microbatches"][0]["rotary_table_bytes"] == 2 * 16 * 16 * 4   # s x 16
+    capsys.readouterr()
+    assert run(["--profile", str(out), "--cluster", "cpu", "--num-gpus", "2",
+                "--max-batch-size", "8", "--top", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "--qk-layernorm --kv-channels 16 --group-query-attention" in printed
+    assert "4 heads of 16" in printed
+    # a hidden size the heads do not divide needs the head size, as in the trainer
+    rc = main(["--num-layers", "2", "--hidden-size", "30", "--num-attention-heads", "4",
+               "--seq-length", "16", "--vocab-size", "64", "--output", str(tmp_path / "x")])
+    assert rc == 2 and "or give --kv-channels" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ plan.py
@@ -473,3 +799,69 @@ def test_plan_cli_presets_and_flag_errors():
     assert res.returncode == 2 and "--num-query-groups 3 must divide" in res.stderr
     res = _plan("--model", "bert-355m", "--swiglu", "--num-gpus", "8", "--max-batch-size", "64")
     assert res.returncode == 2 and "GPT models only" in res.stderr
+    # Qwen3's norms and Llama 3.1's RoPE scaling on a preset: passed on, priced
+    res = _plan("--model", "llama3-8b", "--qk-layernorm", "--use-rope-scaling",
+                "--rope-scaling-factor", "32", "--cluster", "dgx-a100", "--num-gpus", "8",
+                "--max-batch-size", "64", "--top", "1")
+    assert res.returncode == 0, res.stderr
+    assert "--use-rope-scaling --rope-scaling-factor 32" in res.stdout
+    assert "--qk-layernorm" in res.stdout and "QK norm" in res.stdout
+    assert "8.03B parameters" in res.stdout  # + 2 x 128 per layer: 8,030,269,440
+    res = _plan("--model", "llama3-8b", "--rope-scaling-factor", "32", "--num-gpus", "8",
+                "--max-batch-size", "64")
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
+    assert "--rope-scaling-factor 32 needs --use-rope-scaling" in res.stderr
+    res = _plan("--model", "gpt-1.3b", "--use-rope-scaling", "--num-gpus", "8",
+                "--max-batch-size", "64")
+    assert res.returncode == 2 and "--use-rope-scaling needs --position-embedding-type" \
+        in res.stderr
+
+
+def test_plan_cli_takes_the_head_size(tmp_path, capsys):
+    """--kv-channels on the planner's command line: the Qwen3 preset, the flags by hand,
+    a preset changed, and the trainer's error when h / a does not divide (in-process)."""
+    from tools.plan import run
+
+    def plan(*args: str) -> tuple:
+        rc = run([*args, "--num-gpus", "8", "--max-batch-size", "64", "--top", "1"])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    # (at its full 32768-token context the closed form's s x s softmax terms, 5 a s^2 b
+    # bytes a layer, fit no 80 GB GPU: planned here at 4096)
+    rc, out, err = plan("--model", "qwen3-0.6b", "--seq-length", "4096", "--cluster",
+                        "h100-sxm")
+    assert rc == 0, err
+    assert "16 heads of 128" in out and "0.60B parameters" in out
+    assert "--kv-channels 128" in out and "--qk-layernorm" in out
+    assert "--untie-embeddings-and-output-weights" not in out
+    # the same model from the flags
+    path = tmp_path / "qwen.json"
+    rc, out, err = plan("--num-layers", "28", "--hidden-size", "1024", "--num-attention-heads",
+                        "16", "--kv-channels", "128", "--ffn-hidden-size", "3072",
+                        "--seq-length", "4096", "--vocab-size", "151936",
+                        "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                        "--rotary-base", "1000000", "--swiglu", "--qk-layernorm",
+                        "--group-query-attention", "--num-query-groups", "8",
+                        "--disable-bias-linear", "--cluster", "h100-sxm", "--json", str(path))
+    assert rc == 0, err
+    model = json.loads(path.read_text())["model"]
+    assert model["kv_channels"] == 128
+    assert ModelSpec(**model).num_params == get_model("qwen3-0.6b").num_params == 596_049_920
+    # a GPT preset with more heads keeps heads of h / a (no flag); with --kv-channels, not
+    rc, out, err = plan("--model", "gpt-1.3b", "--num-attention-heads", "32")
+    assert rc == 0 and "32 heads," in out and "--kv-channels" not in out, err
+    rc, out, err = plan("--model", "gpt-1.3b", "--kv-channels", "256")
+    assert rc == 0 and "16 heads of 256" in out and "--kv-channels 256" in out, err
+    # the Qwen3 preset resized keeps its heads of 128
+    rc, out, err = plan("--model", "qwen3-0.6b", "--hidden-size", "1536", "--seq-length",
+                        "4096", "--cluster", "h100-sxm")
+    assert rc == 0 and "--hidden-size 1536" in out and "--kv-channels 128" in out, err
+    rc, out, err = plan("--num-layers", "2", "--hidden-size", "1000", "--num-attention-heads",
+                        "16", "--seq-length", "64")
+    assert rc == 2 and err.strip().count("\n") == 0
+    assert "--hidden-size 1000 must be divisible by --num-attention-heads 16, or give " \
+        "--kv-channels" in err
+    rc, out, err = plan("--num-layers", "2", "--hidden-size", "1000", "--num-attention-heads",
+                        "16", "--seq-length", "64", "--kv-channels", "64")
+    assert rc == 0 and "16 heads of 64" in out and "--kv-channels 64" in out, err

@@ -1,63 +1,94 @@
 """Shape of a GPT/BERT model and its closed-form sizes: parameters, FLOPs, activations.
 
 Symbols: ``b`` samples of ``s`` tokens per microbatch, hidden size h, MLP width f, a
-attention heads of head_dim = h / a dimensions, G key/value heads ("query groups", G = a
-without grouped-query attention) and kv = G head_dim the width of the keys (and of the
-values), V the padded vocabulary, t the tensor-parallel size.
+attention heads of d dimensions each (--kv-channels; h / a by default), q = a d the
+width of the queries and of the attention's output (its context), G key/value heads
+("query groups", G = a without grouped-query attention) and kv = G d the width of the
+keys (and of the values), V the padded vocabulary, t the tensor-parallel size.  Without
+--kv-channels (or with d = h / a) q = h: a GPT-2/BERT block has q = kv = h.
 
 Counting conventions (all per microbatch):
 
-* Parameters of one layer: the fused QKV projection h (h + 2 kv), the output
-  projection h^2, the MLP 2 h f (SwiGLU: 3 h f, its first matrix makes the gate and the
-  up projection, 2 f features), their biases (h + 2 kv, h, f or 2 f, and h; none with
-  --disable-bias-linear, but for the QKV one with --add-qkv-bias) and two norms
-  (LayerNorm 2h each, RMSNorm h).  The embedding holds V h word vectors plus, with
+* Parameters of one layer: the fused QKV projection h (q + 2 kv), the output
+  projection q h (from the a heads' q features back to h), the MLP 2 h f (SwiGLU:
+  3 h f, its first matrix makes the gate and the up projection, 2 f features), their
+  biases (q + 2 kv, h, f or 2 f, and h; none with --disable-bias-linear, but for the
+  QKV one with --add-qkv-bias) and two norms (LayerNorm 2h each, RMSNorm h); with
+  --qk-layernorm also the query and the key norm, one weight of d each (LayerNorm: and
+  a bias), shared by all heads.  The embedding holds V h word vectors plus, with
   learned positions, s h of them (RoPE rotates queries and keys instead and has no
   parameters).  An untied GPT output layer is a V h matrix of its own on the last
-  stage; a tied one is the word embedding, counted once (a pipeline of d > 1 stages
-  keeps a copy of it on the last stage).
-* FLOPs of one transformer layer's forward pass: 2 b s h (h + 2 kv) for the QKV
-  projection, 2 b s h^2 for the output projection, 2 b s h f x 2 (SwiGLU: x 3) for the
-  MLP and 4 b s^2 h for the two attention matmuls (Q K^T and the weighted sum over V
-  have a query heads whatever G is).  With G = a and f = 4h this is Megatron's
-  24 b s h^2 (1 + s / (6h)).  The backward pass costs twice the forward (Megatron's
-  72 b s h^2 (1 + s / (6h)) per layer per step = 3 x forward).  Norms, RoPE, the SwiGLU
-  product and biases are elementwise work and, as in Megatron's count, not FLOPs here.
+  stage; a tied one is the word embedding, counted once (a pipeline of more than one
+  stage keeps a copy of it on the last stage).
+* FLOPs of one transformer layer's forward pass: 2 b s h (q + 2 kv) for the QKV
+  projection, 2 b s q h for the output projection, 2 b s h f x 2 (SwiGLU: x 3) for the
+  MLP and 4 b s^2 q for the two attention matmuls (Q K^T and the weighted sum over V:
+  a query heads of d dimensions, whatever G is) -- megatron/model/flops.py's layer
+  part.  With q = kv = h and f = 4h this is Megatron's 24 b s h^2 (1 + s / (6h)).  The
+  backward pass costs twice the forward (Megatron's 72 b s h^2 (1 + s / (6h)) per
+  layer per step = 3 x forward).  Norms (the query/key norms too), RoPE (scaled or
+  not), the SwiGLU product and biases are elementwise work and, as in Megatron's count,
+  not FLOPs here.
 * Activation bytes of one layer kept for the backward pass, fp16, no recomputation,
   following Korthikanti et al. (2022), with tensor parallelism of size t and no
-  sequence parallelism: s b h (10 + 8 / t) + 4 s b f / t + 5 a s^2 b / t.  With
-  f = 4h and t = 1 this is s b h (34 + 5 a s / h).  Term by term (bytes):
+  sequence parallelism.  Term by term (bytes), for a GPT-2 block first:
 
     replicated on every tensor rank, 10 s b h: the inputs of the two norms (2 s b h
     each), of the QKV projection and of the first MLP matrix (2 s b h each), and the
-    two dropout masks of the residual branches (s b h each, one byte per value);
-    split over t, 8 s b h: the QKV projection's output, whose q, k and v views the
-    attention keeps (6 s b h), and the attention context the output projection keeps
-    (2 s b h); 4 s b f: the GeLU's input and output (the second matrix keeps the
-    latter); 5 a s^2 b: softmax output (2), its dropout mask (1) and dropout output (2).
+    two dropout masks of the residual branches (s b h each, one byte per value) --
+    all of them at the block's width h, whatever q and kv are;
+    split over t: the QKV projection's output, whose q, k and v views the attention
+    keeps, 2 s b (q + 2 kv); the attention context the output projection keeps (its
+    input, the a heads' outputs side by side), 2 s b q; 4 s b f: the GeLU's input and
+    output (the second matrix keeps the latter); 5 a s^2 b: softmax output (2), its
+    dropout mask (1) and dropout output (2) -- one s x s score matrix per query head,
+    whatever d is.
+
+  With q = kv = h this is Korthikanti's s b h (10 + 8 / t) + 4 s b f / t + 5 a s^2 b / t
+  (f = 4h, t = 1: s b h (34 + 5 a s / h)).
 
   The Llama-style options change it as follows (each derived from what the operations
   keep, and checked against the bytes the executor counts on the trainer's layers in
-  tests/unit/test_planner_llama.py):
+  tests/unit/test_planner_llama.py, head sizes d = h / a, 2 h / a and h / (2 a) among
+  them):
 
-  - grouped-query attention: the QKV output is 2 s b (h + 2 kv), so the 6 s b h term
-    becomes 2 s b (h + 2 kv).  K and V enter the attention at their G heads (a kernel
-    that reads each group for its a / G query heads, as ``scaled_dot_product_attention``
-    with ``enable_gqa``, the trainer's default backend, does; an attention that
-    materialised the repeated heads would keep 4 s b (h - kv) more).  The softmax terms
-    have a heads whatever G is.  With G < a and no RoPE the queries are also copied out
-    of the fused output into head order (they are not one strided view of it: each
-    group's block in the output holds its queries, key and value, Megatron-LM's layout),
-    and attention keeps that copy: + 2 s b h / t.  The QKV output itself stays whole
-    because k and v are views of it.
+  - --kv-channels d: only the widths above move.  The QKV output is (q + 2 kv) wide, the
+    context q wide (the core attention returns a heads of d; the output projection
+    keeps that as its input and maps it back to h), and every tensor the items below
+    add is a whole number of heads of d (q for the queries, kv for the keys).  What
+    the block keeps at width h -- the norms' and the two matrices' inputs, the
+    residual dropout masks, the stage input -- and the per-head softmax terms do not
+    depend on d.
+  - grouped-query attention: kv = G d < q; the QKV output is 2 s b (q + 2 kv).  K and V
+    enter the attention at their G heads (a kernel that reads each group for its a / G
+    query heads, as ``scaled_dot_product_attention`` with ``enable_gqa``, the
+    trainer's default backend, does; an attention that materialised the repeated heads
+    would keep 4 s b (q - kv) more).  The softmax terms have a heads whatever G is.
+    With 1 < G < a and no RoPE the queries are also copied out of the fused output into
+    head order (they are not one strided view of it: each group's block in the output
+    holds its queries, key and value, Megatron-LM's layout), and attention keeps that
+    copy: + 2 s b q / t.  The QKV output itself stays whole because k and v are views
+    of it.  With one group (multi-query attention) the queries of the single group are
+    one strided view (no copy): nothing is added.
   - RoPE: the rotated q and k are new tensors, and attention keeps them instead of the
     projected ones, which still live on in the QKV output (v is a view of it): + 2 s b
-    (h + kv) / t (this replaces the query copy of the previous item, which RoPE frees
+    (q + kv) / t (this replaces the query copy of the previous item, which RoPE frees
     once it has rotated it); the same whatever share of a head --rotary-percent rotates
     (the rotated part and the rest are joined into one new tensor).  The rotation
-    itself keeps only its cos and sin tables, s x rotated dimensions each, made once
-    and shared by every layer and microbatch (no b factor, like the norms' per-token
-    statistics: left out).
+    itself keeps only its cos and sin tables, s x rotated dimensions (of d) each, made
+    once and shared by every layer and microbatch (no b factor, like the norms'
+    per-token statistics: left out).
+  - --qk-layernorm: the query and key norms (over d, before RoPE) keep their inputs,
+    but these are the q and k views of the QKV output, already counted, except the
+    query copy of grouped-query attention, which the query norm now keeps alive with
+    RoPE too (+ 2 s b q / t where 1 < G < a).  Their outputs are new tensors: RoPE
+    keeps only its tables, so with RoPE the rotated q and k are kept as before and the
+    normalised ones are not; without RoPE attention keeps the normalised q and k
+    instead of the views: + 2 s b (q + kv) / t, the RoPE term.  Their statistics, one
+    (RMSNorm) or two (LayerNorm) per head and token, s b (a + G) / t values, are left
+    out like the block norms' per-token ones.  (torch's composite RMSNorm outside CUDA
+    also keeps the normalised q and k, see RMSNorm below.)
+  - RoPE scaling (--use-rope-scaling): other angles, the same tensors: no change.
   - SwiGLU: the first MLP matrix outputs gate and up, 2 f features (4 s b f bytes, kept
     whole: silu keeps the gate, the product keeps the up half, both views of it); the
     product also keeps silu(gate) (2 s b f) and the second matrix keeps the product
@@ -72,12 +103,15 @@ Counting conventions (all per microbatch):
     activations; the linear layers keep the same inputs and the GeLU the same input
     (x W, or x W + b) either way: no change.
 
-  All together, with rope, gqa and swiglu 1 or 0 and gqa = 1 when G < a:
-      s b h 10 + [2 s b (h + 2 kv) + 2 s b h + rope 2 s b (h + kv)
-                  + (1 - rope) gqa 2 s b h + (4 + 4 swiglu) s b f + 5 a s^2 b] / t.
+  All together, with rope, qk, gqa and swiglu 1 or 0, gqa = 1 when 1 < G < a (the
+  queries are copied) and "or" / "and" on those 0/1 values:
+      s b h 10 + [2 s b (q + 2 kv) + 2 s b q + (rope or qk) 2 s b (q + kv)
+                  + (gqa and (qk or not rope)) 2 s b q + (4 + 4 swiglu) s b f
+                  + 5 a s^2 b] / t.
 * Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes.
 
-Named presets (the paper's model sizes and two Llama shapes) live in ``presets.py``.
+Named presets (the paper's model sizes, two Llama shapes and Qwen3-0.6B) live in
+``presets.py``.
 """
 from __future__ import annotations
 
@@ -116,8 +150,20 @@ class ModelSpec:
     rotary_percent: float = 1.0
     """--rotary-percent (RoPE only; changes no count: the rotated q and k are whole
     new tensors whatever share of each head is rotated)."""
+    rope_scaling: bool = False
+    """--use-rope-scaling: Llama 3.1's RoPE frequencies (RoPE only; changes no count,
+    carried so that planned commands and profiles keep it)."""
+    rope_scaling_factor: float = 8.0
+    """--rope-scaling-factor (with rope_scaling; changes no count)."""
     swiglu: bool = False
     """--swiglu: MLP down(silu(gate(x)) * up(x)), its first matrix h -> 2 f."""
+    qk_layernorm: bool = False
+    """--qk-layernorm: every query and key head normalised over head_dim (with
+    ``normalization``) before RoPE: two head_dim-wide norms per layer (Qwen3)."""
+    kv_channels: Optional[int] = None
+    """--kv-channels d: the size of one attention head (queries a d wide, keys and values
+    G d); None means hidden_size / num_attention_heads, as in ``ModelConfig``, which
+    then must divide (Qwen3-0.6B: 16 heads of 128 in a hidden size of 1024)."""
     num_query_groups: Optional[int] = None
     """--group-query-attention --num-query-groups G: key/value heads; None means
     num_attention_heads (multi-head attention), as in ``ModelConfig``."""
@@ -135,9 +181,15 @@ class ModelSpec:
             if getattr(self, attr) < 1:
                 raise ValueError(f"model: --{attr.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, attr)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"model: --hidden-size {self.hidden_size} must be divisible by "
-                             f"--num-attention-heads {self.num_attention_heads}")
+        if self.kv_channels is None:  # ModelConfig's (and Megatron-LM's) default: h / a
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"model: --hidden-size {self.hidden_size} must be divisible "
+                                 f"by --num-attention-heads {self.num_attention_heads}, or "
+                                 f"give --kv-channels")
+            object.__setattr__(self, "kv_channels",
+                               self.hidden_size // self.num_attention_heads)
+        if self.kv_channels < 1:
+            raise ValueError(f"model: --kv-channels must be >= 1, got {self.kv_channels}")
         if self.kind not in MODEL_KINDS:
             raise ValueError(f"model: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
         if self.ffn_hidden_size is None:  # Megatron-LM's default: 4h, or 8h/3 (to 64) with SwiGLU
@@ -162,6 +214,13 @@ class ModelSpec:
                                  f"size {self.head_dim} leaves fewer than 2 dimensions to rotate")
             if self.rotary_base <= 0:
                 raise ValueError(f"model: --rotary-base {self.rotary_base}: expected > 0")
+        if self.rope_scaling:  # as the trainer: an error rather than a silent no-op
+            if not self.rope:
+                raise ValueError("model: --use-rope-scaling needs --position-embedding-type "
+                                 "rope")
+            if not self.rope_scaling_factor >= 1.0:
+                raise ValueError(f"model: --rope-scaling-factor {self.rope_scaling_factor}: "
+                                 f"expected >= 1")
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         g = self.num_query_groups
@@ -170,9 +229,9 @@ class ModelSpec:
                              f"--num-attention-heads {self.num_attention_heads}")
         if self.kind == "bert" and self.llama_options():
             # the trainer's BertModel builds only BERT's own block and tied head
-            raise ValueError(f"model: {', '.join(self.llama_options())} apply to GPT models "
-                             f"only (BERT has LayerNorm, learned positions, GeLU, biases and "
-                             f"a tied output layer)")
+            raise ValueError(f"model: {' '.join(self.llama_options())} apply to GPT models "
+                             f"only (BERT has LayerNorm, learned positions, GeLU, biases, "
+                             f"heads of hidden size / heads and a tied output layer)")
 
     def llama_options(self) -> List[str]:
         """The trainer flags of the options that differ from a GPT-2 block, in the order
@@ -186,8 +245,15 @@ class ModelSpec:
                 flags += ["--rotary-base", str(self.rotary_base)]
             if self.rotary_percent != 1.0:
                 flags += ["--rotary-percent", f"{self.rotary_percent:g}"]
+            if self.rope_scaling:
+                flags += ["--use-rope-scaling", "--rope-scaling-factor",
+                          f"{self.rope_scaling_factor:g}"]
         if self.swiglu:
             flags.append("--swiglu")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
+        if self.custom_head_dim:
+            flags += ["--kv-channels", str(self.kv_channels)]
         if self.grouped_query:
             flags += ["--group-query-attention", "--num-query-groups",
                       str(self.num_query_groups)]
@@ -206,11 +272,23 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """d: the size of one attention head (--kv-channels, h / a by default)."""
+        return int(self.kv_channels)  # type: ignore[arg-type]
+
+    @property
+    def custom_head_dim(self) -> bool:
+        """The heads are not h / a wide: the command needs --kv-channels."""
+        return self.head_dim * self.num_attention_heads != self.hidden_size
+
+    @property
+    def q_size(self) -> int:
+        """q: width of the queries and of the attention's output, a x head_dim (h unless
+        --kv-channels says otherwise)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
-        """kv: width of the keys (and of the values), G x head_dim (h without GQA)."""
+        """kv: width of the keys (and of the values), G x head_dim (q without GQA)."""
         return int(self.num_query_groups) * self.head_dim  # type: ignore[arg-type]
 
     @property
@@ -223,8 +301,16 @@ class ModelSpec:
         return self.position_embedding_type == "rope"
 
     @property
+    def query_copy(self) -> bool:
+        """The trainer's attention copies the queries out of the fused QKV output into
+        head order: with 1 < G < a (G = a is one query head per group, G = 1 one group:
+        both a strided view)."""
+        return 1 < int(self.num_query_groups) < self.num_attention_heads  # type: ignore[arg-type]
+
+    @property
     def tied_output(self) -> bool:
-        """The output layer is the word embedding (a copy on the last of d > 1 stages)."""
+        """The output layer is the word embedding (a copy on the last stage of a pipeline
+        of more than one)."""
         return not self.untie_embeddings_and_output_weights
 
     @property
@@ -234,14 +320,18 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> int:
-        """QKV + output projection + the MLP's matrices (+ biases) + two norms."""
-        h, f, kv = self.hidden_size, self.ffn, self.kv_size
+        """QKV (h -> q + 2 kv) + output projection (q -> h) + the MLP's matrices (+
+        biases) + two norms (+ the query and key norms: head_dim wide, shared by the
+        heads)."""
+        h, f, q, kv = self.hidden_size, self.ffn, self.q_size, self.kv_size
         mlp_out = 2 * f if self.swiglu else f          # gate and up with SwiGLU
-        weights = h * (h + 2 * kv) + h * h + h * mlp_out + f * h
+        weights = h * (q + 2 * kv) + q * h + h * mlp_out + f * h
         biases = h + mlp_out + h if self.add_bias_linear else 0
         if self.add_bias_linear or self.add_qkv_bias:
-            biases += h + 2 * kv
-        return weights + biases + 2 * self.norm_params
+            biases += q + 2 * kv
+        per_head_norm = (2 if self.normalization == "LayerNorm" else 1) * self.head_dim
+        qk_norms = 2 * per_head_norm if self.qk_layernorm else 0
+        return weights + biases + 2 * self.norm_params + qk_norms
 
     def layer_weight_bytes(self, bytes_per_param: float = 2.0) -> float:
         """Bytes of one layer's weights (fp16 by default)."""
@@ -278,9 +368,12 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- FLOPs
     def layer_forward_flops(self, b: int) -> float:
-        h, f, s, kv = self.hidden_size, self.ffn, self.seq_length, self.kv_size
+        """The four matrices and the two attention matmuls (megatron/model/flops.py's
+        layer part)."""
+        h, f, s = self.hidden_size, self.ffn, self.seq_length
+        q, kv = self.q_size, self.kv_size
         mlp = (3 if self.swiglu else 2) * h * f
-        return 2.0 * b * s * (h * (h + 2 * kv) + h * h + mlp) + 4.0 * b * s * s * h
+        return 2.0 * b * s * (h * (q + 2 * kv) + q * h + mlp) + 4.0 * b * s * s * q
 
     def head_forward_flops(self, b: int) -> float:
         """Logits (and BERT's LM-head transform) for one microbatch: the same matmul
@@ -296,13 +389,13 @@ class ModelSpec:
         """Bytes one layer keeps for its backward pass (fp16, no recompute; the module
         docstring derives each term)."""
         h, f, s, a = self.hidden_size, self.ffn, self.seq_length, self.num_attention_heads
-        kv = self.kv_size
+        q, kv = self.q_size, self.kv_size
         replicated = 10.0 * s * b * h
-        attention = 2.0 * s * b * (h + 2 * kv) + 2.0 * s * b * h   # QKV output, context
-        if self.rope:
-            attention += 2.0 * s * b * (h + kv)                      # rotated q and k
-        elif self.grouped_query:
-            attention += 2.0 * s * b * h                             # q copied to head order
+        attention = 2.0 * s * b * (q + 2 * kv) + 2.0 * s * b * q   # QKV output, context
+        if self.rope or self.qk_layernorm:
+            attention += 2.0 * s * b * (q + kv)     # rotated (or normalised) q and k
+        if self.query_copy and (self.qk_layernorm or not self.rope):
+            attention += 2.0 * s * b * q            # q copied to head order, kept
         mlp = (8.0 if self.swiglu else 4.0) * s * b * f
         return replicated + (attention + mlp + 5.0 * a * s * s * b) / t
 
@@ -330,12 +423,16 @@ class ModelSpec:
         if self.llama_options():
             parts = [self.normalization] if self.normalization != "LayerNorm" else []
             parts += ["RoPE"] if self.rope else []
+            parts += [f"RoPE scaling x{self.rope_scaling_factor:g}"] if self.rope_scaling else []
             parts += ["SwiGLU"] if self.swiglu else []
+            parts += ["QK norm"] if self.qk_layernorm else []
             parts += [f"{self.num_query_groups} query groups"] if self.grouped_query else []
             parts += ["no linear biases"] if not self.add_bias_linear else []
             parts += ["QKV bias"] if self.add_qkv_bias else []
             parts += ["untied output"] if not self.tied_output else []
             arch = f", {', '.join(parts)}"
+        heads = f"{self.num_attention_heads} heads" + (
+            f" of {self.head_dim}" if self.custom_head_dim else "")
         return (f"{self.name or self.kind}: {self.num_layers} layers, hidden {self.hidden_size}, "
-                f"ffn {self.ffn}, {self.num_attention_heads} heads, seq {self.seq_length}, "
+                f"ffn {self.ffn}, {heads}, seq {self.seq_length}, "
                 f"vocab {self.vocab_size}{arch}, {self.num_params / 1e9:.2f}B parameters")

@@ -1,5 +1,5 @@
-"""Named models (the paper's sizes, two Llama shapes) and clusters (with the V100
-calibration)."""
+"""Named models (the paper's sizes, two Llama shapes, Qwen3-0.6B) and clusters (with
+the V100 calibration)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -38,6 +38,26 @@ def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int, seq: int, 
                      add_bias_linear=False, untie_embeddings_and_output_weights=True)
 
 
+def _qwen3(name: str, layers: int, hidden: int, heads: int, query_groups: int,
+           head_dim: int, ffn: int, seq: int, vocab: int) -> ModelSpec:
+    """A Qwen3 GPT: Llama's block (RMSNorm, RoPE of base 1,000,000, SwiGLU, GQA, no
+    linear biases) with query/key RMSNorms and heads of ``head_dim`` whatever h / a is;
+    the small ones tie the output layer to the word embedding."""
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     ffn_hidden_size=ffn, seq_length=seq, vocab_size=vocab, kind="gpt",
+                     name=name, normalization="RMSNorm", position_embedding_type="rope",
+                     rotary_base=1000000, swiglu=True, qk_layernorm=True,
+                     kv_channels=head_dim, num_query_groups=query_groups,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=False)
+
+
+# Qwen3-0.6B as its model card and config.json publish it: 28 x 1024, 16 query heads of
+# 128 dims (so queries are 2048 wide, twice the hidden size) in 8 key/value groups, MLP
+# 3072, vocabulary 151936 (already a multiple of 128), RoPE base 1,000,000, query/key
+# RMSNorms, tied embeddings, 596,049,920 parameters (0.44B without the embedding).  Its
+# sequence is the card's context length, 32768 (config.json's max_position_embeddings
+# is 40960, the context plus a generation budget; RoPE has no position table, so this
+# changes no parameter count, only FLOPs and activations).
 # Two Llama shapes as their model cards publish them (their parameter counts are the
 # tests' check on the Llama-style counts): Llama-2-7B, 32 x 4096, 32 heads, MLP 11008,
 # context 4096, vocabulary 32000, 6,738,415,616 parameters; Llama-3-8B, 32 x 4096, 32
@@ -53,6 +73,7 @@ MODEL_PRESETS: Dict[str, ModelSpec] = {
     "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 11008, seq=4096, vocab=32000),
     "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 14336, seq=8192, vocab=128256,
                         query_groups=8, rotary_base=500000),
+    "qwen3-0.6b": _qwen3("qwen3-0.6b", 28, 1024, 16, 8, 128, 3072, seq=32768, vocab=151936),
 }
 
 

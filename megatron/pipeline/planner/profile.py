@@ -57,18 +57,21 @@ _SIZE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_
 # defaults: a profile written before they existed is of a GPT-2 block.
 _ARCH_DEFAULTS: Dict[str, Any] = {
     "normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
-    "rotary_base": 10000, "rotary_percent": 1.0, "swiglu": False, "num_query_groups": None,
-    "add_bias_linear": True, "add_qkv_bias": False,
+    "rotary_base": 10000, "rotary_percent": 1.0, "rope_scaling": False,
+    "rope_scaling_factor": 8.0, "swiglu": False, "qk_layernorm": False, "kv_channels": None,
+    "num_query_groups": None, "add_bias_linear": True, "add_qkv_bias": False,
     "untie_embeddings_and_output_weights": False}
 _ARCH_TYPES: Dict[str, tuple] = {
     "normalization": (str,), "position_embedding_type": (str,), "rotary_base": (int,),
-    "rotary_percent": (int, float), "swiglu": (bool,), "num_query_groups": (int, type(None)),
+    "rotary_percent": (int, float), "rope_scaling": (bool,), "rope_scaling_factor": (int, float),
+    "swiglu": (bool,), "qk_layernorm": (bool,), "kv_channels": (int, type(None)),
+    "num_query_groups": (int, type(None)),
     "add_bias_linear": (bool,), "add_qkv_bias": (bool,),
     "untie_embeddings_and_output_weights": (bool,)}
 # what a planned model must share with the profiled one: its sizes and every option that
-# changes a cost (RoPE's base and rotated share change none: left out)
-_SHAPE_FIELDS = _SIZE_FIELDS + tuple(k for k in _ARCH_DEFAULTS
-                                     if k not in ("rotary_base", "rotary_percent"))
+# changes a cost (RoPE's base, rotated share and frequency scaling change none: left out)
+_NO_COST = ("rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor")
+_SHAPE_FIELDS = _SIZE_FIELDS + tuple(k for k in _ARCH_DEFAULTS if k not in _NO_COST)
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,12 @@ class Profile:
                                      f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
             if self.model["num_query_groups"] is None:  # ModelConfig's meaning of None
                 self.model["num_query_groups"] = self.model["num_attention_heads"]
+            heads = self.model["num_attention_heads"]
+            if self.model["kv_channels"] is None and heads and \
+                    self.model["hidden_size"] % heads == 0:
+                # ModelConfig's meaning of None (older profiles: h / a); a shape h / a does
+                # not divide is left to model_spec() below, which names --kv-channels
+                self.model["kv_channels"] = self.model["hidden_size"] // heads
             if "dtype_bytes" in self.model:
                 num(self.model["dtype_bytes"], "model.dtype_bytes")
             self.device: Dict[str, Any] = dict(data["device"])
@@ -372,10 +381,18 @@ class Profile:
             raise ValueError(f"--profile {self.source}: profiled a {self.model.get('kind')} "
                              f"model, planning a {model.kind} model")
         wrong = [_mismatch(k, getattr(model, k), self.model[k])
-                 for k in _SHAPE_FIELDS if getattr(model, k) != self.model[k]]
+                 for k in _SHAPE_FIELDS if getattr(model, k) != self.model[k]
+                 and not (k == "kv_channels" and self._default_heads(model))]
         if wrong:
             raise ValueError(f"--profile {self.source} was taken for another model shape: "
                              + ", ".join(wrong))
+
+    def _default_heads(self, model: ModelSpec) -> bool:
+        """Both the plan and the profile have heads of hidden / heads: a head size that
+        differs follows from --hidden-size or --num-attention-heads, named already."""
+        m = self.model
+        return (not model.custom_head_dim
+                and m["kv_channels"] * m["num_attention_heads"] == m["hidden_size"])
 
     def describe(self) -> str:
         d, m = self.device, self.model
