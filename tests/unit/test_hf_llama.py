@@ -344,11 +344,11 @@ def test_printed_flags_build_the_recorded_model(tmp_path, capsys, kind):
     assert model.qk_layernorm == model.rope_scaling == (kind != "llama")
 
 
-@pytest.mark.parametrize("bias,tie", [(False, False), (True, True)])
-def test_export_of_an_import_is_the_original_weights(tmp_path, bias, tie):
+def _round_trip(tmp_path, path):
+    """Import ``path`` at t=2 d=2, export it again, check every tensor comes back bit for
+    bit, and return (config.json before, config.json after)."""
     from safetensors.torch import load_file
 
-    _, path = _hf_llama(tmp_path, attention_bias=bias, mlp_bias=bias, tie_word_embeddings=tie)
     import_hf(path, str(tmp_path / "ours"), tp=2, pp=2, divisible_by=64)
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
     a = load_file(os.path.join(path, "model.safetensors"))
@@ -356,8 +356,16 @@ def test_export_of_an_import_is_the_original_weights(tmp_path, bias, tie):
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    before = json.load(open(os.path.join(path, "config.json")))
-    after = json.load(open(str(tmp_path / "back" / "config.json")))
+    with open(os.path.join(path, "config.json")) as f:
+        before = json.load(f)
+    with open(str(tmp_path / "back" / "config.json")) as f:
+        return before, json.load(f)
+
+
+@pytest.mark.parametrize("bias,tie", [(False, False), (True, True)])
+def test_export_of_an_import_is_the_original_weights(tmp_path, bias, tie):
+    _, path = _hf_llama(tmp_path, attention_bias=bias, mlp_bias=bias, tie_word_embeddings=tie)
+    before, after = _round_trip(tmp_path, path)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
                 "attention_bias", "mlp_bias", "tie_word_embeddings", "rope_parameters",
@@ -428,8 +436,6 @@ def test_llama31_rope_scaling_imports(tmp_path, capsys, style):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3.2"])
 def test_export_of_a_qwen3_or_scaled_import_is_the_original(tmp_path, family):
-    from safetensors.torch import load_file
-
     if family == "qwen3":
         _, path = _hf_llama(tmp_path, cls=transformers.Qwen3ForCausalLM, head_dim=16,
                             tie_word_embeddings=True)
@@ -439,15 +445,7 @@ def test_export_of_a_qwen3_or_scaled_import_is_the_original(tmp_path, family):
                                                            rope_theta=500000.0),
                             max_position_embeddings=16384)
         keys = ("head_dim", "attention_bias", "mlp_bias", "rope_parameters")
-    import_hf(path, str(tmp_path / "ours"), tp=2, pp=2, divisible_by=64)
-    export_hf(str(tmp_path / "ours"), str(tmp_path / "back"))
-    a = load_file(os.path.join(path, "model.safetensors"))
-    b = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    before = json.load(open(os.path.join(path, "config.json")))
-    after = json.load(open(str(tmp_path / "back" / "config.json")))
+    before, after = _round_trip(tmp_path, path)
     for key in keys + ("model_type", "num_key_value_heads", "rms_norm_eps",
                        "tie_word_embeddings", "max_position_embeddings"):
         assert before[key] == after[key], key
