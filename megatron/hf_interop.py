@@ -60,6 +60,7 @@ import os
 import shutil
 import sys
 import warnings
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -72,7 +73,8 @@ from megatron.checkpointing import split_text
 from megatron.config import ModelConfig
 from megatron.errors import CheckpointError, UserError
 from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
-                                        LLAMA3_ORIGINAL_CONTEXT)
+                                        LLAMA3_ORIGINAL_CONTEXT, flag_number,
+                                        non_gpt2_options)
 
 _ATTN = "self_attention.query_key_value"
 _GELU_EXACT = ("gelu",)
@@ -446,38 +448,12 @@ def block_options(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def non_gpt2_flags(model_cfg: Dict[str, Any]) -> List[str]:
-    """The flags of a recorded config whose block differs from GPT-2's and BERT's, as
-    ``megatron.model.transformer.non_gpt2_options`` for a ModelConfig (an untied output
-    layer is not one: GPT-2 has ``lm_head``)."""
+    """The flags of a recorded config whose block differs from GPT-2's and BERT's:
+    ``megatron.model.transformer.non_gpt2_options`` on its ``block_options`` (an untied
+    output layer is not one here: GPT-2 has ``lm_head``)."""
     arch = block_options(model_cfg)
-    found = []
-    if arch["normalization"] != "LayerNorm":
-        found.append(f"--normalization {arch['normalization']}")
-    if arch["position_embedding_type"] != "learned_absolute":
-        found.append(f"--position-embedding-type {arch['position_embedding_type']}")
-        if arch["rope_scaling"]:
-            found.append(f"--use-rope-scaling --rope-scaling-factor "
-                         f"{_number(arch['rope_scaling_factor'])}")
-    if arch["swiglu"]:
-        found.append("--swiglu")
-    if arch["qk_layernorm"]:
-        found.append("--qk-layernorm")
-    if arch["num_query_groups"] != arch["num_attention_heads"]:
-        found.append(f"--num-query-groups {arch['num_query_groups']}")
-    kv = model_cfg.get("kv_channels")  # recorded; without it heads are hidden / heads
-    if kv is not None and kv * arch["num_attention_heads"] != model_cfg.get("hidden_size"):
-        found.append(f"--kv-channels {kv}")
-    if not arch["add_bias_linear"]:
-        found.append("--disable-bias-linear")
-        if arch["add_qkv_bias"]:
-            found.append("--add-qkv-bias")
-    return found
-
-
-def _number(x: float) -> str:
-    """A flag's number as short as it reads back exactly: 8.0 -> '8', 0.125 -> '0.125'."""
-    short = f"{x:g}"
-    return short if float(short) == x else repr(x)
+    return non_gpt2_options(SimpleNamespace(**arch, hidden_size=model_cfg.get("hidden_size"),
+                                            untie_embeddings_and_output_weights=False))
 
 
 _EXPORT_READS = frozenset({
@@ -1191,7 +1167,7 @@ def _model_flags(model_cfg: Dict[str, Any]) -> str:
         flags += ["--position-embedding-type rope", f"--rotary-base {model_cfg['rotary_base']}"]
         if model_cfg.get("rope_scaling"):
             flags.append(f"--use-rope-scaling --rope-scaling-factor "
-                         f"{_number(model_cfg['rope_scaling_factor'])}")
+                         f"{flag_number(model_cfg['rope_scaling_factor'])}")
     if model_cfg.get("swiglu"):
         flags.append("--swiglu")
     if model_cfg.get("qk_layernorm"):

@@ -76,16 +76,24 @@ def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
                              f">= 1 (how many times slower the low frequencies turn)")
 
 
-def non_gpt2_options(config: ModelConfig) -> list:
+def flag_number(x: float) -> str:
+    """A flag's number as short as it reads back exactly: 8.0 -> '8', 0.125 -> '0.125'."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
+
+
+def non_gpt2_options(config) -> list:
     """The flags of a config whose block differs from GPT-2/BERT's (Llama-style options),
-    for models and exports that build only the GPT-2/BERT block."""
+    for models and exports that build only the GPT-2/BERT block.  ``config``: a
+    ModelConfig, or anything with its block fields (hf_interop's recorded configs)."""
     found = []
     if config.normalization != "LayerNorm":
         found.append(f"--normalization {config.normalization}")
     if config.position_embedding_type != "learned_absolute":
         found.append(f"--position-embedding-type {config.position_embedding_type}")
         if config.rope_scaling:
-            found.append(f"--use-rope-scaling --rope-scaling-factor {config.rope_scaling_factor:g}")
+            found.append(f"--use-rope-scaling --rope-scaling-factor "
+                         f"{flag_number(config.rope_scaling_factor)}")
     if config.swiglu:
         found.append("--swiglu")
     if config.qk_layernorm:
