@@ -452,6 +452,8 @@ def non_gpt2_flags(model_cfg: Dict[str, Any]) -> List[str]:
     ``megatron.model.transformer.non_gpt2_options`` on its ``block_options`` (an untied
     output layer is not one here: GPT-2 has ``lm_head``)."""
     arch = block_options(model_cfg)
+    # an unrecorded head size is hidden / heads by definition (older checkpoints)
+    arch["kv_channels"] = model_cfg.get("kv_channels")
     return non_gpt2_options(SimpleNamespace(**arch, hidden_size=model_cfg.get("hidden_size"),
                                             untie_embeddings_and_output_weights=False))
 

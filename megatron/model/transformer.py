@@ -100,7 +100,8 @@ def non_gpt2_options(config) -> list:
         found.append("--qk-layernorm")
     if config.num_query_groups != config.num_attention_heads:
         found.append(f"--num-query-groups {config.num_query_groups}")
-    if config.kv_channels * config.num_attention_heads != config.hidden_size:
+    if config.kv_channels is not None \
+            and config.kv_channels * config.num_attention_heads != config.hidden_size:
         found.append(f"--kv-channels {config.kv_channels}")
     if not config.add_bias_linear:
         found.append("--disable-bias-linear")
