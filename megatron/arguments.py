@@ -126,6 +126,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each transformer layer (opt-in; the first batch pays "
                         "the compilation, minutes on a CPU).")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default="auto",
+                   help="auto, flash, fused: torch's scaled_dot_product_attention, which picks "
+                        "flash attention or the memory-efficient kernel for the device (it keeps "
+                        "no seq x seq scores); unfused, local: the explicit softmax, which keeps "
+                        "the attention probabilities, their dropout mask and output per layer.")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="Compute the language-model loss with torch.compile'd kernels that "
                         "never write float32 logits to memory (opt-in; compiles on the first "
@@ -1151,7 +1157,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, compile_layers=args.compile_layers,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        normalization=args.normalization, position_embedding_type=args.position_embedding_type,
+        attention_backend=args.attention_backend, normalization=args.normalization, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
         swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,

@@ -63,6 +63,12 @@ class ModelConfig:
     """Layers per checkpointed chunk (uniform) or number of checkpointed layers (block)."""
     compile_layers: bool = False
     """torch.compile every transformer layer (in place: parameter names do not change)."""
+    attention_backend: str = "auto"
+    """--attention-backend (Megatron-LM's names): 'auto', 'flash' or 'fused' run torch's
+    ``scaled_dot_product_attention``, which picks a flash or memory-efficient kernel and
+    keeps no [s, s] scores for the backward; 'unfused' or 'local' compute the softmax
+    explicitly and keep its probabilities (2 bytes per score in fp16/bf16, as Megatron's
+    fused softmax kernel), its dropout mask and output."""
     cross_entropy_loss_fusion: bool = False
     """The language-model loss through torch.compile: fused kernels, no float32 logits in
     memory (``vocab_parallel_cross_entropy(fused=True)``)."""

@@ -132,9 +132,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--use-flash-attn", "ignored",
                "attention is torch's scaled_dot_product_attention, which picks flash "
                "attention where the device has it"),
-    CompatFlag("--attention-backend", "ignored",
-               "attention is torch's scaled_dot_product_attention (it picks the kernel)",
-               nargs=None),
     CompatFlag("--transformer-impl", "ignored",
                "this trainer's own transformer layers are used", nargs=None),
     CompatFlag("--use-mcore-models", "ignored", "this trainer's own model classes are used"),

@@ -41,7 +41,7 @@ from megatron.pipeline.planner import (CostOptions, HardwareSpec, ModelSpec,  # 
                                        PlanningError, SCHEDULES, best_plan, command_line,
                                        format_table, get_hardware, get_model, search)
 from megatron.pipeline.planner.hardware import GB, GiB, describe_links, links_for  # noqa: E402
-from megatron.pipeline.planner.model_spec import (NORMALIZATIONS,  # noqa: E402
+from megatron.pipeline.planner.model_spec import (ATTENTION_BACKENDS, NORMALIZATIONS,  # noqa: E402
                                                   POSITION_EMBEDDING_TYPES)
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
 from megatron.pipeline.planner.profile import Profile  # noqa: E402
@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the QKV projection's bias with --disable-bias-linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
                    help="GPT's output layer gets a vocab x hidden weight of its own")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   help="default auto (torch's fused attention: no seq x seq scores kept); "
+                        "unfused, local: the explicit softmax, 5 bytes per score and head "
+                        "(the paper's Megatron)")
     c = p.add_argument_group("cluster (a preset, overridable field by field)")
     c.add_argument("--cluster", default="p3.16xlarge", choices=sorted(HARDWARE_PRESETS))
     c.add_argument("--num-gpus", type=int, required=True, help="N: GPUs to plan for")
@@ -190,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
                "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
                "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights")
-"""ModelSpec's Llama-style options, each set by the trainer's flag of the same name."""
+               "untie_embeddings_and_output_weights", "attention_backend")
+"""ModelSpec's Llama-style options and attention backend, each set by the trainer's flag
+of the same name."""
 
 
 def arch_from_args(args: argparse.Namespace) -> dict:

@@ -66,7 +66,8 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                "normalization", "position_embedding_type", "rotary_base",
                "rotary_percent", "rope_scaling", "rope_scaling_factor", "swiglu",
                "qk_layernorm", "kv_channels", "num_query_groups", "add_bias_linear",
-               "add_qkv_bias", "untie_embeddings_and_output_weights"},
+               "add_qkv_bias", "untie_embeddings_and_output_weights",
+               "attention_backend"},
                # ModelConfig's values (older profiles: absent, meaning the defaults;
                # kv_channels: the head size, h / a unless --kv-channels gave another)
      "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
@@ -120,7 +121,7 @@ COMPONENTS = ("block", "embedding", "head")
 ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
                "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
                "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights")
+               "untie_embeddings_and_output_weights", "attention_backend")
 # stage kind -> (pre_process, post_process) of the GPTModel stage timed whole
 STAGE_KINDS = {"whole": (True, True), "first": (True, False), "middle": (False, False),
                "last": (False, True)}
@@ -614,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default="auto", help="as the trainer's flag (recorded in the profile)")
     d = g.add_mutually_exclusive_group()
     for name in DTYPES:
         d.add_argument(f"--{name}", dest="dtype", action="store_const", const=name)
@@ -671,7 +674,8 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
         num_query_groups=groups, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        attention_backend=args.attention_backend)
     from megatron.model.transformer import check_architecture
     from megatron.tensor_parallel import TPInfo
     check_architecture(config, TPInfo.single())  # the flags' errors before any work

@@ -25,6 +25,20 @@ _MASK_FILL = -10000.0  # Megatron's value: fully masked rows become uniform, nev
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""--attention-backend's values (Megatron-LM's); see ``attention_kernel``."""
+
+
+def attention_kernel(backend: str) -> str:
+    """CoreAttention's implementation for an --attention-backend: 'sdpa' (torch's
+    ``scaled_dot_product_attention``: it picks flash attention, the memory-efficient or
+    the cuDNN kernel for the device, dtype and mask, so 'flash' and 'fused' cannot force
+    one and mean the same as 'auto') or 'manual' (the explicit softmax: 'unfused',
+    'local')."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {backend!r}: expected one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    return "manual" if backend in ("unfused", "local") else "sdpa"
 
 
 def layer_norm(config: ModelConfig) -> nn.Module:
@@ -59,6 +73,7 @@ def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
         raise ValueError(f"--num-query-groups {groups} must divide --num-attention-heads "
                          f"({config.num_attention_heads})")
     divide(groups, tp.size, "--num-query-groups")
+    attention_kernel(config.attention_backend)
     if config.position_embedding_type == "rope":
         if not 0.0 < config.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent {config.rotary_percent}: expected a value "
@@ -182,20 +197,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
 
 
+class _SoftmaxKeptAs(torch.autograd.Function):
+    """softmax over the last dimension, computed in the scores' dtype (fp32 or wider) and
+    returned -- and kept for the backward -- in ``dtype``, the values' dtype.  What
+    Megatron's fused softmax kernels keep: 2 bytes per score in fp16/bf16 where
+    ``torch.softmax(x.float())`` keeps 4.  The gradient y (g - sum(g y)) is formed in the
+    scores' dtype from the kept y; in fp32/fp64 it is torch's softmax backward."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        ctx.save_for_backward(probs)
+        ctx.compute = scores.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        y, g = probs.to(ctx.compute), grad.to(ctx.compute)
+        return y * (g - (g * y).sum(dim=-1, keepdim=True)), None
+
+
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d) + mask) V for this rank's heads, softmax in fp32 or wider.
 
-    ``backend``: 'manual' (explicit fp32 softmax: the reference the tests hold the
-    kernel to), 'sdpa' (torch's ``scaled_dot_product_attention``, whose CUDA and CPU
-    kernels keep the softmax in fp32 and save no [s, s] probabilities for the backward)
-    or 'auto' (sdpa).  On a 2-core CPU sdpa's forward and backward took 0.53-0.69x the
-    manual path's time without dropout and 0.91-1.0x with it (seq 64-1024).
+    ``backend``: 'manual' (explicit softmax, probabilities kept in the values' dtype:
+    the reference the tests hold the kernel to, --attention-backend unfused/local),
+    'sdpa' (torch's ``scaled_dot_product_attention``, whose CUDA and CPU kernels keep
+    the softmax in fp32 and save no [s, s] probabilities for the backward -- except
+    torch's CPU math fallback, which it takes with dropout) or 'auto' (the config's
+    --attention-backend).  On a 2-core CPU sdpa's forward and backward took 0.53-0.69x
+    the manual path's time without dropout and 0.91-1.0x with it (seq 64-1024).
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, backend: str = "auto") -> None:
         super().__init__()
         if backend not in ("auto", "manual", "sdpa"):
             raise ValueError(f"attention backend {backend!r}: expected auto, manual or sdpa")
+        if backend == "auto":
+            backend = attention_kernel(config.attention_backend)
         self.backend = backend
         self.head_dim = config.kv_channels
         self.dropout_p = config.attention_dropout
@@ -204,6 +244,7 @@ class CoreAttention(nn.Module):
         # generator states costs host work per layer and breaks --compile-layers' graph
         # (dynamo does not trace get/set_rng_state) into five.
         self.fork_rng = tp.size > 1
+        self._causal: Optional[torch.Tensor] = None   # the manual path's causal mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -227,23 +268,44 @@ class CoreAttention(nn.Module):
                 ctx = self._manual(q, k, v, mask, p)
         return ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
+    def prepare_mask(self, mask: Optional[torch.Tensor], dtype: torch.dtype, seq: int,
+                     device: torch.device) -> Optional[torch.Tensor]:
+        """The form of a bool mask (True = masked; None: causal) this backend reads,
+        made once per stage forward and shared by its layers, which keep it for the
+        backward -- one per microbatch and stage instead of one per layer: for sdpa an
+        additive mask (0 or -10000 in ``dtype``; None stays None, the causal kernel),
+        for the manual path the bool mask (None: one [seq, seq] causal mask, made once
+        and shared by every microbatch)."""
+        if self.backend == "manual":
+            if mask is None:
+                causal = self._causal
+                if causal is None or causal.size(0) != seq or causal.device != device:
+                    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
+                    self._causal = causal
+                return causal
+            return mask
+        if mask is None or mask.dtype != torch.bool:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            mask, _MASK_FILL)
+
     def _manual(self, q, k, v, mask, p):
         compute = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q, k.transpose(-1, -2)).to(compute) / math.sqrt(self.head_dim)
-        if mask is None:
-            s = q.size(2)
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(diagonal=1)
-        scores = scores.masked_fill(mask, _MASK_FILL)
-        probs = torch.softmax(scores, dim=-1)
-        probs = F.dropout(probs, p=p, training=p > 0).to(v.dtype)
+        mask = self.prepare_mask(mask, q.dtype, q.size(2), q.device)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(mask, _MASK_FILL)
+        else:  # an additive mask (another backend's prepare_mask)
+            scores = scores + mask
+        probs = _SoftmaxKeptAs.apply(scores, v.dtype)
+        probs = F.dropout(probs, p=p, training=p > 0)
         return torch.matmul(probs, v)
 
     def _sdpa(self, q, k, v, mask, p):
         gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
-        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-        additive = additive.masked_fill(mask, _MASK_FILL)
+        additive = self.prepare_mask(mask, q.dtype, q.size(2), q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=p, **gqa)
 
 
@@ -448,6 +510,9 @@ class ParallelTransformer(nn.Module):
         # recomputed chunk reads the same tensors: they need no gradient)
         rotary = (self.rotary(hidden.size(0), hidden.device, hidden.dtype)
                   if self.rotary is not None else None)
+        # likewise the attention mask in the form the attention kernel reads
+        mask = self.layers[0].self_attention.core_attention.prepare_mask(
+            mask, hidden.dtype, hidden.size(0), hidden.device)
         if self.recompute_method is None or not torch.is_grad_enabled():
             hidden = self._run(0, n, rotary)(hidden, mask)
         elif self.recompute_method == "uniform":

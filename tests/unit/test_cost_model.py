@@ -15,9 +15,11 @@ from megatron.pipeline.planner.hardware import (describe_links, placement_links,
 
 GiB = 2.0 ** 30
 
-# A toy GPT: 8 layers, h=64, 4 heads, s=32, vocab 100.
+# A toy GPT: 8 layers, h=64, 4 heads, s=32, vocab 100, with the explicit softmax
+# (--attention-backend local), whose activations are Korthikanti's count.
 L, H, A, S, V = 8, 64, 4, 32, 100
-TOY = ModelSpec(num_layers=L, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V)
+TOY = ModelSpec(num_layers=L, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V,
+                attention_backend="local")
 # Plain hardware: no efficiency curve, no elementwise term, one server of 8.
 PLAIN = HardwareSpec(name="plain", gpus_per_server=8, gpu_memory_bytes=16 * GiB, peak_flops=1e12,
                      achieved_flops=1e12, intra_server_bandwidth=1e11,

@@ -170,7 +170,9 @@ def test_closed_form_counts_the_trainers_model(options):
 
 def test_all_defaults_keep_the_gpt_numbers():
     """A GPT-2 block: the same counts as before the options existed (the old formulas,
-    written out), and no new flag on its command line."""
+    written out; Korthikanti's activations with the explicit softmax, --attention-backend
+    local, and a log-sum-exp per query head and token in place of the 5 a s^2 b with
+    the default fused kernels), and no new flag on its command line."""
     for name in ("gpt-355m", "gpt-1.3b", "gpt-2.2b", "gpt-3.8b"):
         m = get_model(name)
         h, f, s, a, v = m.hidden_size, m.ffn, m.seq_length, m.num_attention_heads, m.vocab_size
@@ -179,9 +181,13 @@ def test_all_defaults_keep_the_gpt_numbers():
         for b, t in ((1, 1), (4, 2)):
             assert m.layer_forward_flops(b) == 2.0 * b * s * (4 * h * h + 2 * h * f) + \
                 4.0 * b * s * s * h
-            assert m.layer_activation_bytes(b, t) == \
+            local = dataclasses.replace(m, attention_backend="local")
+            assert local.layer_activation_bytes(b, t) == \
                 s * b * h * (10.0 + 8.0 / t) + 4.0 * s * b * f / t + 5.0 * a * s * s * b / t
-        assert m.llama_options() == [] and "RMSNorm" not in m.describe()
+            assert m.layer_activation_bytes(b, t) == \
+                s * b * h * (10.0 + 8.0 / t) + 4.0 * s * b * f / t + 4.0 * a * s * b / t
+        assert m.llama_options() == m.backend_options() == [] and \
+            "RMSNorm" not in m.describe()
         assert m == dataclasses.replace(m, num_query_groups=None)  # None means G = a
         assert m.kv_channels == h // a and m == dataclasses.replace(m, kv_channels=None)
         assert f"{a} heads," in m.describe()                      # no "of d"
@@ -288,7 +294,7 @@ def test_activation_bytes_by_hand():
                  + 2 * s * b * (h + kv)        # RoPE's rotated q and k
                  + 2 * s * b * h               # attention context (output projection)
                  + 8 * s * b * f               # SwiGLU: gate|up, silu(gate), product
-                 + 5 * a * s * s * b)          # softmax, its dropout mask and output
+                 + 4 * a * s * b)              # fused attention's fp32 log-sum-exp
         assert TOY.layer_activation_bytes(b, t) == replicated + split / t
         # grouped-query attention without RoPE copies the queries into head order instead
         no_rope = dataclasses.replace(TOY, position_embedding_type="learned_absolute")
@@ -321,7 +327,7 @@ def test_activation_bytes_by_hand():
         wide_split = (2 * s * b * (128 + 2 * 32)   # QKV output
                       + 2 * s * b * (128 + 32)     # rotated q and k
                       + 2 * s * b * 128            # context, the output projection's input
-                      + 8 * s * b * f + 5 * a * s * s * b)
+                      + 8 * s * b * f + 4 * a * s * b)
         assert wide.layer_activation_bytes(b, t) == replicated + wide_split / t
         # without RoPE: the query copy (128 wide) instead of the rotated q and k
         assert dataclasses.replace(wide, position_embedding_type="learned_absolute") \
@@ -334,7 +340,15 @@ def test_activation_bytes_by_hand():
         narrow = dataclasses.replace(TOY, kv_channels=4)
         assert narrow.layer_activation_bytes(b, t) == replicated + (
             2 * s * b * (32 + 16) + 2 * s * b * (32 + 8) + 2 * s * b * 32
-            + 8 * s * b * f + 5 * a * s * s * b) / t
+            + 8 * s * b * f + 4 * a * s * b) / t
+        # the explicit softmax keeps its probabilities, dropout mask and output instead
+        for backend in ("unfused", "local"):
+            assert dataclasses.replace(TOY, attention_backend=backend) \
+                .layer_activation_bytes(b, t) == replicated + (
+                    split - 4 * a * s * b + 5 * a * s * s * b) / t
+        for backend in ("flash", "fused"):
+            assert dataclasses.replace(TOY, attention_backend=backend) \
+                .layer_activation_bytes(b, t) == TOY.layer_activation_bytes(b, t)
         # the stage input and the head are h wide whatever d is
         assert wide.input_activation_bytes(b) == TOY.input_activation_bytes(b)
         assert wide.head_activation_bytes(b, t) == TOY.head_activation_bytes(b, t)
@@ -434,14 +448,15 @@ def test_activation_formula_matches_the_bytes_the_executor_counts(options):
     spec = ModelSpec(num_layers=2, num_attention_heads=a, seq_length=s,
                      ffn_hidden_size=f, vocab_size=64, **options)
     assert config.kv_channels == spec.head_dim
-    # the residual branches' dropout masks are h wide (s b h bytes each)
-    fp16 = spec.layer_activation_bytes(b) - 2 * s * b * h - 5 * a * s * s * b
+    # the residual branches' dropout masks are h wide (s b h bytes each); the fused
+    # kernel's log-sum-exp is fp32 in either precision
+    lse = a * b * s
+    fp16 = spec.layer_activation_bytes(b) - 2 * s * b * h - 4 * lse
     norms = 2 * _norm_extra_values(config.normalization, s, b, h)
     if config.qk_layernorm:
         norms += sum(_head_norm_extra_values(config.normalization, s, b, heads,
                                              config.kv_channels)
                      for heads in (a, config.num_query_groups))
-    lse = a * b * s
     assert _layer_stash(config, b) == 4 * (fp16 / 2 + norms + lse)
 
 

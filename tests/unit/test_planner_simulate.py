@@ -40,9 +40,9 @@ def test_closed_form_batch_time_agrees_with_simulator(name, cfg):
 @pytest.mark.parametrize("name,shape", [("gpt-2.2b", dict(w=8, d=8, t=1, b=2, schedule="2bw")),
                                         ("gpt-1.3b", dict(w=2, d=4, t=8, b=4, schedule="flush"))])
 def test_disagreement_is_a_constant_per_batch(name, shape):
-    """2bw: the simulator, like our executor, makes every stage meet at STEP(b) (global
-    grad norm, overflow flag, tied embeddings); Appendix A's steady state has no such
-    barrier.  flush: (m - 1) max_i slot_i + sum_i slot_i over-counts the fill/drain of a
+    """2bw: the simulator, like our executor, defers the stages' agreement at STEP(b)
+    (global grad norm, overflow flag, tied embeddings) by a batch, as Appendix A's
+    steady state has no step barrier; any gap left must not grow with m.  flush: (m - 1) max_i slot_i + sum_i slot_i over-counts the fill/drain of a
     communication-bound 1F1B pipeline.  Either way the error is below one slot per batch
     and does not grow with m, so the relative error falls as 1/m."""
     model = get_model(name)

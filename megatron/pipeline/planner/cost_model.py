@@ -323,7 +323,7 @@ class CostModel:
             mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth if hw.memory_bandwidth > 0
             else 0.0)
         act = mdl.input_activation_bytes(b)
-        act_stage = layers * mdl.layer_activation_bytes(b, t)
+        act_stage = layers * mdl.layer_activation_bytes(b, t) + mdl.stage_mask_bytes(b)
         if last:
             act_stage += mdl.head_activation_bytes(b, t)
         stash_one = mdl.input_activation_bytes(b)

@@ -40,12 +40,18 @@ Counting conventions (all per microbatch):
     split over t: the QKV projection's output, whose q, k and v views the attention
     keeps, 2 s b (q + 2 kv); the attention context the output projection keeps (its
     input, the a heads' outputs side by side), 2 s b q; 4 s b f: the GeLU's input and
-    output (the second matrix keeps the latter); 5 a s^2 b: softmax output (2), its
-    dropout mask (1) and dropout output (2) -- one s x s score matrix per query head,
-    whatever d is.
+    output (the second matrix keeps the latter); and what the attention kernel keeps
+    beyond q, k, v and its output (``score_bytes``), per query head whatever d is:
+      - --attention-backend unfused or local (the explicit softmax; Megatron's fused
+        softmax kernel, which the paper's runs used): 5 a s^2 b, the softmax output (2,
+        kept in the values' dtype), its dropout mask (1) and dropout output (2);
+      - auto, flash or fused (the trainer's default: torch's scaled_dot_product_attention
+        runs flash attention or the memory-efficient kernel, which rebuild the scores in
+        the backward pass): one fp32 log-sum-exp per query head and token, 4 a s b.
+        (torch's CPU fallback with attention dropout keeps the unfused tensors.)
 
-  With q = kv = h this is Korthikanti's s b h (10 + 8 / t) + 4 s b f / t + 5 a s^2 b / t
-  (f = 4h, t = 1: s b h (34 + 5 a s / h)).
+  With q = kv = h and the unfused backend this is Korthikanti's s b h (10 + 8 / t) +
+  4 s b f / t + 5 a s^2 b / t (f = 4h, t = 1: s b h (34 + 5 a s / h)).
 
   The Llama-style options change it as follows (each derived from what the operations
   keep, and checked against the bytes the executor counts on the trainer's layers in
@@ -62,8 +68,10 @@ Counting conventions (all per microbatch):
   - grouped-query attention: kv = G d < q; the QKV output is 2 s b (q + 2 kv).  K and V
     enter the attention at their G heads (a kernel that reads each group for its a / G
     query heads, as ``scaled_dot_product_attention`` with ``enable_gqa``, the
-    trainer's default backend, does; an attention that materialised the repeated heads
-    would keep 4 s b (q - kv) more).  The softmax terms have a heads whatever G is.
+    trainer's default backend, does; the explicit softmax of --attention-backend
+    unfused/local repeats the key and value heads, and what its matmuls then keep
+    depends on the layout: measured on CPU, 0 to 1.5 q-wide tensors more per token,
+    not counted here -- profile such a model, tools/profile_model.py).  The softmax terms have a heads whatever G is.
     With 1 < G < a and no RoPE the queries are also copied out of the fused output into
     head order (they are not one strided view of it: each group's block in the output
     holds its queries, key and value, Megatron-LM's layout), and attention keeps that
@@ -107,7 +115,12 @@ Counting conventions (all per microbatch):
   queries are copied) and "or" / "and" on those 0/1 values:
       s b h 10 + [2 s b (q + 2 kv) + 2 s b q + (rope or qk) 2 s b (q + kv)
                   + (gqa and (qk or not rope)) 2 s b q + (4 + 4 swiglu) s b f
-                  + 5 a s^2 b] / t.
+                  + score_bytes] / t.
+* BERT's padding mask, made once per stage forward and kept by its layers
+  (``stage_mask_bytes``): [b, s, s] additive fp16 values for the fused kernels
+  (2 b s^2) or bools for the explicit softmax (b s^2).  GPT's causal mask is the
+  kernels' own, or for the explicit softmax one [s, s] bool tensor shared by every
+  layer and microbatch (no b factor: left out, like RoPE's tables).
 * Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes.
 
 Named presets (the paper's model sizes, two Llama shapes and Qwen3-0.6B) live in
@@ -121,6 +134,7 @@ from typing import List, Optional
 MODEL_KINDS = ("gpt", "bert")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,6 +188,11 @@ class ModelSpec:
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: GPT's output layer has a V x h weight of
     its own instead of the word embedding's."""
+    attention_backend: str = "auto"
+    """--attention-backend: what the attention keeps for the backward pass (not the
+    block's math): 'auto', 'flash', 'fused' (torch's scaled_dot_product_attention: a
+    log-sum-exp per query) or 'unfused', 'local' (the explicit softmax: its s x s
+    probabilities, dropout mask and output; the paper's Megatron)."""
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -190,6 +209,9 @@ class ModelSpec:
                                self.hidden_size // self.num_attention_heads)
         if self.kv_channels < 1:
             raise ValueError(f"model: --kv-channels must be >= 1, got {self.kv_channels}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model: --attention-backend {self.attention_backend!r}: expected "
+                             f"one of {', '.join(ATTENTION_BACKENDS)}")
         if self.kind not in MODEL_KINDS:
             raise ValueError(f"model: kind must be one of {MODEL_KINDS}, got {self.kind!r}")
         if self.ffn_hidden_size is None:  # Megatron-LM's default: 4h, or 8h/3 (to 64) with SwiGLU
@@ -308,6 +330,18 @@ class ModelSpec:
         return 1 < int(self.num_query_groups) < self.num_attention_heads  # type: ignore[arg-type]
 
     @property
+    def keeps_scores(self) -> bool:
+        """The attention keeps its s x s probabilities (--attention-backend unfused or
+        local) rather than rebuilding them in the backward pass (flash/memory-efficient
+        kernels)."""
+        return self.attention_backend in ("unfused", "local")
+
+    def backend_options(self) -> List[str]:
+        """The trainer flag of a non-default attention backend (GPT and BERT alike)."""
+        return [] if self.attention_backend == "auto" else [
+            "--attention-backend", self.attention_backend]
+
+    @property
     def tied_output(self) -> bool:
         """The output layer is the word embedding (a copy on the last stage of a pipeline
         of more than one)."""
@@ -397,7 +431,23 @@ class ModelSpec:
         if self.query_copy and (self.qk_layernorm or not self.rope):
             attention += 2.0 * s * b * q            # q copied to head order, kept
         mlp = (8.0 if self.swiglu else 4.0) * s * b * f
-        return replicated + (attention + mlp + 5.0 * a * s * s * b) / t
+        return replicated + (attention + mlp + self.score_bytes(b)) / t
+
+    def score_bytes(self, b: int) -> float:
+        """What the attention kernel keeps beyond q, k, v and its output, all heads (the
+        module docstring): 5 a s^2 b for the explicit softmax, a fp32 log-sum-exp per
+        query head and token (4 a s b) for flash/memory-efficient attention."""
+        a, s = self.num_attention_heads, self.seq_length
+        return 5.0 * a * s * s * b if self.keeps_scores else 4.0 * a * s * b
+
+    def stage_mask_bytes(self, b: int) -> float:
+        """The attention mask a stage makes once per microbatch and its layers keep:
+        BERT's padding mask (additive fp16 for the fused kernels, bool for the explicit
+        softmax); none for GPT (causal)."""
+        if self.kind != "bert":
+            return 0.0
+        s = self.seq_length
+        return (1.0 if self.keeps_scores else 2.0) * b * s * s
 
     def input_activation_bytes(self, b: int) -> float:
         """Bytes of a stage's input (and output) activation: s b h fp16 values."""
@@ -431,6 +481,8 @@ class ModelSpec:
             parts += ["QKV bias"] if self.add_qkv_bias else []
             parts += ["untied output"] if not self.tied_output else []
             arch = f", {', '.join(parts)}"
+        if self.keeps_scores:
+            arch += f", {self.attention_backend} attention"
         heads = f"{self.num_attention_heads} heads" + (
             f" of {self.head_dim}" if self.custom_head_dim else "")
         return (f"{self.name or self.kind}: {self.num_layers} layers, hidden {self.hidden_size}, "

@@ -60,14 +60,14 @@ _ARCH_DEFAULTS: Dict[str, Any] = {
     "rotary_base": 10000, "rotary_percent": 1.0, "rope_scaling": False,
     "rope_scaling_factor": 8.0, "swiglu": False, "qk_layernorm": False, "kv_channels": None,
     "num_query_groups": None, "add_bias_linear": True, "add_qkv_bias": False,
-    "untie_embeddings_and_output_weights": False}
+    "untie_embeddings_and_output_weights": False, "attention_backend": "auto"}
 _ARCH_TYPES: Dict[str, tuple] = {
     "normalization": (str,), "position_embedding_type": (str,), "rotary_base": (int,),
     "rotary_percent": (int, float), "rope_scaling": (bool,), "rope_scaling_factor": (int, float),
     "swiglu": (bool,), "qk_layernorm": (bool,), "kv_channels": (int, type(None)),
     "num_query_groups": (int, type(None)),
     "add_bias_linear": (bool,), "add_qkv_bias": (bool,),
-    "untie_embeddings_and_output_weights": (bool,)}
+    "untie_embeddings_and_output_weights": (bool,), "attention_backend": (str,)}
 # what a planned model must share with the profiled one: its sizes and every option that
 # changes a cost (RoPE's base, rotated share and frequency scaling change none: left out)
 _NO_COST = ("rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor")
@@ -382,10 +382,16 @@ class Profile:
                              f"model, planning a {model.kind} model")
         wrong = [_mismatch(k, getattr(model, k), self.model[k])
                  for k in _SHAPE_FIELDS if getattr(model, k) != self.model[k]
-                 and not (k == "kv_channels" and self._default_heads(model))]
+                 and not (k == "kv_channels" and self._default_heads(model))
+                 and not (k == "attention_backend" and self._same_attention(model))]
         if wrong:
             raise ValueError(f"--profile {self.source} was taken for another model shape: "
                              + ", ".join(wrong))
+
+    def _same_attention(self, model: ModelSpec) -> bool:
+        """auto, flash and fused run the same kernels (torch picks), as unfused and
+        local run the same explicit softmax."""
+        return model.keeps_scores == (self.model["attention_backend"] in ("unfused", "local"))
 
     def _default_heads(self, model: ModelSpec) -> bool:
         """Both the plan and the profile have heads of hidden / heads: a head size that

@@ -268,7 +268,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
                  base_script: Optional[str] = None, gpus_per_server: int = 8,
                  extra_args: Sequence[str] = (), precision: str = "fp16") -> str:
     """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags,
-    the model's Llama-style options included: ``ModelSpec.llama_options``).
+    the model's Llama-style options and attention backend included:
+    ``ModelSpec.llama_options``, ``ModelSpec.backend_options``).
     ``precision``: fp16 (the paper's V100 runs), bf16, or fp32/fp64 (no flag, e.g. a CPU)."""
     if precision not in PRECISIONS:
         raise PlanningError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -290,7 +291,7 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         "--tensor-model-parallel-size", cfg.t, "--pipeline-model-parallel-size", cfg.d,
         "--pipeline-schedule", cfg.schedule,
     ]
-    args += model.llama_options()
+    args += model.llama_options() + model.backend_options()
     if cfg.first_layers is not None:
         args += ["--decoder-first-pipeline-num-layers", cfg.first_layers]
     if cfg.last_layers is not None:

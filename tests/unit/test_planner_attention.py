@@ -1,0 +1,133 @@
+"""The planner's --attention-backend: what the trainer's attention keeps for the backward
+pass (fused kernels: a log-sum-exp per query; the explicit softmax: its s x s
+probabilities), BERT's per-stage padding mask, and the long-context plans this opens."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.config import ModelConfig
+from megatron.model.bert_model import BertModel
+from megatron.model.transformer import ATTENTION_BACKENDS as TRAINER_BACKENDS
+from megatron.pipeline.planner import (Config, CostModel, ModelSpec, PlanningError, best_plan,
+                                       command_line, get_hardware, get_model)
+from megatron.pipeline.planner.model_spec import ATTENTION_BACKENDS
+from megatron.pipeline.planner.profile import Profile
+from megatron.tensor_parallel import TPInfo
+
+from tests.unit.test_planner_llama import GPT_MODEL, PLAIN, _layer_stash, _profile_dict
+
+
+def test_backends_are_the_trainers():
+    assert ATTENTION_BACKENDS == TRAINER_BACKENDS
+    with pytest.raises(ValueError, match="--attention-backend 'cudnn': expected one of"):
+        ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                  vocab_size=10, attention_backend="cudnn")
+
+
+@pytest.mark.parametrize("options", [{}, {"hidden_size": 64}, {"kv_channels": 16},
+                                     {"normalization": "RMSNorm", "swiglu": True,
+                                      "position_embedding_type": "rope"}])
+def test_explicit_softmax_keeps_what_the_formula_says(options):
+    """The trainer's layer with --attention-backend local keeps, beyond what the fused
+    kernel keeps, its probabilities instead of the log-sum-exp (no dropout here: the
+    formula's mask (1) and dropout output (2) of the 5 bytes per score are absent; the
+    probabilities are 2 fp16 bytes = 4 fp32 bytes).  The shared [s, s] causal mask (one
+    per stage, no b factor) is the one thing the formula leaves out."""
+    s, b, a, f = 16, 2, 4, 40
+    options = {"hidden_size": 32, **options}
+    stash, formula = {}, {}
+    for backend in ("auto", "local"):
+        config = ModelConfig(num_layers=2, num_attention_heads=a, seq_length=s,
+                             ffn_hidden_size=f, padded_vocab_size=64, hidden_dropout=0.0,
+                             attention_dropout=0.0, attention_backend=backend, **options)
+        spec = ModelSpec(num_layers=2, num_attention_heads=a, seq_length=s,
+                         ffn_hidden_size=f, vocab_size=64, attention_backend=backend,
+                         **options)
+        stash[backend], formula[backend] = _layer_stash(config, b), spec.layer_activation_bytes(b)
+    assert formula["local"] - formula["auto"] == 5 * a * s * s * b - 4 * a * s * b
+    causal_mask = s * s
+    assert stash["local"] - stash["auto"] == 4 * a * s * s * b - 4 * a * s * b + causal_mask
+
+
+@pytest.mark.parametrize("backend", ["auto", "local"])
+def test_bert_padding_mask_is_counted_once_per_stage(backend):
+    s, b = 16, 3
+    config = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=s,
+                         padded_vocab_size=64, num_tokentypes=2, hidden_dropout=0.0,
+                         attention_dropout=0.0, attention_backend=backend)
+    spec = ModelSpec(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=s,
+                     vocab_size=64, kind="bert", attention_backend=backend)
+    model = BertModel(config, TPInfo.single(), seed=1, add_binary_head=False).train()
+    ids = torch.randint(4, 64, (b, s))
+    pad = torch.ones(b, s, dtype=torch.long)
+    pad[0, 9:] = 0
+    masks = {}
+
+    def pack(t):
+        if t.dim() == 4 and tuple(t.shape[1:]) == (1, s, s):    # not the probabilities
+            masks[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.encode(ids, pad)
+    fp32 = 2 if backend == "auto" else 1   # an additive mask's values double in fp32
+    assert sum(masks.values()) == fp32 * spec.stage_mask_bytes(b)
+    gpt = dataclasses.replace(spec, kind="gpt")
+    assert gpt.stage_mask_bytes(b) == 0.0
+    # every stage keeps it, not every layer
+    bert = dataclasses.replace(spec, num_layers=8)
+    cm = CostModel(bert, PLAIN)
+    st = cm.stage_costs(Config(w=1, d=2, b=b, m=2, schedule="flush"))[1]
+    assert st.activation_per_microbatch_bytes == pytest.approx(
+        4 * bert.layer_activation_bytes(b) + bert.stage_mask_bytes(b)
+        + bert.head_activation_bytes(b))
+
+
+def test_long_context_plans_fit_with_the_fused_kernel_only():
+    """Qwen3-0.6B at 32k tokens on 8 H100s: the fused kernels' activations fit; keeping
+    28 layers x 16 heads x 32k x 32k probabilities does not (the planner said so for
+    every backend before it knew the difference)."""
+    model = dataclasses.replace(get_model("qwen3-0.6b"), seq_length=32768)
+    hw = get_hardware("h100-sxm")
+    plan = best_plan(model, hw, 8, 64)
+    assert plan.fits
+    assert "--attention-backend" not in command_line(plan, model)
+    local = dataclasses.replace(model, attention_backend="local")
+    with pytest.raises(PlanningError, match="needs .* GiB per GPU"):
+        best_plan(local, hw, 8, 64)
+    # short sequences: the same plans either way, each command says its backend
+    short = get_model("gpt-1.3b")
+    row = best_plan(dataclasses.replace(short, attention_backend="unfused"), hw, 8, 64)
+    assert "--attention-backend unfused" in command_line(row, row_model := dataclasses.replace(
+        short, attention_backend="unfused"))
+    assert row_model.keeps_scores and "unfused attention" in row_model.describe()
+
+
+def test_a_profile_records_its_attention_backend():
+    model = dict(GPT_MODEL)
+    prof = Profile(_profile_dict(model))          # an older profile: the default, auto
+    spec = prof.model_spec()
+    assert spec.attention_backend == "auto"
+    for same in ("flash", "fused"):               # the same kernels
+        CostModel(dataclasses.replace(spec, attention_backend=same), PLAIN, profile=prof)
+    with pytest.raises(ValueError, match=r"--attention-backend local \(profiled auto\)"):
+        CostModel(dataclasses.replace(spec, attention_backend="local"), PLAIN, profile=prof)
+    local = Profile(_profile_dict({**model, "attention_backend": "unfused"}))
+    assert local.model_spec().keeps_scores
+    CostModel(dataclasses.replace(spec, attention_backend="local"), PLAIN, profile=local)
+    with pytest.raises(ValueError, match="model.attention_backend must be str"):
+        Profile(_profile_dict({**model, "attention_backend": 1}))
+
+
+def test_plan_cli_passes_the_backend_on():
+    from tests.unit.test_planner_llama import _plan
+    res = _plan("--model", "gpt-1.3b", "--attention-backend", "local", "--cluster", "dgx-a100",
+                "--num-gpus", "8", "--max-batch-size", "64")
+    assert res.returncode == 0, res.stderr
+    assert "local attention" in res.stdout and "--attention-backend local" in res.stdout
+    res = _plan("--model", "gpt-1.3b", "--attention-backend", "cudnn", "--num-gpus", "8",
+                "--max-batch-size", "64")
+    assert res.returncode == 2 and "--attention-backend: invalid choice: 'cudnn'" in res.stderr
