@@ -39,14 +39,15 @@ from megatron.pipeline.planner.search import search_microbatch  # noqa: E402
 
 HW = get_hardware("p3.16xlarge")
 # The paper's Megatron kept each layer's attention probabilities (its fused softmax
-# kernel): the planner's --attention-backend local, Korthikanti's 5 a s^2 b bytes.
-ATTENTION = "local"
+# kernel): the planner's --attention-backend local, Korthikanti's 5 a s^2 b bytes; and
+# its loss ran on a float32 copy of the logits (ModelSpec.fp32_logits).
+PAPER_MEGATRON = dict(attention_backend="local", fp32_logits=True)
 
 
 def get_model(name: str) -> ModelSpec:
-    """A preset as the paper ran it (attention probabilities kept)."""
+    """A preset as the paper ran it."""
     from dataclasses import replace
-    return replace(get_preset(name), attention_backend=ATTENTION)
+    return replace(get_preset(name), **PAPER_MEGATRON)
 SYSTEMS = [  # label, schedule, model parallelism kind
     ("PipeDream-2BW", "2bw", "pipeline"), ("PipeDream-Flush", "flush", "pipeline"),
     ("GPipe", "gpipe", "pipeline"), ("Inter-layer MP", "none", "pipeline"),
@@ -290,8 +291,7 @@ def max_model_size() -> List[dict]:
             while lo <= hi:   # largest layers-per-stage that fits; memory grows with it
                 k = (lo + hi) // 2
                 model = ModelSpec(num_layers=k * d, hidden_size=h, num_attention_heads=h // 128,
-                                  seq_length=512, vocab_size=50304,
-                                  attention_backend=ATTENTION)
+                                  seq_length=512, vocab_size=50304, **PAPER_MEGATRON)
                 cm = CostModel(model, HW)
                 est = cm.estimate(Config(w=64 // d, d=d, b=1, m=d, recompute=True,
                                          schedule="2bw"), keep_stages=False)
@@ -301,8 +301,7 @@ def max_model_size() -> List[dict]:
                     hi = k - 1
             if fit:
                 model = ModelSpec(num_layers=fit * d, hidden_size=h, num_attention_heads=h // 128,
-                                  seq_length=512, vocab_size=50304,
-                                  attention_backend=ATTENTION)
+                                  seq_length=512, vocab_size=50304, **PAPER_MEGATRON)
                 if best is None or model.num_params > best["params"]:
                     best = dict(d=d, hidden=h, layers=fit * d, params=model.num_params)
         out.append(best or dict(d=d, hidden=None, layers=0, params=0))

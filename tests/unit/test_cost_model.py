@@ -5,6 +5,7 @@ FLOP count, Korthikanti's activation count), not by calling the module's helpers
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -100,8 +101,13 @@ def test_last_stage_holds_tied_embedding_and_logits():
     d, b = 2, 1
     last = CostModel(TOY, PLAIN).stage_costs(Config(w=1, d=d, b=b, m=4, schedule="flush"))[-1]
     assert last.params == (L // d) * PER_LAYER + FINAL_LN + V * H
-    a_last = (L // d) * act_layer(b) + 2 * S * b * H + 4 * S * b * V
+    # final norm input and output (2 fp16 values each), the fp16 logits the loss keeps
+    a_last = (L // d) * act_layer(b) + 4 * S * b * H + 2 * S * b * V
     assert last.activation_bytes == pytest.approx(a_last)
+    # the paper's Megatron: the loss on a float32 copy of the logits
+    paper = dataclasses.replace(TOY, fp32_logits=True)
+    last = CostModel(paper, PLAIN).stage_costs(Config(w=1, d=d, b=b, m=4, schedule="flush"))[-1]
+    assert last.activation_bytes == pytest.approx(a_last + 2 * S * b * V)
 
 
 def _times(config: Config, c_extra: float = 4 / 3):

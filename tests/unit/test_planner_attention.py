@@ -131,3 +131,44 @@ def test_plan_cli_passes_the_backend_on():
     res = _plan("--model", "gpt-1.3b", "--attention-backend", "cudnn", "--num-gpus", "8",
                 "--max-batch-size", "64")
     assert res.returncode == 2 and "--attention-backend: invalid choice: 'cudnn'" in res.stderr
+
+
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_head_formula_matches_the_bytes_the_executor_counts(kind):
+    """The last stage beyond its layers keeps what ``head_activation_bytes`` says (fp32
+    here: twice the formula's fp16 bytes; the logits are kept in the training dtype,
+    not as a float32 copy) plus per-token values the formula leaves out: each
+    LayerNorm's mean and 1/std, and the loss's target id, in-range flag and
+    log-sum-exp."""
+    from megatron.model import GPTModel
+    from megatron.pipeline.memory import StashTracker
+
+    s, b, h, v = 16, 2, 32, 256
+    config = ModelConfig(num_layers=2, hidden_size=h, num_attention_heads=4, seq_length=s,
+                         padded_vocab_size=v, hidden_dropout=0.0, attention_dropout=0.0,
+                         num_tokentypes=2 if kind == "bert" else 0)
+    spec = ModelSpec(num_layers=2, hidden_size=h, num_attention_heads=4, seq_length=s,
+                     vocab_size=v, kind=kind)
+    labels = torch.randint(0, v, (b, s))
+    if kind == "gpt":
+        model = GPTModel(config, TPInfo.single(), pre_process=False, post_process=True,
+                         layer_numbers=range(1, 2), seed=1)
+        run = lambda: model(None, None, None, labels)  # noqa: E731
+    else:
+        model = BertModel(config, TPInfo.single(), pre_process=False, post_process=True,
+                          layer_numbers=range(1, 2), seed=1, add_binary_head=False)
+        pad = torch.ones(b, s, dtype=torch.long)
+        run = lambda: model(None, pad, None, labels)[0]  # noqa: E731
+    model.set_input_tensor(torch.randn(s, b, h, requires_grad=True))
+    tracker = StashTracker({p.untyped_storage().data_ptr() for p in model.parameters()})
+    with tracker.counting(0):
+        loss = run()
+    loss.sum().backward()
+    layer = _layer_stash(config, b)
+    mask = 2 * spec.stage_mask_bytes(b)                    # BERT's additive mask (fp32)
+    norms = 2 if kind == "bert" else 1
+    per_token = norms * 8 + 8 + 1 + 4
+    assert tracker.in_flight[0] - layer - mask == \
+        2 * spec.head_activation_bytes(b) + per_token * s * b
+    assert dataclasses.replace(spec, fp32_logits=True).head_activation_bytes(b) == \
+        spec.head_activation_bytes(b) + 2 * s * b * v

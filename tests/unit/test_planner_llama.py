@@ -300,8 +300,8 @@ def test_activation_bytes_by_hand():
         no_rope = dataclasses.replace(TOY, position_embedding_type="learned_absolute")
         assert no_rope.layer_activation_bytes(b, t) == \
             replicated + (split - 2 * s * b * (h + kv) + 2 * s * b * h) / t
-        # the head: final norm input + fp32 logits, tied or not
-        assert TOY.head_activation_bytes(b, t) == 2 * s * b * h + 4 * s * b * V / t
+        # the head: final norm input and output + the logits in fp16, tied or not
+        assert TOY.head_activation_bytes(b, t) == 4 * s * b * h + 2 * s * b * V / t
         # --qk-layernorm with RoPE: the query norm keeps the query copy alive (its input;
         # the key norm's input is a view of the QKV output); RoPE keeps the rotated ones
         qk = dataclasses.replace(TOY, qk_layernorm=True)

@@ -122,6 +122,7 @@ Counting conventions (all per microbatch):
   kernels' own, or for the explicit softmax one [s, s] bool tensor shared by every
   layer and microbatch (no b factor: left out, like RoPE's tables).
 * Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes.
+* The last stage's head: ``head_activation_bytes``.
 
 Named presets (the paper's model sizes, two Llama shapes and Qwen3-0.6B) live in
 ``presets.py``.
@@ -188,6 +189,10 @@ class ModelSpec:
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: GPT's output layer has a V x h weight of
     its own instead of the word embedding's."""
+    fp32_logits: bool = False
+    """The loss keeps the logits in float32 (Megatron's cross-entropy on
+    ``output.float()``, which the paper's runs used) rather than in the training dtype
+    (this trainer's chunked cross-entropy).  Not a trainer flag: for modelling others."""
     attention_backend: str = "auto"
     """--attention-backend: what the attention keeps for the backward pass (not the
     block's math): 'auto', 'flash', 'fused' (torch's scaled_dot_product_attention: a
@@ -454,11 +459,20 @@ class ModelSpec:
         return 2.0 * self.seq_length * b * self.hidden_size
 
     def head_activation_bytes(self, b: int, t: int = 1) -> float:
-        """Final norm input (fp16) plus the fp32 logits the loss keeps (1/t each).
-        The same with RMSNorm (it keeps its input, as LayerNorm) and with an untied
-        output layer (the same matmul of the same normalised input)."""
+        """What the last stage keeps after its layers (module docstring's conventions:
+        fp16 values, per-token statistics left out).  GPT: the final norm's input and
+        output (the output layer's input, replicated on the tensor ranks), 4 s b h, and
+        the logits the loss keeps, 2 s b V / t -- the trainer's cross-entropy keeps them
+        in the training dtype and a log-sum-exp per token, and forms float32 values
+        only chunk by chunk (megatron/tensor_parallel/cross_entropy.py).  BERT's LM
+        head adds a dense layer, its GeLU and a LayerNorm before the logits: the
+        inputs of those three and of the output layer plus the final norm's input,
+        10 s b h.  With ``fp32_logits`` the loss keeps a float32 copy instead: 4 s b V
+        / t.  The same with RMSNorm (it keeps its input, as LayerNorm) and with an
+        untied output layer (the same matmul of the same normalised input)."""
         s, h = self.seq_length, self.hidden_size
-        return 2.0 * s * b * h + 4.0 * s * b * self.vocab_size / t
+        hidden = (10.0 if self.kind == "bert" else 4.0) * s * b * h
+        return hidden + (4.0 if self.fp32_logits else 2.0) * s * b * self.vocab_size / t
 
     def layer_elementwise_bytes(self, b: int) -> float:
         """Memory traffic of one layer's forward that tensor parallelism replicates:
