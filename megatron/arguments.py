@@ -239,6 +239,10 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="Optimizer.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard the optimizer state (moments and fp32 master weights) over the "
+                        "data-parallel replicas of each stage, by whole parameters (ZeRO-1); "
+                        "the owners broadcast the new weights after each step.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required to train).")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decayed learning rate.")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
@@ -617,6 +621,9 @@ def _check_batches(args: argparse.Namespace) -> None:
     _require(args.tbw_mitigation == "none" or args.pipeline_schedule == "2bw",
              f"--2bw-mitigation {args.tbw_mitigation} needs --pipeline-schedule 2bw, got "
              f"--pipeline-schedule {args.pipeline_schedule}")
+    _require(not (args.use_distributed_optimizer and args.tbw_mitigation == "predict"),
+             "--2bw-mitigation predict needs every parameter's optimizer state on every rank: "
+             "it cannot run with --use-distributed-optimizer")
     if args.pipeline_schedule == "2bw":
         _require(m >= pp,
                  f"PipeDream-2BW needs m >= d: --global-batch-size ({gbs}) / (--micro-batch-size "
@@ -1195,7 +1202,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        use_distributed_optimizer=args.use_distributed_optimizer)
     data = DataConfig(
         data_path=list(args.data_path or []), split=args.split,
         data_cache_path=args.data_cache_path, num_workers=args.num_workers,

@@ -663,6 +663,9 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
         except OSError as exc:
             error = _write_error(root, state.iteration, exc)
     _raise_if_any(error)
+    # on every data-parallel rank: a distributed optimizer gathers its shards here
+    # (collective), before any rank can stop at a write error
+    optim_state = (optimizer.state_dict() if save_optim and optimizer is not None else None)
     try:
         my_dir = rank_dir(staging, groups.tp_rank, groups.pp_rank, groups.pp_size)
         os.makedirs(my_dir, exist_ok=True)
@@ -677,8 +680,7 @@ def save_checkpoint(root: str, state: TrainState, groups: ParallelGroups, *,
                                                if stage_layers is not None else None)),
                 "model": model_state,
                 "model_shadow": shadow_state,
-                "optimizer": (optimizer.state_dict() if save_optim and optimizer is not None
-                              else None),
+                "optimizer": optim_state,
                 "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             }
             if extra:

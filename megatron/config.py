@@ -250,6 +250,10 @@ class OptimizerConfig:
     """On resume keep this run's LR schedule where the checkpoint's differs."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume adopt the checkpoint's LR schedule (neither flag: a difference is an error)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state (Adam moments, SGD momentum, fp32 master weights) over
+    the data-parallel ranks of each stage, by whole parameters (ZeRO stage 1;
+    ``megatron.optimizer.optimizer``'s module docstring)."""
 
 
 @dataclass(kw_only=True)

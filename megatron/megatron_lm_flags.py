@@ -173,11 +173,9 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--sequence-parallel", "refused",
                "sequence parallelism is not built, so activations are replicated "
                "across tensor-parallel ranks (more memory, same results)"),
-    CompatFlag("--use-distributed-optimizer", "refused",
-               "the distributed (ZeRO-1) optimizer is not built, so every "
-               "data-parallel rank keeps the whole optimizer state"),
-    CompatFlag("--overlap-param-gather", "refused",
-               "needs the distributed optimizer, which is not built"),
+    CompatFlag("--overlap-param-gather", "ignored",
+               "the distributed optimizer's owners broadcast the new weights right after "
+               "the step, not overlapped with the next forward pass (same results)"),
     CompatFlag("--num-layers-per-virtual-pipeline-stage", "refused",
                "the interleaved schedule is not built, use --pipeline-schedule flush "
                "(1F1B) or 2bw", nargs=None),

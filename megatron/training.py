@@ -312,7 +312,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
     optimizer = get_megatron_optimizer(cfg.optimizer, cfg.precision, list(model.parameters()),
                                        model_groups=groups.model, tp_rank=groups.tp_rank,
                                        log_num_zeros=cfg.training.log_num_zeros_in_grad,
-                                       log_params_norm=cfg.training.log_params_norm)
+                                       log_params_norm=cfg.training.log_params_norm,
+                                       dp_group=groups.data if groups.dp_size > 1 else None)
     par = cfg.parallel
     optimizer.enable_mitigation(par.tbw_mitigation, par.tbw_dc_lambda)
     if cfg.training.skip_train:  # evaluation only: no step is taken, any schedule will do

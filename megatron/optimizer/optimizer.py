@@ -31,6 +31,21 @@ Non-finite gradients: they are detected for every precision, reported in
 state unchanged; ``write_to`` gets a copy of ``base``); fp16 also backs off its loss
 scale.  The trainer counts skipped steps and stops a run that keeps skipping.
 ``extra_found_inf=True`` on any rank skips the step everywhere too.
+
+Distributed optimizer (``--use-distributed-optimizer``, ZeRO stage 1): the data-parallel
+replicas of a stage split the optimizer state by whole parameters (``shard_owners``:
+largest first, each to the least-loaded rank).  A rank keeps the Adam moments (or SGD
+momentum) and, with mixed precision, the fp32 master weights of the parameters it owns
+only: 12 (1 - 1/w) bytes per parameter less for Adam with masters over w replicas.  The
+gradients are still all-reduced whole (every rank computes the same global norm and
+overflow verdict from them); each rank updates its own parameters, then every owner
+broadcasts its new weights, in the working dtype, to the other replicas.  That is 1.5x
+the data-parallel traffic of plain data parallelism (Megatron-LM reduce-scatters the
+gradients instead, 1x).  The update of every parameter is the same arithmetic as
+without sharding, so the weights are the same bits.  Checkpoints hold the whole state,
+in the unsharded format: ``state_dict`` gathers it (collective over the data-parallel
+group) and ``load_state_dict`` keeps this rank's share, so a run may resume with or
+without the flag, or with another data-parallel size.
 """
 from __future__ import annotations
 
@@ -74,6 +89,44 @@ class StepInfo:
     (only with ``log_params_norm``)."""
 
 
+def shard_owners(numels: Sequence[int], world: int) -> List[int]:
+    """The data-parallel rank that owns each parameter's optimizer state: parameters
+    largest first, each to the rank with the fewest elements so far (the lowest such
+    rank on ties).  The same answer on every rank, and no rank more than one largest
+    parameter above an even split."""
+    if world < 1:
+        raise ValueError(f"shard_owners: world must be >= 1, got {world}")
+    load = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-int(numels[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += int(numels[i])
+    return owners
+
+
+@dataclass(frozen=True)
+class OptimizerShard:
+    """Where the distributed optimizer's state lives: ``owners[i]`` is the data-parallel
+    rank holding parameter i's state; ``group`` the data-parallel process group (None in
+    one process, where ``size`` is 1)."""
+
+    rank: int
+    size: int
+    owners: Tuple[int, ...]
+    group: Any = None
+
+    def owned_by(self, r: int) -> List[int]:
+        return [i for i, o in enumerate(self.owners) if o == r]
+
+    @property
+    def owned(self) -> List[int]:
+        return self.owned_by(self.rank)
+
+    def global_rank(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+
 @dataclass
 class PendingStep:
     """A step whose agreement all-reduce is in flight (see ``begin_step``)."""
@@ -94,9 +147,21 @@ class MegatronOptimizer:
                  params: Sequence[nn.Parameter], *, scaler: GradScaler, use_masters: bool,
                  skip_on_nonfinite: bool, clip_grad: float, model_groups: Any = None,
                  tp_rank: int = 0, log_num_zeros: bool = False, grads_to_none: bool = True,
-                 name: str = "adam", log_params_norm: bool = False) -> None:
+                 name: str = "adam", log_params_norm: bool = False,
+                 shard: Optional[OptimizerShard] = None,
+                 full_order: Optional[List[List[int]]] = None) -> None:
         self.optimizer = optimizer
         self.main_params = main_params
+        """One per model parameter; None for a parameter another data-parallel rank owns
+        (``shard``)."""
+        self.shard = shard if shard is not None and shard.size > 1 else None
+        self._owned = (self.shard.owned if self.shard is not None
+                       else list(range(len(main_params))))
+        # torch's parameter numbering without sharding: the main-parameter index of each
+        # member of each param group, in order (decay group, then no-decay)
+        self._full_order = full_order if full_order is not None else [
+            [next(i for i, m in enumerate(main_params) if m is p) for p in g["params"]]
+            for g in optimizer.param_groups]
         self.scaler = scaler
         self.use_masters = use_masters
         self.skip_on_nonfinite = skip_on_nonfinite
@@ -123,6 +188,10 @@ class MegatronOptimizer:
     def enable_mitigation(self, mitigation: str, dc_lambda: float = 0.0) -> None:
         """Turn on ``--2bw-mitigation predict`` or ``dc`` (others need nothing here)."""
         if mitigation == "predict":
+            if self.shard is not None:
+                raise ValueError("--2bw-mitigation predict needs every parameter's optimizer "
+                                 "state on every rank: it cannot run with "
+                                 "--use-distributed-optimizer")
             self.prediction = WeightPrediction(self.optimizer, self.main_params)
         elif mitigation == "dc":
             self.dc_lambda = float(dc_lambda)
@@ -266,6 +335,13 @@ class MegatronOptimizer:
             if pending.work is not None:
                 pending.work.wait()
             sq_norm, nonfinite, zeros, extra, weight_sq = pending.stats.tolist()
+            if self.shard is not None:
+                # the replicas must take or skip the step together (their owners
+                # broadcast): the gradients agree already, a replica's own loss check
+                # (``extra``) need not
+                flag = torch.tensor([extra], dtype=torch.float64, device=self._device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard.group)
+                extra = float(flag.item())
             grad_norm = math.sqrt(sq_norm) if sq_norm >= 0.0 else float("nan")
             found_inf = nonfinite > 0 or not math.isfinite(sq_norm)
             self.scaler.update(found_inf and self.skip_on_nonfinite)
@@ -340,31 +416,57 @@ class MegatronOptimizer:
 
     def _step_masters(self, grads: List[Optional[torch.Tensor]],
                       write_to: Sequence[nn.Parameter]) -> None:
-        for main, g in zip(self.main_params, grads):
-            main.grad = g
+        owned, main = self._owned, self.main_params
+        for i in owned:
+            main[i].grad = grads[i]
         self.optimizer.step()
-        for main in self.main_params:
-            main.grad = None
+        for i in owned:
+            main[i].grad = None
         if self.prediction is None:  # cast the new masters into the working buffer
-            _copy_all([m.data for m in self.main_params], [p.data for p in write_to])
+            _copy_all([main[i].data for i in owned], [write_to[i].data for i in owned])
         if self.prediction is not None:
-            self.prediction.predict_(write_to, [m.data for m in self.main_params],
+            self.prediction.predict_(write_to, [m.data for m in main],
                                      self.optimizer.param_groups[0]["lr"])
+        self._share_weights(write_to)
 
     def _step_in_buffer(self, grads: List[Optional[torch.Tensor]],
                         write_to: Sequence[nn.Parameter], base: Sequence[nn.Parameter]) -> None:
         _copy_buffer(base, write_to)
         if self.prediction is not None:  # base holds P(W(t)): recover W(t)
             self.prediction.restore_(write_to)
-        for main, p, g in zip(self.main_params, write_to, grads):
-            main.data = p.data
-            main.grad = g
+        for i in self._owned:
+            self.main_params[i].data = write_to[i].data
+            self.main_params[i].grad = grads[i]
         self.optimizer.step()
-        for main in self.main_params:
-            main.grad = None
+        for i in self._owned:
+            self.main_params[i].grad = None
         if self.prediction is not None:
             self.prediction.predict_(write_to, [p.data for p in write_to],
                                      self.optimizer.param_groups[0]["lr"])
+        self._share_weights(write_to)
+
+    def _share_weights(self, write_to: Sequence[nn.Parameter]) -> None:
+        """Distributed optimizer: every owner broadcasts the new weights of its parameters
+        (one flat tensor per owner and dtype) to the other data-parallel replicas."""
+        sh = self.shard
+        if sh is None:
+            return
+        for r in range(sh.size):
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for i in sh.owned_by(r):
+                by_dtype.setdefault(write_to[i].dtype, []).append(write_to[i].data)
+            for dtype, tensors in by_dtype.items():
+                if r == sh.rank:
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                else:
+                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype,
+                                       device=tensors[0].device)
+                dist.broadcast(flat, src=sh.global_rank(r), group=sh.group)
+                if r != sh.rank:
+                    at = 0
+                    for t in tensors:
+                        t.copy_(flat[at:at + t.numel()].view_as(t))
+                        at += t.numel()
 
     def _release_grads(self, grads_from: Sequence[nn.Parameter]) -> None:
         self.zero_grad(grads_from)
@@ -384,12 +486,19 @@ class MegatronOptimizer:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Moments, fp32 masters (if any), scaler state and a description to check on load."""
+        """Moments, fp32 masters (if any), scaler state and a description to check on load.
+        With the distributed optimizer: collective over the data-parallel group, and the
+        whole state in the unsharded format on every rank."""
+        torch_state, masters = self.optimizer.state_dict(), (
+            [None if m is None else m.data for m in self.main_params]
+            if self.use_masters else None)
+        if self.shard is not None:
+            torch_state, masters = self._gather_state(torch_state, masters)
         return {
             "meta": {"optimizer": self.name, "num_params": len(self._shapes),
                      "shapes": list(self._shapes), "fp32_masters": self.use_masters},
-            "optimizer": self.optimizer.state_dict(),
-            "fp32_masters": [m.data for m in self.main_params] if self.use_masters else None,
+            "optimizer": torch_state,
+            "fp32_masters": masters,
             "grad_scaler": self.scaler.state_dict(),
             "weight_prediction": (self.prediction.state_dict()
                                   if self.prediction is not None else None),
@@ -414,20 +523,74 @@ class MegatronOptimizer:
             raise ValueError("optimizer checkpoint has no fp32 master weights (saved without "
                              "mixed precision): load with --no-load-optim, or call "
                              "reload_model_params after loading the model weights")
-        self.optimizer.load_state_dict(sd["optimizer"])
+        self.optimizer.load_state_dict(self._local_state(sd["optimizer"])
+                                       if self.shard is not None else sd["optimizer"])
         if self.use_masters:
             with torch.no_grad():
                 for main, saved in zip(self.main_params, sd["fp32_masters"]):
-                    main.data.copy_(saved)
+                    if main is not None:
+                        main.data.copy_(saved)
         self.scaler.load_state_dict(sd["grad_scaler"])
         if self.prediction is not None:
             self.prediction.load_state_dict(sd.get("weight_prediction"))
+
+    # -- the distributed optimizer's state in the unsharded format --------------------
+    def _local_order(self) -> List[List[int]]:
+        """Main-parameter indices of this rank's torch param groups, in order."""
+        owned = set(self._owned)
+        return [[i for i in group if i in owned] for group in self._full_order]
+
+    def _gather_state(self, torch_state: Dict[str, Any], masters: Optional[List[Any]]):
+        """This rank's torch state and masters -> everyone's, numbered as the unsharded
+        optimizer numbers them (collective over the data-parallel group)."""
+        local = [i for group in self._local_order() for i in group]
+        mine = {"state": {local[j]: {k: (v.cpu() if torch.is_tensor(v) else v)
+                                     for k, v in st.items()}
+                          for j, st in torch_state["state"].items()},
+                "masters": ({i: masters[i].cpu() for i in self._owned}
+                            if masters is not None else None)}
+        parts: List[Any] = [None] * self.shard.size
+        dist.all_gather_object(parts, mine, group=self.shard.group)
+        by_main: Dict[int, Any] = {}
+        all_masters: Dict[int, Any] = {}
+        for part in parts:
+            by_main.update(part["state"])
+            all_masters.update(part["masters"] or {})
+        full_ids = {i: k for k, i in enumerate(i for g in self._full_order for i in g)}
+        groups = []
+        for saved, members in zip(torch_state["param_groups"], self._full_order):
+            groups.append({**saved, "params": [full_ids[i] for i in members]})
+        state = {full_ids[i]: st for i, st in sorted(by_main.items(), key=lambda x: full_ids[x[0]])}
+        full_masters = ([all_masters[i] for i in range(len(self._shapes))]
+                        if masters is not None else None)
+        return {"state": state, "param_groups": groups}, full_masters
+
+    def _local_state(self, full: Dict[str, Any]) -> Dict[str, Any]:
+        """An unsharded torch state dict -> this rank's share, in its own numbering."""
+        groups = full.get("param_groups", [])
+        if len(groups) != len(self._full_order) or any(
+                len(g["params"]) != len(members) for g, members in zip(groups, self._full_order)):
+            raise ValueError("optimizer checkpoint: its parameter groups do not match this "
+                             "stage's (decay, no-decay) groups")
+        local, local_groups, j = {}, [], 0
+        for saved, members, mine in zip(groups, self._full_order, self._local_order()):
+            by_main = dict(zip(members, saved["params"]))
+            ids = []
+            for i in mine:
+                if by_main[i] in full["state"]:
+                    local[j] = full["state"][by_main[i]]
+                ids.append(j)
+                j += 1
+            local_groups.append({**saved, "params": ids})
+        return {"state": local, "param_groups": local_groups}
 
     def reload_model_params(self, params: Sequence[nn.Parameter]) -> None:
         """Make the main parameters match ``params`` (the buffer holding the latest weights)."""
         self._check_buffers("params", params)
         with torch.no_grad():
             for main, p in zip(self.main_params, params):
+                if main is None:
+                    continue
                 if self.use_masters:
                     main.data.copy_(p.data)
                 else:
@@ -461,11 +624,14 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
                            model_groups: Any = None, tp_rank: int = 0, *,
                            log_num_zeros: bool = False,
                            grads_to_none: bool = True,
-                           log_params_norm: bool = False) -> MegatronOptimizer:
+                           log_params_norm: bool = False,
+                           dp_group: Any = None) -> MegatronOptimizer:
     """Build the optimizer for one stage; ``params`` is the stage's (first) weight buffer.
 
     ``model_groups``: process group over the tensor x pipeline ranks of one model replica
     (None in a single process).  ``tp_rank`` decides who counts replicated parameters.
+    ``dp_group``: the stage's data-parallel group, over which
+    ``opt_cfg.use_distributed_optimizer`` shards the state (None: one replica).
     """
     params = list(params)
     if not params:
@@ -478,20 +644,33 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
     if prec_cfg.fp16 and prec_cfg.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive")
     use_masters = prec_cfg.fp32_master_weights and any(p.dtype in _HALF for p in params)
+    shard = None
+    if getattr(opt_cfg, "use_distributed_optimizer", False):
+        size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        shard = OptimizerShard(rank=rank, size=size, group=dp_group,
+                               owners=tuple(shard_owners([p.numel() for p in params], size)))
+    owned = set(shard.owned) if shard is not None else set(range(len(params)))
     if use_masters:
-        main = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
+        main: List[Optional[nn.Parameter]] = [
+            nn.Parameter(p.detach().to(torch.float32, copy=True)) if i in owned else None
+            for i, p in enumerate(params)]
     else:
         # p.data, not p.detach(): a detached tensor shares p's autograd version counter,
         # so updates that _step_in_buffer writes into ANOTHER buffer (main.data is
         # re-pointed under 2BW) would bump this buffer's version and fail the saved-
         # tensor check of a microbatch in flight on it.
-        main = [nn.Parameter(p.data) for p in params]
+        main = [nn.Parameter(p.data) if i in owned else None for i, p in enumerate(params)]
 
-    # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed.
-    decay = [m for m in main if m.ndim >= 2]
-    no_decay = [m for m in main if m.ndim < 2]
-    groups = [{"params": ps, "weight_decay": wd}
-              for ps, wd in ((decay, opt_cfg.weight_decay), (no_decay, 0.0)) if ps]
+    # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed.  The
+    # groups are those of the whole stage; a distributed optimizer's hold its own share.
+    decay_ids = [i for i, p in enumerate(params) if p.ndim >= 2]
+    no_decay_ids = [i for i, p in enumerate(params) if p.ndim < 2]
+    kept = [(ids, wd) for ids, wd in ((decay_ids, opt_cfg.weight_decay), (no_decay_ids, 0.0))
+            if ids]
+    full_order = [ids for ids, _ in kept]
+    groups = [{"params": [main[i] for i in ids if i in owned], "weight_decay": wd}
+              for ids, wd in kept]
     if opt_cfg.optimizer == "adam":
         # torch's fused kernel, on CUDA and on the CPU alike: one call for all tensors.
         # On the CPU a one-off timing of the 32 tensors of a small GPT stage gave 0.50 ms
@@ -520,4 +699,5 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
                              skip_on_nonfinite=bool(prec_cfg.fp16), clip_grad=opt_cfg.clip_grad,
                              model_groups=model_groups, tp_rank=tp_rank,
                              log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
-                             name=opt_cfg.optimizer, log_params_norm=log_params_norm)
+                             name=opt_cfg.optimizer, log_params_norm=log_params_norm,
+                             shard=shard, full_order=full_order)

@@ -305,3 +305,23 @@ def test_layer_level_recompute_memory_and_time():
     with pytest.raises(ValueError, match="stage-level"):
         replace(base, recompute=True, recompute_method="uniform", recompute_num_layers=1)
 
+
+
+def test_distributed_optimizer_splits_the_state_and_gathers_the_weights():
+    """--use-distributed-optimizer: masters and moments (12 of the 14 bytes) split over
+    the w replicas of a stage, the gradients (2) whole; after the step the owners'
+    weights are all-gathered: half a ring all-reduce of one fp16 weight version."""
+    cfg = Config(w=4, d=2, b=2, m=4, schedule="flush")
+    plain = CostModel(TOY, PLAIN).stage_costs(cfg)
+    sharded = CostModel(TOY, PLAIN, CostOptions(distributed_optimizer=True)).stage_costs(cfg)
+    for p, s in zip(plain, sharded):
+        assert p.optimizer_bytes == pytest.approx(14 * p.params)
+        assert s.optimizer_bytes == pytest.approx((2 + 12 / 4) * s.params)
+        assert s.weights_bytes == p.weights_bytes and s.activation_bytes == p.activation_bytes
+        links = CostModel(TOY, PLAIN).estimate(cfg).links
+        assert s.step_s - p.step_s == pytest.approx(
+            0.5 * ring_allreduce_time(2 * p.params, 4, links.data))
+    # one replica: nothing to split
+    one = Config(w=1, d=2, b=2, m=4, schedule="flush")
+    assert CostModel(TOY, PLAIN, CostOptions(distributed_optimizer=True)).stage_costs(one) == \
+        CostModel(TOY, PLAIN).stage_costs(one)

@@ -396,12 +396,15 @@ LLAMA31_8B = [  # the model flags of a Megatron-LM Llama-3.1-8B command line
     "--tokenizer-type", "NullTokenizer", "--mock-data",
     "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "4",
     "--pipeline-schedule", "2bw", "--micro-batch-size", "1", "--global-batch-size", "64",
-    "--train-iters", "100", "--lr", "3e-4"]
+    "--train-iters", "100", "--lr", "3e-4", "--use-distributed-optimizer",
+    "--overlap-param-gather"]
 
 
 def test_megatron_lm_llama3_command_line_validates():
     """32 ranks (t=8: one key/value group per rank, d=4), with Llama 3.1's RoPE scaling."""
-    model = build_config(_validate(LLAMA31_8B + ["--use-rope-scaling"], world=32)).model
+    cfg = build_config(_validate(LLAMA31_8B + ["--use-rope-scaling"], world=32))
+    model = cfg.model
+    assert cfg.optimizer.use_distributed_optimizer
     assert (model.num_query_groups, model.swiglu, model.rotary_base, model.kv_channels,
             model.untie_embeddings_and_output_weights) == (8, True, 500000, 128, True)
     assert (model.rope_scaling, model.rope_scaling_factor) == (True, 8.0)

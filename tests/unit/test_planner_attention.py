@@ -172,3 +172,22 @@ def test_head_formula_matches_the_bytes_the_executor_counts(kind):
         2 * spec.head_activation_bytes(b) + per_token * s * b
     assert dataclasses.replace(spec, fp32_logits=True).head_activation_bytes(b) == \
         spec.head_activation_bytes(b) + 2 * s * b * v
+
+
+def test_plan_cli_plans_the_distributed_optimizer(tmp_path):
+    import json
+
+    from tests.unit.test_planner_llama import _plan
+    mem = {}
+    for extra in ((), ("--use-distributed-optimizer",)):
+        out = tmp_path / f"plan{len(extra)}.json"
+        res = _plan("--model", "gpt-1.3b", "--cluster", "dgx-a100", "--num-gpus", "16",
+                    "--max-batch-size", "256", "--schedules", "flush", "--json", str(out),
+                    *extra)
+        assert res.returncode == 0, res.stderr
+        assert ("--use-distributed-optimizer" in res.stdout) == bool(extra)
+        rows = json.loads(out.read_text())["rows"]
+        mem[bool(extra)] = {json.dumps(r["config"], sort_keys=True): r["memory_per_gpu_bytes"]
+                            for r in rows}
+    shared = [k for k in mem[False] if json.loads(k)["w"] > 1]
+    assert shared and all(mem[True][k] < mem[False][k] for k in shared)

@@ -159,6 +159,11 @@ class CostOptions:
     so under flush/gpipe/none most of it hides behind that backward pass."""
     grad_bucket_bytes: float = 32 * 2 ** 20
     """Bucket size of the executor's gradient all-reduce (``GradientReduction``)."""
+    distributed_optimizer: bool = False
+    """--use-distributed-optimizer: the optimizer state beyond the gradients (master
+    weights and moments, ``optimizer_bytes_per_param - grad_bytes_per_param``) is split
+    over the w replicas of a stage, each updates its share (the step's time / w), and the
+    owners' new weights are then all-gathered (a broadcast per owner, after the step)."""
 
 
 def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
@@ -381,11 +386,19 @@ class CostModel:
         n = in_flight(c.schedule, i, d, c.m)
         versions = 2 if c.schedule == "2bw" else 1
         activations = act_stage if c.recompute else n * act_stage + transient
+        optimizer_bytes = params * opt.optimizer_bytes_per_param
+        if opt.distributed_optimizer and c.w > 1:
+            state = opt.optimizer_bytes_per_param - opt.grad_bytes_per_param
+            optimizer_bytes = params * (opt.grad_bytes_per_param + state / c.w)
+            # a ring all-gather moves half a ring all-reduce's bytes
+            gather = 0.5 * ring_allreduce_time(params * opt.weight_bytes_per_param, c.w,
+                                               links.data)
+            step = step / c.w + gather
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
             p2p_s=p2p, allreduce_s=allreduce,
             weights_bytes=versions * params * opt.weight_bytes_per_param,
-            optimizer_bytes=params * opt.optimizer_bytes_per_param,
+            optimizer_bytes=optimizer_bytes,
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
             activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
             dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient)
