@@ -216,3 +216,13 @@ def test_eval_memory_quick(tmp_path: Path) -> None:
         per_batch = 2 if row["configuration"].startswith("w=2") else 4
         assert all(r["forwards"] == 60 * per_batch for r in row["ranks"]), row
         assert row["rss_peak_mb"] >= max(row["rss_start_mb"], row["rss_end_mb"])
+
+
+def test_distributed_optimizer_quick(tmp_path: Path) -> None:
+    data = _run_bench("distributed_optimizer.py", tmp_path, timeout=300)
+    rows = data["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["same_losses"] for r in rows)
+    # the two ranks' shares are the whole state, split by whole parameters
+    assert sum(r["state_bytes_sharded"] for r in rows) == rows[0]["state_bytes_plain"]
+    assert all(0 < r["state_ratio"] < 1 for r in rows)
