@@ -149,12 +149,15 @@ class MegatronOptimizer:
                  tp_rank: int = 0, log_num_zeros: bool = False, grads_to_none: bool = True,
                  name: str = "adam", log_params_norm: bool = False,
                  shard: Optional[OptimizerShard] = None,
-                 full_order: Optional[List[List[int]]] = None) -> None:
+                 full_order: Optional[List[List[int]]] = None, dp_group: Any = None) -> None:
         self.optimizer = optimizer
         self.main_params = main_params
         """One per model parameter; None for a parameter another data-parallel rank owns
         (``shard``)."""
         self.shard = shard if shard is not None and shard.size > 1 else None
+        # the stage's data-parallel group (None: one replica): the replicas' own findings
+        # (``extra_found_inf``, a replica's loss check) are agreed over it at each step
+        self.dp_group = dp_group
         self._owned = (self.shard.owned if self.shard is not None
                        else list(range(len(main_params))))
         # torch's parameter numbering without sharding: the main-parameter index of each
@@ -335,12 +338,13 @@ class MegatronOptimizer:
             if pending.work is not None:
                 pending.work.wait()
             sq_norm, nonfinite, zeros, extra, weight_sq = pending.stats.tolist()
-            if self.shard is not None:
-                # the replicas must take or skip the step together (their owners
-                # broadcast): the gradients agree already, a replica's own loss check
-                # (``extra``) need not
+            if self.dp_group is not None:
+                # the replicas must take or skip the step together (else their weights
+                # part for good, and a distributed optimizer's owners would wait for
+                # each other's broadcasts): the gradients agree already, a replica's
+                # own loss check (``extra``) need not
                 flag = torch.tensor([extra], dtype=torch.float64, device=self._device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard.group)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
                 extra = float(flag.item())
             grad_norm = math.sqrt(sq_norm) if sq_norm >= 0.0 else float("nan")
             found_inf = nonfinite > 0 or not math.isfinite(sq_norm)
@@ -630,8 +634,9 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
 
     ``model_groups``: process group over the tensor x pipeline ranks of one model replica
     (None in a single process).  ``tp_rank`` decides who counts replicated parameters.
-    ``dp_group``: the stage's data-parallel group, over which
-    ``opt_cfg.use_distributed_optimizer`` shards the state (None: one replica).
+    ``dp_group``: the stage's data-parallel group (None: one replica), over which the
+    replicas agree to skip a step and ``opt_cfg.use_distributed_optimizer`` shards the
+    state.
     """
     params = list(params)
     if not params:
@@ -700,4 +705,4 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
                              model_groups=model_groups, tp_rank=tp_rank,
                              log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
                              name=opt_cfg.optimizer, log_params_norm=log_params_norm,
-                             shard=shard, full_order=full_order)
+                             shard=shard, full_order=full_order, dp_group=dp_group)

@@ -202,3 +202,38 @@ def test_two_pipelines_of_two_stages_train_to_the_same_bits():
         assert res[rank]["plain"]["losses"] == res[rank]["dist"]["losses"]
         assert res[rank]["plain"]["grad_norms"] == res[rank]["dist"]["grad_norms"]
     assert sorted(res[-1]["dist"]["losses"]) == [1, 2, 3, 4]
+
+
+def _one_replica_loss_worker(rank: int, world: int, argv):
+    """Train with ``argv``; only data-parallel rank 1 finds batch 2's loss non-finite
+    (its gradients stay finite: what the last stage's loss check is for)."""
+    import contextlib
+    import io
+
+    import pretrain_gpt
+    from megatron.pipeline import engine as eng
+    from megatron.training import pretrain
+
+    original = eng.PipelineEngine._loss_nonfinite
+
+    def one_replica(self, seg, t):
+        found = original(self, seg, t)
+        return True if (t == 2 and self.groups.dp_rank == 1) else found
+
+    eng.PipelineEngine._loss_nonfinite = one_replica
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                          pretrain_gpt.forward_step, argv=list(argv))
+    return [r.skipped for r in result.reports], result.shared_embedding
+
+
+@pytest.mark.parametrize("extra", [(), ("--use-distributed-optimizer",)],
+                         ids=["plain", "distributed"])
+def test_a_replica_that_skips_makes_all_skip(extra):
+    """Both replicas skip batch 2 and keep the same weights (before, the other replica
+    stepped and the two parted for good; with sharded state they would have waited for
+    each other's broadcasts)."""
+    res = run_distributed(_one_replica_loss_worker, 2, args=(_argv("2bw", *extra),),
+                          timeout=300)
+    assert res[0][0] == res[1][0] == [False, False, True, False]
+    assert torch.equal(res[0][1], res[1][1])
