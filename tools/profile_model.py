@@ -30,7 +30,9 @@ The model flags are the trainer's, the Llama-style block options included
 With RoPE the layers of a stage share one cos/sin table (``RotaryEmbedding``'s cache):
 the block count leaves it out (it would otherwise be charged once per chained layer)
 and ``rotary_table_bytes`` records it, charged once per stage (the executor counts it
-once per microbatch, as every tensor its layers save).
+once per microbatch, as every tensor its layers save).  The causal mask of
+``--attention-backend unfused/local`` (one [s, s] bool tensor per stage, shared by its
+microbatches) is left out of the block count the same way and not recorded.
 
 Then, per stage kind (``whole``: embedding and head, d = 1; ``first``; ``middle``;
 ``last``), a ``GPTModel`` stage of ``--chain-blocks`` layers is run through
@@ -491,10 +493,15 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
               if config.position_embedding_type == "rope" else None)
     rotary_ptrs = {t.untyped_storage().data_ptr() for t in rotary} if rotary else set()
     rotary_bytes = sum(t.untyped_storage().nbytes() for t in rotary) if rotary else 0
+    # the causal mask as a stage makes it for all its layers (the explicit softmax's one
+    # [s, s] tensor, shared by every microbatch; none for the fused kernels): left out of
+    # the block count like the tables
+    mask = block.self_attention.core_attention.prepare_mask(None, dtype, s, device)
+    mask_ptrs = {mask.untyped_storage().data_ptr()} if mask is not None else set()
 
     def run_blocks(x: torch.Tensor) -> torch.Tensor:
         for layer in blocks:
-            x = layer(x, None, rotary)
+            x = layer(x, mask, rotary)
         return x
 
     gen = torch.Generator().manual_seed(seed)
@@ -515,7 +522,7 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         if rotary:
             row["rotary_table_bytes"] = rotary_bytes
         row["block"] = _measure(lambda: run_blocks(x), push, blocks,
-                                weight_storage_ptrs(blocks) | rotary_ptrs,
+                                weight_storage_ptrs(blocks) | rotary_ptrs | mask_ptrs,
                                 device, warmup, repeat, per_sync, units=chain)
         row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
                                     weight_storage_ptrs(embedding), device, warmup, repeat,

@@ -191,3 +191,40 @@ def test_plan_cli_plans_the_distributed_optimizer(tmp_path):
                             for r in rows}
     shared = [k for k in mem[False] if json.loads(k)["w"] > 1]
     assert shared and all(mem[True][k] < mem[False][k] for k in shared)
+
+
+def test_profiler_measures_and_records_the_backend(tmp_path, capsys):
+    """tools/profile_model.py --attention-backend local: the block's measured stash holds
+    the probabilities (more than the fused kernel's), the JSON records the backend, and a
+    plan from the profile passes it on; a plan that asks for the other kind of kernel is
+    refused."""
+    import json
+
+    from tools.plan import run
+    from tools.profile_model import main
+
+    torch.set_num_threads(1)
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--vocab-size", "64", "--make-vocab-size-divisible-by",
+             "32", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--micro-batch-sizes", "2", "--warmup", "0", "--repeat", "1", "--no-stages",
+             "--device", "cpu"]
+    stash = {}
+    for backend in ("auto", "local"):
+        out = tmp_path / f"{backend}.json"
+        assert main([*flags, "--attention-backend", backend, "--output", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert data["model"]["attention_backend"] == backend
+        stash[backend] = data["microbatches"][0]["block"]["stash_bytes"]
+    s, b, a = 16, 2, 4
+    # fp32 probabilities instead of the log-sum-exp; the causal mask, one per stage and
+    # shared by its microbatches, is not charged to a block
+    assert stash["local"] - stash["auto"] == 4 * a * s * s * b - 4 * a * s * b
+    capsys.readouterr()
+    local = str(tmp_path / "local.json")
+    assert run(["--profile", local, "--cluster", "cpu", "--num-gpus", "2",
+                "--max-batch-size", "8", "--top", "1"]) == 0
+    assert "--attention-backend local" in capsys.readouterr().out
+    assert run(["--profile", local, "--cluster", "cpu", "--num-gpus", "2",
+                "--max-batch-size", "8", "--attention-backend", "auto"]) == 2
+    assert "--attention-backend auto (profiled local)" in capsys.readouterr().err
