@@ -42,7 +42,8 @@ def test_closed_form_batch_time_agrees_with_simulator(name, cfg):
 def test_disagreement_is_a_constant_per_batch(name, shape):
     """2bw: the simulator, like our executor, defers the stages' agreement at STEP(b)
     (global grad norm, overflow flag, tied embeddings) by a batch, as Appendix A's
-    steady state has no step barrier; any gap left must not grow with m.  flush: (m - 1) max_i slot_i + sum_i slot_i over-counts the fill/drain of a
+    steady state has no step barrier; any gap left must not grow with m.  flush:
+    (m - 1) max_i slot_i + sum_i slot_i over-counts the fill/drain of a
     communication-bound 1F1B pipeline.  Either way the error is below one slot per batch
     and does not grow with m, so the relative error falls as 1/m."""
     model = get_model(name)

@@ -71,7 +71,8 @@ Counting conventions (all per microbatch):
     trainer's default backend, does; the explicit softmax of --attention-backend
     unfused/local repeats the key and value heads, and what its matmuls then keep
     depends on the layout: measured on CPU, 0 to 1.5 q-wide tensors more per token,
-    not counted here -- profile such a model, tools/profile_model.py).  The softmax terms have a heads whatever G is.
+    not counted here -- profile such a model, tools/profile_model.py).  The softmax
+    terms have a heads whatever G is.
     With 1 < G < a and no RoPE the queries are also copied out of the fused output into
     head order (they are not one strided view of it: each group's block in the output
     holds its queries, key and value, Megatron-LM's layout), and attention keeps that
