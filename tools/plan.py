@@ -177,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage-level (on), never (off), layer-level uniform chunks of one "
                         "layer (layer: --recompute-method uniform --recompute-num-layers 1), "
                         "or all three (all)")
-    s.add_argument("--use-distributed-optimizer", action="store_true",
+    s.add_argument("--use-distributed-optimizer", nargs="?", const="on", choices=("on", "auto"),
                    help="plan (and print) the trainer's distributed optimizer: the master "
-                        "weights and moments split over each stage's data-parallel replicas")
+                        "weights and moments split over each stage's data-parallel "
+                        "replicas; 'auto': try each configuration with and without it")
     s.add_argument("--c-extra", type=float, default=4.0 / 3.0,
                    help="compute multiplier of activation recomputation (Appendix A)")
     s.add_argument("--profile", metavar="PATH",
@@ -309,13 +310,14 @@ def run(argv: Optional[List[str]] = None) -> int:
         hw = hardware_from_args(args)
         check_gpus(args.num_gpus, hw)
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-        base_options = CostOptions(c_extra=args.c_extra,
-                                   distributed_optimizer=args.use_distributed_optimizer)
+        base_options = CostOptions(c_extra=args.c_extra)
         recompute = {"auto": (False, True), "on": (True,), "off": (False,),
                      "layer": ("uniform",), "all": (False, True, "uniform")}[args.recompute]
         kwargs = dict(schedules=schedules, tensor_parallel=args.tensor_parallel,
                       max_microbatch_size=args.max_microbatch_size, recompute=recompute,
                       options=(profile.cost_options(base_options) if profile else base_options),
+                      distributed_optimizer={None: (False,), "on": (True,),
+                                             "auto": (False, True)}[args.use_distributed_optimizer],
                       profile=profile)
         rows = search(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
         fastest = best_plan(model, hw, args.num_gpus, args.max_batch_size, **kwargs)
@@ -323,9 +325,7 @@ def run(argv: Optional[List[str]] = None) -> int:
         # a profile of the fused loss was timed with it: the command must run it too
         fused = bool(profile and profile.model.get("cross_entropy_loss_fusion"))
         cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server,
-                           extra_args=((["--cross-entropy-loss-fusion"] if fused else [])
-                                       + (["--use-distributed-optimizer"]
-                                          if args.use_distributed_optimizer else [])),
+                           extra_args=["--cross-entropy-loss-fusion"] if fused else [],
                            precision=planned_precision(
                                hw.name, profile.model.get("dtype") if profile else None))
     except (PlanningError, ValueError) as exc:

@@ -186,11 +186,33 @@ def test_plan_cli_plans_the_distributed_optimizer(tmp_path):
                     *extra)
         assert res.returncode == 0, res.stderr
         assert ("--use-distributed-optimizer" in res.stdout) == bool(extra)
-        rows = json.loads(out.read_text())["rows"]
-        mem[bool(extra)] = {json.dumps(r["config"], sort_keys=True): r["memory_per_gpu_bytes"]
-                            for r in rows}
+        rows = [r for r in json.loads(out.read_text())["rows"] if r["fits"]]
+        assert rows and all(r["config"]["distributed_optimizer"] == bool(extra) for r in rows)
+        mem[bool(extra)] = {json.dumps({k: v for k, v in r["config"].items()
+                                        if k != "distributed_optimizer"}, sort_keys=True):
+                            r["memory_per_gpu_bytes"] for r in rows}
     shared = [k for k in mem[False] if json.loads(k)["w"] > 1]
     assert shared and all(mem[True][k] < mem[False][k] for k in shared)
+
+
+def test_planner_decides_on_the_distributed_optimizer():
+    """Tried both ways, it wins where memory binds: GPT-1.3B on 16 GPUs of 8 GiB shards
+    the state and runs w=4 d=4 instead of w=2 d=8; with one replica (w=1) a candidate is
+    tried once, without it."""
+    from megatron.pipeline.planner import search
+
+    model, hw = get_model("gpt-1.3b"), get_hardware("p3.16xlarge").with_overrides(
+        gpu_memory_bytes=8 * 2 ** 30)
+    plain = best_plan(model, hw, 16, 256)
+    auto = best_plan(model, hw, 16, 256, distributed_optimizer=(False, True))
+    assert not plain.config.distributed_optimizer and auto.config.distributed_optimizer
+    assert auto.predicted_samples_per_s > 1.2 * plain.predicted_samples_per_s
+    assert (auto.config.w, auto.config.d) == (4, 4) and (plain.config.w, plain.config.d) == (2, 8)
+    assert "--use-distributed-optimizer" in command_line(auto, model)
+    assert "--use-distributed-optimizer" not in command_line(plain, model)
+    rows = search(model, hw, 16, 256, distributed_optimizer=(False, True))
+    assert not any(r.config.distributed_optimizer and r.config.w == 1 for r in rows)
+    assert any(r.config.distributed_optimizer for r in rows if r.config.w > 1)
 
 
 def test_profiler_measures_and_records_the_backend(tmp_path, capsys):

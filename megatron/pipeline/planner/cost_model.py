@@ -85,6 +85,9 @@ class Config:
     --recompute-method uniform|block --recompute-num-layers N); exclusive with the
     stage-level ``recompute``."""
     recompute_num_layers: int = 0
+    distributed_optimizer: bool = False
+    """--use-distributed-optimizer for this candidate (as ``CostOptions``'s, which applies
+    to every candidate)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -115,8 +118,9 @@ class Config:
         split = ""
         if self.first_layers is not None or self.last_layers is not None:
             split = f" layers first={self.first_layers} last={self.last_layers}"
+        dopt = " +distributed optimizer" if self.distributed_optimizer else ""
         return (f"{self.schedule:5s} w={self.w} d={self.d} t={self.t} b={self.b} "
-                f"m={self.m}{rc}{split}")
+                f"m={self.m}{rc}{split}{dopt}")
 
     def layer_counts(self, num_layers: int) -> List[int]:
         """Layers of each stage (ValueError when the split does not fit the model)."""
@@ -387,7 +391,7 @@ class CostModel:
         versions = 2 if c.schedule == "2bw" else 1
         activations = act_stage if c.recompute else n * act_stage + transient
         optimizer_bytes = params * opt.optimizer_bytes_per_param
-        if opt.distributed_optimizer and c.w > 1:
+        if (opt.distributed_optimizer or c.distributed_optimizer) and c.w > 1:
             state = opt.optimizer_bytes_per_param - opt.grad_bytes_per_param
             optimizer_bytes = params * (opt.grad_bytes_per_param + state / c.w)
             # a ring all-gather moves half a ring all-reduce's bytes

@@ -109,7 +109,8 @@ def recompute_fields(recompute: Union[bool, str]) -> dict:
 def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str,
                       recompute: Union[bool, str],
                       max_batch: int, max_microbatch: int = 64,
-                      exact_batch: bool = False, balance: bool = False) -> PlanRow:
+                      exact_batch: bool = False, balance: bool = False,
+                      distributed_optimizer: bool = False) -> PlanRow:
     """SEARCH(w, d, B) for one shape, schedule and recompute choice: the best (b, m).
 
     Rejected (fits=False, with the reason) when no b fits in memory or no b meets the
@@ -129,7 +130,8 @@ def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str,
         if schedule == "2bw" and m < d:
             reason = reason or f"2bw needs m >= d: m = {m} < d = {d} at b = {b}"
             break
-        cfg = Config(w=w, d=d, t=t, b=b, m=m, schedule=schedule, **recompute_fields(recompute))
+        cfg = Config(w=w, d=d, t=t, b=b, m=m, schedule=schedule,
+                     distributed_optimizer=distributed_optimizer, **recompute_fields(recompute))
         est = cm.estimate(cfg, keep_stages=False)
         if smallest is None:
             smallest = est
@@ -151,7 +153,9 @@ def search_microbatch(cm: CostModel, t: int, w: int, d: int, schedule: str,
         return PlanRow(best.config, best.samples_per_s, best.memory_per_gpu_bytes,
                        best.bubble_fraction, True, None)
     cfg = smallest.config if smallest else Config(w=w, d=d, t=t, b=1, m=max(1, max_batch // w),
-                                                  schedule=schedule, **recompute_fields(recompute))
+                                                  schedule=schedule,
+                                                  distributed_optimizer=distributed_optimizer,
+                                                  **recompute_fields(recompute))
     return PlanRow(cfg, 0.0, smallest.memory_per_gpu_bytes if smallest else 0.0,
                    smallest.bubble_fraction if smallest else 0.0, False,
                    reason or "no microbatch size fits")
@@ -210,7 +214,8 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
            recompute: Sequence[Union[bool, str]] = (False, True), exact_batch: bool = False,
            options: CostOptions = CostOptions(),
            profile: Optional["Profile"] = None,
-           balance_stages_: bool = True) -> List[PlanRow]:
+           balance_stages_: bool = True,
+           distributed_optimizer: Sequence[bool] = (False,)) -> List[PlanRow]:
     """Ranked candidates: those that fit by predicted throughput, then the rejected.
 
     With a ``profile`` each candidate's stage split is chosen from the measured costs
@@ -218,7 +223,9 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
     head make the first and last stage heavier than the middle ones.
 
     ``exact_batch`` keeps only (b, m) with w b m == B (the paper's fixed-batch
-    comparisons) instead of w b m <= B.  ``profile`` (``planner.profile.Profile``)
+    comparisons) instead of w b m <= B.  ``distributed_optimizer``: the choices to try
+    for --use-distributed-optimizer, (False, True) to let the search decide (True only
+    where w > 1: with one replica there is nothing to split).  ``profile`` (``planner.profile.Profile``)
     prices compute and activations from measurements instead of the closed forms.
     """
     schedules = list(schedules)
@@ -234,10 +241,13 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
                                  **recompute_fields(rc))
                     rows.append(PlanRow(cfg, 0.0, 0.0, 0.0, False, why))
                     continue
-                rows.append(search_microbatch(cm, t, w, d, schedule, rc, max_batch_size,
-                                              max_microbatch_size, exact_batch,
-                                              balance=balance_stages_ if profile is not None
-                                              else False))
+                for dopt in distributed_optimizer:
+                    if dopt and w == 1 and False in distributed_optimizer:
+                        continue  # the same candidate as without it
+                    rows.append(search_microbatch(
+                        cm, t, w, d, schedule, rc, max_batch_size, max_microbatch_size,
+                        exact_batch, balance=balance_stages_ if profile is not None else False,
+                        distributed_optimizer=bool(dopt)))
     fitting = sorted((r for r in rows if r.fits), key=lambda r: -r.predicted_samples_per_s)
     rejected = [r for r in rows if not r.fits]
     return fitting + rejected
@@ -298,6 +308,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         args += ["--decoder-last-pipeline-num-layers", cfg.last_layers]
     if cfg.schedule == "2bw" and RECOMMENDED_2BW_MITIGATION != "none":
         args += ["--2bw-mitigation", RECOMMENDED_2BW_MITIGATION]
+    if cfg.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
     if cfg.recompute:
         args.append("--recompute-activations")
     elif cfg.recompute_method is not None:
@@ -336,6 +348,8 @@ def format_table(rows: Sequence[PlanRow], limit: Optional[int] = None) -> str:
     for i, r in enumerate(rows[:limit] if limit else rows, 1):
         c = r.config
         status = "ok" if r.fits else f"rejected: {r.reason_rejected}"
+        if c.distributed_optimizer:
+            status += " (distributed optimizer)"
         tput = f"{r.predicted_samples_per_s:10.2f}" if r.fits else f"{'-':>10}"
         mem = f"{r.memory_per_gpu_bytes / GiB:7.2f}" if r.memory_per_gpu_bytes else f"{'-':>7}"
         lines.append(f"{i:>3}  {c.schedule:8} {c.w:>4} {c.d:>4} {c.t:>3} {c.b:>3} {c.m:>5} "
