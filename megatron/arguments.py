@@ -38,6 +38,7 @@ from megatron.config import (
 
 from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402 - one list of names
 from megatron.optimizer.staleness import MITIGATIONS  # noqa: E402
+from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402 - one list of names
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -126,7 +127,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each transformer layer (opt-in; the first batch pays "
                         "the compilation, minutes on a CPU).")
-    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default="auto",
                    help="auto, flash, fused: torch's scaled_dot_product_attention, which picks "
                         "flash attention or the memory-efficient kernel for the device (it keeps "

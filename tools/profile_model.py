@@ -113,6 +113,7 @@ from torch import nn  # noqa: E402
 
 from megatron.config import ModelConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
 from megatron.pipeline.memory import StashTracker  # noqa: E402
+from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402
 
 SCHEMA = "megatron-pipedream-profile/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -622,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default="auto", help="as the trainer's flag (recorded in the profile)")
     d = g.add_mutually_exclusive_group()
     for name in DTYPES:

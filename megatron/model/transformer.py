@@ -292,11 +292,8 @@ class CoreAttention(nn.Module):
     def _manual(self, q, k, v, mask, p):
         compute = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q, k.transpose(-1, -2)).to(compute) / math.sqrt(self.head_dim)
-        mask = self.prepare_mask(mask, q.dtype, q.size(2), q.device)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(mask, _MASK_FILL)
-        else:  # an additive mask (another backend's prepare_mask)
-            scores = scores + mask
+        scores = scores.masked_fill(self.prepare_mask(mask, q.dtype, q.size(2), q.device),
+                                    _MASK_FILL)
         probs = _SoftmaxKeptAs.apply(scores, v.dtype)
         probs = F.dropout(probs, p=p, training=p > 0)
         return torch.matmul(probs, v)

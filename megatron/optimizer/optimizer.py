@@ -120,6 +120,11 @@ class OptimizerShard:
         return [i for i, o in enumerate(self.owners) if o == r]
 
     @property
+    def by_rank(self) -> List[List[int]]:
+        """``owned_by(r)`` for every rank r."""
+        return [self.owned_by(r) for r in range(self.size)]
+
+    @property
     def owned(self) -> List[int]:
         return self.owned_by(self.rank)
 
@@ -160,6 +165,7 @@ class MegatronOptimizer:
         self.dp_group = dp_group
         self._owned = (self.shard.owned if self.shard is not None
                        else list(range(len(main_params))))
+        self._by_rank = self.shard.by_rank if self.shard is not None else []
         # torch's parameter numbering without sharding: the main-parameter index of each
         # member of each param group, in order (decay group, then no-decay)
         self._full_order = full_order if full_order is not None else [
@@ -455,9 +461,9 @@ class MegatronOptimizer:
         sh = self.shard
         if sh is None:
             return
-        for r in range(sh.size):
+        for r, owned in enumerate(self._by_rank):
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for i in sh.owned_by(r):
+            for i in owned:
                 by_dtype.setdefault(write_to[i].dtype, []).append(write_to[i].data)
             for dtype, tensors in by_dtype.items():
                 if r == sh.rank:

@@ -300,3 +300,20 @@ def test_cuda_fused_adam_matches_cpu_reference():
         ref_opt.step()
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p.detach().cpu(), r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_owners_balance_whole_parameters():
+    """The distributed optimizer's split: largest first to the least-loaded rank, the
+    same on every call, within one largest parameter of an even split."""
+    from megatron.optimizer.optimizer import shard_owners
+
+    numels = [48, 6, 20, 4, 9, 2, 100, 1]
+    owners = shard_owners(numels, 3)
+    assert owners == shard_owners(list(numels), 3)
+    loads = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(3)]
+    assert sum(loads) == sum(numels) and max(loads) - min(loads) <= max(numels)
+    assert owners[numels.index(100)] == 0            # the largest goes first, to rank 0
+    assert shard_owners(numels, 1) == [0] * len(numels)
+    assert sorted(set(shard_owners([5] * 4, 4))) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        shard_owners(numels, 0)

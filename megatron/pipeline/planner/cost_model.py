@@ -86,8 +86,10 @@ class Config:
     stage-level ``recompute``."""
     recompute_num_layers: int = 0
     distributed_optimizer: bool = False
-    """--use-distributed-optimizer for this candidate (as ``CostOptions``'s, which applies
-    to every candidate)."""
+    """--use-distributed-optimizer: the optimizer state beyond the gradients (master
+    weights and moments, ``optimizer_bytes_per_param - grad_bytes_per_param``) is split
+    over the w replicas of a stage, each updates its share (the step's time / w), and the
+    owners' new weights are then all-gathered (a broadcast per owner, after the step)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -163,11 +165,6 @@ class CostOptions:
     so under flush/gpipe/none most of it hides behind that backward pass."""
     grad_bucket_bytes: float = 32 * 2 ** 20
     """Bucket size of the executor's gradient all-reduce (``GradientReduction``)."""
-    distributed_optimizer: bool = False
-    """--use-distributed-optimizer: the optimizer state beyond the gradients (master
-    weights and moments, ``optimizer_bytes_per_param - grad_bytes_per_param``) is split
-    over the w replicas of a stage, each updates its share (the step's time / w), and the
-    owners' new weights are then all-gathered (a broadcast per owner, after the step)."""
 
 
 def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
@@ -391,7 +388,7 @@ class CostModel:
         versions = 2 if c.schedule == "2bw" else 1
         activations = act_stage if c.recompute else n * act_stage + transient
         optimizer_bytes = params * opt.optimizer_bytes_per_param
-        if (opt.distributed_optimizer or c.distributed_optimizer) and c.w > 1:
+        if c.distributed_optimizer and c.w > 1:
             state = opt.optimizer_bytes_per_param - opt.grad_bytes_per_param
             optimizer_bytes = params * (opt.grad_bytes_per_param + state / c.w)
             # a ring all-gather moves half a ring all-reduce's bytes

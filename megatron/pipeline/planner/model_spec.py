@@ -137,6 +137,8 @@ MODEL_KINDS = ("gpt", "bert")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+EXPLICIT_SOFTMAX_BACKENDS = ("unfused", "local")
+"""The backends that keep the s x s probabilities (the others run sdpa's kernels)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,7 +342,7 @@ class ModelSpec:
         """The attention keeps its s x s probabilities (--attention-backend unfused or
         local) rather than rebuilding them in the backward pass (flash/memory-efficient
         kernels)."""
-        return self.attention_backend in ("unfused", "local")
+        return self.attention_backend in EXPLICIT_SOFTMAX_BACKENDS
 
     def backend_options(self) -> List[str]:
         """The trainer flag of a non-default attention backend (GPT and BERT alike)."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from .model_spec import ModelSpec
+from .model_spec import EXPLICIT_SOFTMAX_BACKENDS, ModelSpec
 
 if TYPE_CHECKING:
     from .cost_model import CostOptions
@@ -391,7 +391,8 @@ class Profile:
     def _same_attention(self, model: ModelSpec) -> bool:
         """auto, flash and fused run the same kernels (torch picks), as unfused and
         local run the same explicit softmax."""
-        return model.keeps_scores == (self.model["attention_backend"] in ("unfused", "local"))
+        return model.keeps_scores == (self.model["attention_backend"]
+                                      in EXPLICIT_SOFTMAX_BACKENDS)
 
     def _default_heads(self, model: ModelSpec) -> bool:
         """Both the plan and the profile have heads of hidden / heads: a head size that
