@@ -166,6 +166,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism", "how ranks split into tensor x pipeline x data")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Ranks that split each layer's matrices (t).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="With t > 1: split the activations tensor parallelism replicates "
+                        "(norms, residual dropout, the linear layers' inputs, the tensors "
+                        "between pipeline stages) along the sequence, s/t positions per "
+                        "tensor rank (Korthikanti et al., 2022).  Same communication volume "
+                        "(all-gather + reduce-scatter for each all-reduce); those "
+                        "activations take 1/t of the memory.  Ignored with t = 1.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Pipeline depth d: number of stages.  The data-parallel width w "
                         "(parallel pipelines) is world size / (t x d).")
@@ -578,6 +585,13 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
     _require(args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
+    if tp == 1:
+        args.sequence_parallel = False  # nothing to split (Megatron-LM does the same)
+    if args.sequence_parallel:
+        _require(args.seq_length % tp == 0,
+                 f"--sequence-parallel splits each sequence over the {tp} tensor ranks: "
+                 f"--seq-length ({args.seq_length}) must be divisible by "
+                 f"--tensor-model-parallel-size ({tp})")
     if args.group_query_attention:
         _require(args.num_query_groups % tp == 0,
                  f"--num-query-groups ({args.num_query_groups}) must be divisible by "
@@ -1172,7 +1186,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
         num_query_groups=args.query_groups, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        sequence_parallel=args.sequence_parallel)
     if model.num_tokentypes > 0:
         from megatron.model.transformer import non_gpt2_options
 

@@ -103,6 +103,11 @@ class ModelConfig:
     """A bias on the query/key/value projection even without add_bias_linear (Qwen2's)."""
     untie_embeddings_and_output_weights: bool = False
     """GPT's output layer has its own weight instead of the word embedding's."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: with tensor parallelism, the activations it would replicate
+    (norms, residual dropout, the linear layers' inputs, stage boundaries) are split
+    along the sequence instead, s/t positions per tensor rank.  Same results up to
+    rounding and dropout's draws; off (ignored) with one tensor rank."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:  # Megatron-LM's default (arguments.py's)

@@ -469,11 +469,11 @@ _EXPORT_READS = frozenset({
 _EXPORT_IGNORES = frozenset({
     "seq_length", "padded_vocab_size", "params_dtype", "recompute_granularity",
     "recompute_method", "recompute_num_layers", "compile_layers", "cross_entropy_loss_fusion",
-    "attention_backend"})
+    "attention_backend", "sequence_parallel"})
 """config["model"] keys that say how the model was trained, not what it computes: the
 training sequence length (max_position_embeddings is the model's), the vocabulary
 padding (dropped; the tensors have it), the weights' dtype (the tensors have it) and
-the recomputation, fusion and attention-kernel switches."""
+the recomputation, fusion, attention-kernel and sequence-parallel switches."""
 
 
 def _check_known_options(model_cfg: Dict[str, Any]) -> None:

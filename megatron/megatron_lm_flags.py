@@ -170,9 +170,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--wandb-save-dir", "ignored",
                "Weights & Biases logging is not built (use --tensorboard-dir)", nargs=None),
     # ---- features not built here
-    CompatFlag("--sequence-parallel", "refused",
-               "sequence parallelism is not built, so activations are replicated "
-               "across tensor-parallel ranks (more memory, same results)"),
     CompatFlag("--overlap-param-gather", "ignored",
                "the distributed optimizer's owners broadcast the new weights right after "
                "the step, not overlapped with the next forward pass (same results)"),

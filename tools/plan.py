@@ -24,6 +24,9 @@ trainer's flags (--normalization, --position-embedding-type, --swiglu,
 --group-query-attention --num-query-groups, --disable-bias-linear, --add-qkv-bias,
 --untie-embeddings-and-output-weights, --qk-layernorm, --use-rope-scaling
 --rope-scaling-factor, --kv-channels); the planned command passes them on.
+``--tensor-parallel --sequence-parallel`` plans every t > 1 with the trainer's sequence
+parallelism (the activations tensor parallelism replicates split along the sequence)
+and passes --sequence-parallel on.
 
     python tools/plan.py --model qwen3-0.6b --cluster h100-sxm --num-gpus 8 --max-batch-size 64
 """
@@ -170,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {','.join(SCHEDULES)} (default all)")
     s.add_argument("--tensor-parallel", action="store_true",
                    help="also search the tensor-parallel size t (t w d = N)")
+    s.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel: plan every t > 1 with the trainer's "
+                        "--sequence-parallel (norms, residual dropout, the linear layers' "
+                        "inputs and the tensors between stages split along the sequence, "
+                        "1/t of their memory, the same communication); t must divide "
+                        "--seq-length")
     s.add_argument("--max-microbatch-size", type=int, default=64)
     s.add_argument("--recompute", choices=("auto", "on", "off", "layer", "all"),
                    default="auto",
@@ -224,11 +233,17 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
     """The planned model: a preset, a profile's shape or the flags, with the flags given
     on top.  A --rope-scaling-factor that the model would not use (no
     --use-rope-scaling, its own or its preset's or profile's) is an error, as
-    --num-query-groups without --group-query-attention."""
+    --num-query-groups without --group-query-attention.  --sequence-parallel is set
+    here whatever the source: presets and profiles (taken at t = 1, where it changes
+    nothing) do not carry it."""
     model = _model_from_args(args, profile)
     if args.rope_scaling_factor is not None and not model.rope_scaling:
         raise PlanningError(f"--rope-scaling-factor {args.rope_scaling_factor:g} needs "
                             f"--use-rope-scaling (without it the trainer ignores it)")
+    if args.sequence_parallel:
+        from dataclasses import replace
+
+        model = replace(model, sequence_parallel=True)
     return model
 
 

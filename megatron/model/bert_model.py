@@ -25,9 +25,11 @@ from torch import nn
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
 from megatron.model.stage import PipelineStage
-from megatron.model.transformer import ParallelTransformer, layer_norm, non_gpt2_options
+from megatron.model.transformer import (ParallelTransformer, layer_norm, non_gpt2_options,
+                                        sequence_parallel)
 from megatron.model.utils import padding_attention_mask
 from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding, divide,
+                                      gather_from_sequence_parallel_region,
                                       init_method_normal, mark_replicated_parameters,
                                       vocab_parallel_cross_entropy)
 from megatron.tensor_parallel.param_init import full_tensor, set_tensor_model_parallel_attributes
@@ -176,7 +178,8 @@ class BertModel(PipelineStage):
     # -- forward ------------------------------------------------------------------------
     def encode(self, input_ids: Optional[torch.Tensor], padding_mask: torch.Tensor,
                tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run this stage's embeddings (first stage) and transformer layers: [s, b, h]."""
+        """Run this stage's embeddings (first stage) and transformer layers: [s, b, h]
+        ([s/t, b, h] before the last stage with sequence parallelism)."""
         if padding_mask.dim() != 2:
             raise ValueError(f"padding_mask must be [batch, seq] (1 = token, 0 = padding), got "
                              f"shape {tuple(padding_mask.shape)}")
@@ -190,7 +193,14 @@ class BertModel(PipelineStage):
                 raise RuntimeError("BertModel stage without pre_process: call "
                                    "set_input_tensor(previous stage output) before forward")
             hidden = self.input_tensor
-        return self.encoder(hidden, mask)
+        hidden = self.encoder(hidden, mask)
+        if self.post_process and sequence_parallel(self.config, self.tp):
+            # the heads (pooler at position 0, LM head) run on the whole sequence,
+            # replicated on the tensor ranks as without sequence parallelism: each rank's
+            # gradient is already whole, so the backward keeps this rank's positions
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp,
+                                                          tensor_parallel_output_grad=False)
+        return hidden
 
     def forward(self, input_ids: Optional[torch.Tensor], padding_mask: torch.Tensor,
                 tokentype_ids: Optional[torch.Tensor] = None,

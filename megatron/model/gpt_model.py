@@ -15,7 +15,8 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
 from megatron.model.stage import PipelineStage
-from megatron.model.transformer import ParallelTransformer, check_architecture
+from megatron.model.transformer import (ParallelTransformer, check_architecture,
+                                        sequence_parallel)
 from megatron.tensor_parallel import (ColumnParallelLinear, TPInfo, VocabParallelEmbedding,
                                       divide, init_method_normal, mark_replicated_parameters,
                                       vocab_parallel_cross_entropy)
@@ -87,7 +88,8 @@ class GPTModel(PipelineStage):
                 config.hidden_size, config.padded_vocab_size, tp=tp, bias=False,
                 init_method=init_method_normal(config.init_method_std),
                 params_dtype=config.params_dtype,
-                init_key=embedding_init_key(seed).child("output_layer"))
+                init_key=embedding_init_key(seed).child("output_layer"),
+                sequence_parallel=config.sequence_parallel)
         if pre_process and share_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
         mark_replicated_parameters(self)
@@ -96,14 +98,16 @@ class GPTModel(PipelineStage):
         if self.output_layer is not None:
             logits, _ = self.output_layer(hidden)
             return logits
-        return parallel_lm_logits(hidden, self.shared_embedding_weight(), self.tp)
+        return parallel_lm_logits(hidden, self.shared_embedding_weight(), self.tp,
+                                  sequence_parallel(self.config, self.tp))
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss [b, s] (last stage, labels given), logits [b, s, V/t] (last
-        stage, no labels) or the hidden states [s, b, h] sent to the next stage.
+        stage, no labels) or the hidden states [s, b, h] sent to the next stage
+        ([s/t, b, h], this rank's positions, with sequence parallelism).
 
         ``attention_mask``: bool, True = masked, broadcastable to [b, heads, s, s]; None
         means causal (and lets CUDA use the fused causal kernel).

@@ -9,7 +9,10 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding,
-                                      copy_to_tp_region, init_method_normal)
+                                      copy_to_tp_region, get_rng_tracker, init_method_normal,
+                                      linear_with_sequence_gather,
+                                      reduce_scatter_to_sequence_parallel_region,
+                                      scatter_to_sequence_parallel_region)
 from megatron.tensor_parallel.param_init import EMBEDDING_LAYER, full_tensor
 from megatron.model.utils import position_ids_for
 
@@ -35,6 +38,13 @@ class Embedding(nn.Module):
     TP ranks, because the embedding output is replicated across them.  With RoPE
     (``position_embedding_type='rope'``) there is no position table: positions enter as
     rotations of queries and keys in every attention layer.
+
+    With sequence parallelism each tensor rank returns its s/t positions, [s/t, b, h],
+    and its dropout draws from the tensor-parallel stream (the ranks hold different
+    positions).  Word embeddings alone (RoPE, no token types) are reduce-scattered
+    straight to that slice; with position or token-type tables the sum is all-reduced,
+    the tables added to the whole sequence and this rank's slice kept, so that every
+    rank holds the tables' whole gradient (Megatron-LM's choice too).
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, *, seed: int,
@@ -56,9 +66,15 @@ class Embedding(nn.Module):
             num_tokentypes, h, key.child("tokentype_embeddings"), std,
             config.params_dtype) if num_tokentypes > 0 else None
         self.dropout = config.hidden_dropout
+        self.tp = tp
+        self.sequence_parallel = config.sequence_parallel and tp.is_parallel
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        tables = self.position_embeddings is not None or self.tokentype_embeddings is not None
+        if self.sequence_parallel and not tables:
+            x = self.word_embeddings.partial(input_ids).transpose(0, 1)  # [s, b, h]
+            return self._dropout(reduce_scatter_to_sequence_parallel_region(x, self.tp))
         x = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -69,10 +85,24 @@ class Embedding(nn.Module):
                 raise ValueError("this model has token-type embeddings: pass tokentype_ids")
             x = x + self.tokentype_embeddings(tokentype_ids)
         x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
-        return F.dropout(x, p=self.dropout, training=self.training)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp)
+        return self._dropout(x)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout == 0.0:
+            return x
+        if self.sequence_parallel:  # each rank holds other positions: its own mask
+            with get_rng_tracker().fork():
+                return F.dropout(x, p=self.dropout, training=True)
+        return F.dropout(x, p=self.dropout, training=True)
 
 
 def parallel_lm_logits(hidden: torch.Tensor, word_weight: torch.Tensor,
-                       tp: TPInfo) -> torch.Tensor:
-    """Logits of this rank's vocabulary slice: [s, b, h] x [V/t, h]^T -> [s, b, V/t]."""
+                       tp: TPInfo, sequence_parallel: bool = False) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice: [s, b, h] x [V/t, h]^T -> [s, b, V/t].
+    ``sequence_parallel``: hidden is this rank's [s/t, b, h], gathered for the matmul
+    (and kept at s/t for the backward); the logits cover the whole sequence."""
+    if sequence_parallel:
+        return linear_with_sequence_gather(hidden, word_weight, None, tp)
     return F.linear(copy_to_tp_region(hidden, tp), word_weight)

@@ -27,8 +27,13 @@ class PipelineStage(nn.Module):
         self.input_tensor = tensor
 
     def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:
-        """Shape of the activation a non-first stage receives: [s, b, h]."""
-        return (self.config.seq_length, micro_batch_size, self.config.hidden_size)
+        """Shape of the activation a non-first stage receives: [s, b, h], or this
+        tensor rank's [s/t, b, h] with sequence parallelism."""
+        seq = self.config.seq_length
+        tp = getattr(self, "tp", None)
+        if self.config.sequence_parallel and tp is not None and tp.is_parallel:
+            seq //= tp.size
+        return (seq, micro_batch_size, self.config.hidden_size)
 
     def shared_embedding_weight(self) -> Optional[nn.Parameter]:
         """The tied word-embedding parameter this stage holds (first stage, or the last

@@ -1,6 +1,8 @@
 """Pre-LayerNorm transformer blocks with Megatron's tensor-parallel split.
 
-Activations are [seq, batch, hidden] throughout (Megatron's layout).  A
+Activations are [seq, batch, hidden] throughout (Megatron's layout); with
+--sequence-parallel a tensor rank holds s/t of the sequence between the attention and
+MLP regions (``sequence_parallel``).  A
 ``ParallelTransformer`` holds a contiguous range of GLOBAL layer numbers, so a pipeline
 stage is simply the transformer of its layers; each layer's weights are initialised
 from its global number and therefore do not depend on how the model is cut.
@@ -41,17 +43,32 @@ def attention_kernel(backend: str) -> str:
     return "manual" if backend in ("unfused", "local") else "sdpa"
 
 
-def layer_norm(config: ModelConfig) -> nn.Module:
+def sequence_parallel(config: ModelConfig, tp: TPInfo) -> bool:
+    """Whether activations outside the tensor-parallel regions are split along the
+    sequence: --sequence-parallel with more than one tensor rank."""
+    return config.sequence_parallel and tp.is_parallel
+
+
+def layer_norm(config: ModelConfig, tp: Optional[TPInfo] = None) -> nn.Module:
     """The block's normalisation: torch's LayerNorm or RMSNorm (--normalization), both
-    with a weight (RMSNorm has no bias), epsilon --norm-epsilon / --layernorm-epsilon."""
+    with a weight (RMSNorm has no bias), epsilon --norm-epsilon / --layernorm-epsilon.
+
+    Under sequence parallelism (``tp`` given) the norm sees s/t positions per rank, so
+    its weights' gradients are partial: they are marked ``sequence_parallel`` and the
+    trainer sums them over the tensor ranks."""
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon,
+        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon,
                           dtype=config.params_dtype)
-    if config.normalization != "LayerNorm":
+    elif config.normalization != "LayerNorm":
         raise ValueError(f"--normalization {config.normalization!r}: expected one of "
                          f"{', '.join(NORMALIZATIONS)}")
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                        dtype=config.params_dtype)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
+                            dtype=config.params_dtype)
+    if tp is not None and sequence_parallel(config, tp):
+        for p in norm.parameters():
+            p.sequence_parallel = True
+    return norm
 
 
 def head_norm(config: ModelConfig) -> nn.Module:
@@ -74,6 +91,10 @@ def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
                          f"({config.num_attention_heads})")
     divide(groups, tp.size, "--num-query-groups")
     attention_kernel(config.attention_backend)
+    if sequence_parallel(config, tp) and config.seq_length % tp.size:
+        raise ValueError(f"--sequence-parallel splits the sequence over the "
+                         f"{tp.size} tensor ranks: --seq-length {config.seq_length} must be "
+                         f"divisible by --tensor-model-parallel-size {tp.size}")
     if config.position_embedding_type == "rope":
         if not 0.0 < config.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent {config.rotary_percent}: expected a value "
@@ -328,7 +349,8 @@ class ParallelAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(
             h, qkv_size, tp=tp, bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=init_method_normal(config.init_method_std),
-            params_dtype=config.params_dtype, init_key=key.child("query_key_value"))
+            params_dtype=config.params_dtype, init_key=key.child("query_key_value"),
+            sequence_parallel=config.sequence_parallel)
         self.core_attention = CoreAttention(config, tp)
         self.tp = tp
         # one weight of head_dim for all query heads and one for all key heads; replicated
@@ -339,7 +361,8 @@ class ParallelAttention(nn.Module):
             config.num_attention_heads * self.head_dim, h, tp=tp, input_is_parallel=True,
             bias=config.add_bias_linear,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-            params_dtype=config.params_dtype, init_key=key.child("dense"))
+            params_dtype=config.params_dtype, init_key=key.child("dense"),
+            sequence_parallel=config.sequence_parallel)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor],
@@ -394,11 +417,13 @@ class ParallelMLP(nn.Module):
             h, 2 * ffn if self.swiglu else ffn, tp=tp, bias=config.add_bias_linear,
             stride=2 if self.swiglu else 1,
             init_method=init_method_normal(config.init_method_std),
-            params_dtype=config.params_dtype, init_key=key.child("dense_h_to_4h"))
+            params_dtype=config.params_dtype, init_key=key.child("dense_h_to_4h"),
+            sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(
             ffn, h, tp=tp, input_is_parallel=True, bias=config.add_bias_linear,
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
-            params_dtype=config.params_dtype, init_key=key.child("dense_4h_to_h"))
+            params_dtype=config.params_dtype, init_key=key.child("dense_4h_to_h"),
+            sequence_parallel=config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.dense_h_to_4h(x)
@@ -418,19 +443,30 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         key = InitKey(seed, layer_number)
-        self.input_layernorm = layer_norm(config)
+        self.input_layernorm = layer_norm(config, tp)
         self.self_attention = ParallelAttention(config, tp, key.child("self_attention"))
-        self.post_attention_layernorm = layer_norm(config)
+        self.post_attention_layernorm = layer_norm(config, tp)
         self.mlp = ParallelMLP(config, tp, key.child("mlp"))
         self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sequence_parallel(config, tp)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual-branch dropout.  Replicated x (no sequence parallelism): the default
+        stream, the same mask on every tensor rank.  Sequence-parallel x: each rank holds
+        other positions, so its mask comes from the tensor-parallel stream."""
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        if self.sequence_parallel:
+            with get_rng_tracker().fork():
+                return F.dropout(x, p=self.hidden_dropout, training=True)
+        return F.dropout(x, p=self.hidden_dropout, training=True)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        # Residual-branch dropout uses the default stream: x is replicated across TP ranks.
         attn = self.self_attention(self.input_layernorm(x), mask, rotary)
-        x = x + F.dropout(attn, p=self.hidden_dropout, training=self.training)
+        x = x + self._dropout(attn)
         mlp = self.mlp(self.post_attention_layernorm(x))
-        return x + F.dropout(mlp, p=self.hidden_dropout, training=self.training)
+        return x + self._dropout(mlp)
 
 
 class _KeptForRecompute(torch.autograd.Function):
@@ -492,7 +528,9 @@ class ParallelTransformer(nn.Module):
                 layer.compile()
         if post_layer_norm is None:
             post_layer_norm = layer_numbers.stop == config.num_layers
-        self.final_layernorm = layer_norm(config) if post_layer_norm else None
+        self.final_layernorm = layer_norm(config, tp) if post_layer_norm else None
+        # the whole sequence's length, which RoPE's tables and the mask span
+        self.seq_shards = tp.size if sequence_parallel(config, tp) else 1
 
     def _run(self, start: int, end: int, rotary=None):
         def run(hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -505,11 +543,12 @@ class ParallelTransformer(nn.Module):
         n = len(self.layers)
         # RoPE's tables: made once per stage forward and shared by its layers (a
         # recomputed chunk reads the same tensors: they need no gradient)
-        rotary = (self.rotary(hidden.size(0), hidden.device, hidden.dtype)
+        seq = hidden.size(0) * self.seq_shards
+        rotary = (self.rotary(seq, hidden.device, hidden.dtype)
                   if self.rotary is not None else None)
         # likewise the attention mask in the form the attention kernel reads
         mask = self.layers[0].self_attention.core_attention.prepare_mask(
-            mask, hidden.dtype, hidden.size(0), hidden.device)
+            mask, hidden.dtype, seq, hidden.device)
         if self.recompute_method is None or not torch.is_grad_enabled():
             hidden = self._run(0, n, rotary)(hidden, mask)
         elif self.recompute_method == "uniform":

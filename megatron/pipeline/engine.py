@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -720,6 +720,7 @@ class PipelineEngine:
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
+        self._sum_sequence_parallel_grads(params)
         grad_scale = self._batch_scales.pop(t)
         # The last stage's copy of the tied embedding counts in no statistic (the first
         # stage counts the sum), so the agreement starts before that sum is complete:
@@ -746,6 +747,28 @@ class PipelineEngine:
         self._pending_steps.append((t, pending, grad_scale))
         if self.schedule_at(t) != "2bw":
             self._finish_steps(seg, before_batch=t + 1)
+
+    def _sum_sequence_parallel_grads(self, params: List[nn.Parameter]) -> None:
+        """Sequence parallelism: the replicated weights that act on s/t positions per
+        tensor rank (norms, the row-parallel biases) hold partial gradients; sum them
+        over the tensor group -- one flat all-reduce per gradient dtype, once per step,
+        as Megatron-LM does -- so every tensor rank holds the whole, equal gradient."""
+        if self.groups.tp_size == 1 or self.groups.tensor is None:
+            return
+        chosen = [p for p in params if getattr(p, "sequence_parallel", False) and p.requires_grad]
+        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = defaultdict(list)
+        for p in chosen:
+            if p.grad is None:  # no microbatch reached it: its share is zero
+                p.grad = zero_grad_like(p)
+            by_dtype[p.grad.dtype].append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in group])
+            dist.all_reduce(flat, group=self.groups.tensor)
+            offset = 0
+            for p in group:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
 
     def _begin_step(self, params: List[nn.Parameter], grad_scale: float, seg: _Segment,
                     t: int, late: Sequence[int] = ()) -> Any:

@@ -6,6 +6,13 @@ ones (the row-parallel bias) carry ``tensor_model_parallel = False``.
 
 Both linear layers return ``(output, bias)`` like Megatron: ``bias`` is None unless
 ``skip_bias_add`` asked the caller to add it (so it can be fused with what follows).
+
+With ``sequence_parallel`` (--sequence-parallel) the activations between the linear
+layers are split along the sequence: a column-parallel layer all-gathers its [s/t, b, h]
+input (and keeps only the s/t rows for its backward, gathering them again there), a
+row-parallel layer reduce-scatters its output to [s/t, b, h] instead of all-reducing it.
+Its replicated bias then sees s/t of the tokens on each rank: it is marked
+``sequence_parallel = True`` and the trainer sums its gradient over the tensor ranks.
 """
 from __future__ import annotations
 
@@ -16,7 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
-                                               reduce_from_tp_region, scatter_to_tp_region)
+                                               gather_rows, reduce_from_tp_region,
+                                               reduce_scatter_rows,
+                                               reduce_scatter_to_sequence_parallel_region,
+                                               scatter_to_tp_region)
 from megatron.tensor_parallel.param_init import (InitKey, InitMethod, init_method_normal,
                                                  partitioned_tensor,
                                                  set_tensor_model_parallel_attributes)
@@ -29,6 +39,45 @@ def _zeros(n: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(n, dtype=dtype))
 
 
+class _LinearGatheredRows(torch.autograd.Function):
+    """F.linear(all-gather of x along dim 0, weight, bias), keeping only x -- this rank's
+    s/t rows -- for the backward, which gathers it again for the weight's gradient and
+    reduce-scatters the input's gradient (the sum over ranks of each rank's partial
+    product, of which this rank's rows are its input's gradient).  Keeping the gathered
+    input instead would keep t times the bytes: sequence parallelism's memory saving
+    rests on this (Korthikanti et al., 2022, section 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.has_bias = tp, bias is not None
+        return F.linear(gather_rows(x, tp), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = reduce_scatter_rows(grad.matmul(weight), ctx.tp)
+        flat_grad = grad.reshape(-1, grad.size(-1))
+        if need_w:
+            full = gather_rows(x, ctx.tp)
+            grad_w = flat_grad.t().matmul(full.reshape(-1, full.size(-1)))
+        if need_b and ctx.has_bias:
+            grad_b = flat_grad.sum(dim=0)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor,
+                                bias: Optional[torch.Tensor], tp: TPInfo) -> torch.Tensor:
+    """A column-parallel matmul of the sequence-parallel x [s/t, b, in]: the output is
+    [s, b, out/t] (every position, this rank's columns)."""
+    if not tp.is_parallel:
+        return F.linear(x, weight, bias)
+    return _LinearGatheredRows.apply(x, weight, bias, tp)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: rank i computes Y_i = X A_i + b_i.
 
@@ -39,9 +88,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp: TPInfo, bias: bool = True,
                  gather_output: bool = False, init_method: Optional[InitMethod] = None,
                  skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 init_key: InitKey = _DEFAULT_KEY, stride: int = 1) -> None:
+                 init_key: InitKey = _DEFAULT_KEY, stride: int = 1,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.sequence_parallel = sequence_parallel and tp.is_parallel
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = divide(output_size, tp.size, "ColumnParallelLinear output size")
@@ -62,9 +113,12 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        x = copy_to_tp_region(x, self.tp)
         add_bias = self.bias is not None and not self.skip_bias_add
-        out = F.linear(x, self.weight, self.bias if add_bias else None)
+        bias = self.bias if add_bias else None
+        if self.sequence_parallel:
+            out = linear_with_sequence_gather(x, self.weight, bias, self.tp)
+        else:
+            out = F.linear(copy_to_tp_region(x, self.tp), self.weight, bias)
         if self.gather_output:
             out = gather_from_tp_region(out, self.tp)
         return out, (self.bias if self.skip_bias_add else None)
@@ -79,9 +133,12 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp: TPInfo, bias: bool = True,
                  input_is_parallel: bool = True, init_method: Optional[InitMethod] = None,
                  skip_bias_add: bool = False, params_dtype: torch.dtype = torch.float32,
-                 init_key: InitKey = _DEFAULT_KEY) -> None:
+                 init_key: InitKey = _DEFAULT_KEY, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.sequence_parallel = sequence_parallel and tp.is_parallel
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel")
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_partition = divide(input_size, tp.size, "RowParallelLinear input size")
@@ -95,13 +152,17 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = _zeros(output_size, params_dtype)
             set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            if self.sequence_parallel:
+                self.bias.sequence_parallel = True
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        out = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+        partial = F.linear(x, self.weight)
+        out = (reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+               if self.sequence_parallel else reduce_from_tp_region(partial, self.tp))
         if self.bias is not None and not self.skip_bias_add:
             return out + self.bias, None
         return out, self.bias
@@ -125,11 +186,15 @@ class VocabParallelEmbedding(nn.Module):
             params_dtype, partition_dim=0, rank=tp.rank, size=tp.size))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the lookup: the rows of the ids it owns, zero elsewhere
+        (the sum over ranks is the embedding)."""
         if not self.tp.is_parallel:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp_region(self.partial(ids), self.tp)

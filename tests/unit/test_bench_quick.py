@@ -226,3 +226,12 @@ def test_distributed_optimizer_quick(tmp_path: Path) -> None:
     # the two ranks' shares are the whole state, split by whole parameters
     assert sum(r["state_bytes_sharded"] for r in rows) == rows[0]["state_bytes_plain"]
     assert all(0 < r["state_ratio"] < 1 for r in rows)
+
+
+def test_sequence_parallel_quick(tmp_path: Path) -> None:
+    data = _run_bench("sequence_parallel.py", tmp_path, timeout=300)
+    rows = data["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0 < r["memory_ratio"] < 1 and 0 < r["planner_memory_ratio"] < 1
+        assert r["max_loss_difference"] < 1e-4

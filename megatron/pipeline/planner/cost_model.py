@@ -8,10 +8,14 @@ microbatch b, m microbatches per pipeline per batch):
   recomputation the stage's compute is multiplied by c_extra (default 4/3, Appendix A)
   and the tensor-parallel all-reduces of the forward pass are repeated.
 * tensor parallelism (Megatron): per layer two all-reduces of s b h fp16 values in the
-  forward pass and two in the backward pass, inside the tensor group.
+  forward pass and two in the backward pass, inside the tensor group.  With sequence
+  parallelism (``ModelSpec.sequence_parallel``, t > 1) each is an all-gather and a
+  reduce-scatter of the same s b h values: the same bytes, the same time (model_spec's
+  docstring).
 * inter-stage traffic (Appendix A, T^comm_{i->j} = 2 |A^{inp.+out.}(b)| I(d > 1) /
   bwdth_depth(d)): per microbatch, each boundary a stage touches carries one activation
-  and one gradient of s b h fp16 values over the link that boundary crosses.
+  and one gradient of s b h fp16 values over the link that boundary crosses (with
+  sequence parallelism each tensor rank sends its s / t positions: s b h / t values).
 * data parallelism: ring all-reduce of the stage's fp16 gradients among its w replicas,
   2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
   gradient between first and last stage (none with an untied output layer: the first
@@ -39,6 +43,8 @@ moments = 14 bytes/param by default: one version costs 16 bytes/param in all), a
 with n_i microbatches in flight on stage i: 1 (none), m (gpipe), min(d - i, m) (flush,
 2bw).  For 2bw with recompute on a middle stage this is the paper's
 2|W|/d + |A_total(b)|/d + d |A_input(b)| (plus the optimizer state we make explicit).
+With sequence parallelism |A_input(b)| and the replicated parts of |A_i(b)| are divided
+by t (``ModelSpec``'s activation methods).
 
 Profile-based costs (``CostModel(..., profile=Profile.load(path))``, see ``profile.py``):
 forward/backward times and per-microbatch stash bytes come from measurements of one
@@ -267,6 +273,26 @@ class CostModel:
         if self.model.num_query_groups % config.t:
             raise ValueError(f"--tensor-model-parallel-size {config.t} must divide "
                              f"--num-query-groups {self.model.num_query_groups}")
+        if self.splits_sequence(config) and self.model.seq_length % config.t:
+            raise ValueError(f"--sequence-parallel splits each sequence over the {config.t} "
+                             f"tensor ranks: --seq-length {self.model.seq_length} must be "
+                             f"divisible by --tensor-model-parallel-size {config.t}")
+
+    def splits_sequence(self, config: Config) -> bool:
+        """Sequence parallelism is in effect: the model asks for it and the config has
+        more than one tensor rank to split over (with t = 1 the trainer, as Megatron-LM,
+        turns it off)."""
+        return self.model.sequence_parallel and config.t > 1
+
+    def boundary_bytes(self, config: Config) -> float:
+        """Bytes of one activation (or its gradient) crossing a stage boundary, per tensor
+        rank, which is also what a stage keeps of each microbatch's input: the measured
+        [s, b, h] stage input with a profile, else the closed form; each rank's s / t
+        positions of it with sequence parallelism."""
+        if self.profile is not None:
+            whole = float(self.profile.stage_input_bytes(config.b))
+            return whole / config.t if self.splits_sequence(config) else whole
+        return self.model.input_activation_bytes(config.b, config.t)
 
     def stage_params(self, stage: int, d: int, layers: Optional[int] = None) -> float:
         """Logical parameters of a stage: its layers, the embedding on the first, the
@@ -315,31 +341,36 @@ class CostModel:
 
     def _stage(self, c: Config, i: int, links: Links) -> StageCost:
         mdl, hw, opt = self.model, self.hardware, self.options
-        d, t, b = c.d, c.t, c.b
+        d, t, b, sp = c.d, c.t, c.b, self.splits_sequence(c)
         first, last = i == 0, i == d - 1
         layers = c.layer_counts(mdl.num_layers)[i]
         rate = hw.flops_rate(b * mdl.seq_length)
         flops = layers * mdl.layer_forward_flops(b) + (mdl.head_forward_flops(b) if last else 0.0)
         comp_f = flops / t / rate
+        # LayerNorm/dropout/residual work: replicated on every tensor rank, or split
+        # over them along the sequence with sequence parallelism.
+        elementwise = mdl.layer_elementwise_bytes(b, t)
         if hw.memory_bandwidth > 0:
-            # LayerNorm/dropout/residual work is replicated on every tensor rank.
-            comp_f += layers * mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth
+            comp_f += layers * elementwise / hw.memory_bandwidth
         comp_b = 2.0 * comp_f
         comp_f_layer = mdl.layer_forward_flops(b) / t / rate + (
-            mdl.layer_elementwise_bytes(b) / hw.memory_bandwidth if hw.memory_bandwidth > 0
-            else 0.0)
-        act = mdl.input_activation_bytes(b)
+            elementwise / hw.memory_bandwidth if hw.memory_bandwidth > 0 else 0.0)
+        # What one tensor-parallel collective moves (the whole sequence's s b h values,
+        # with or without sequence parallelism), and what crosses a stage boundary and
+        # is kept of a stage's input per microbatch (a rank's s / t positions with it).
+        hidden = mdl.input_activation_bytes(b)
+        act = self.boundary_bytes(c)
         act_stage = layers * mdl.layer_activation_bytes(b, t) + mdl.stage_mask_bytes(b)
         if last:
             act_stage += mdl.head_activation_bytes(b, t)
-        stash_one = mdl.input_activation_bytes(b)
+        stash_one = act
         recompute_extra = (opt.c_extra - 1.0) * (comp_f + comp_b)
         step = 0.0
         if self.profile is not None:
-            ps = self.profile.stage(layers, first, last, b, d, t)
+            ps = self.profile.stage(layers, first, last, b, d, t, sequence_parallel=sp)
             comp_f, comp_b, recompute_extra, step = (ps.forward_s, ps.backward_s,
                                                      ps.recompute_s, ps.step_s)
-            act = float(self.profile.stage_input_bytes(b))
+            hidden = float(self.profile.stage_input_bytes(b))
             # input_bytes = what a microbatch stashes under recompute; the rest of the
             # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
             stash_one = float(ps.recompute_stash_bytes)
@@ -350,8 +381,9 @@ class CostModel:
             layer_f = comp_f_layer
             layer_act = mdl.layer_activation_bytes(b, t)
         # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
-        # vocab-parallel embedding (forward) and the output layer's input grad (backward).
-        ar = ring_allreduce_time(act, t, links.tensor)
+        # vocab-parallel embedding (forward) and the output layer's input grad (backward);
+        # with sequence parallelism an all-gather + reduce-scatter each, the same bytes.
+        ar = ring_allreduce_time(hidden, t, links.tensor)
         tp_f = (2 * layers + (1 if first else 0)) * ar
         tp_b = (2 * layers + (1 if last else 0)) * ar
         forward = comp_f + tp_f

@@ -30,8 +30,8 @@ Counting conventions (all per microbatch):
   not), the SwiGLU product and biases are elementwise work and, as in Megatron's count,
   not FLOPs here.
 * Activation bytes of one layer kept for the backward pass, fp16, no recomputation,
-  following Korthikanti et al. (2022), with tensor parallelism of size t and no
-  sequence parallelism.  Term by term (bytes), for a GPT-2 block first:
+  following Korthikanti et al. (2022), with tensor parallelism of size t (sequence
+  parallelism: the next item).  Term by term (bytes), for a GPT-2 block first:
 
     replicated on every tensor rank, 10 s b h: the inputs of the two norms (2 s b h
     each), of the QKV projection and of the first MLP matrix (2 s b h each), and the
@@ -117,12 +117,50 @@ Counting conventions (all per microbatch):
       s b h 10 + [2 s b (q + 2 kv) + 2 s b q + (rope or qk) 2 s b (q + kv)
                   + (gqa and (qk or not rope)) 2 s b q + (4 + 4 swiglu) s b f
                   + score_bytes] / t.
+* Sequence parallelism (``sequence_parallel``, --sequence-parallel; Korthikanti et al.
+  section 4.2.2; only with t > 1, which must divide s -- with one tensor rank the
+  trainer turns it off, and the counts here divide by t = 1).  Tensor parallelism
+  leaves the parts of a block between its two parallel regions -- the norms, the
+  residual dropouts and adds -- replicated on the t ranks, each holding the whole
+  [s, b, h] sequence.  These parts act on each
+  token alone, so the trainer splits them along the sequence instead: each rank holds
+  s / t positions, [s/t, b, h], and the all-reduce that closes a parallel region
+  becomes a reduce-scatter to those positions, the copy that opens one an all-gather
+  of them (in the backward pass the other way round).  An all-gather and a
+  reduce-scatter together move what one all-reduce moves, so the tensor-parallel
+  communication is charged as before.  Left out: the second all-gather of a column-
+  parallel linear's input in the backward pass, for its weight gradient (Megatron-LM
+  overlaps it with the input gradient's matmul), and the per-step sum over the tensor
+  ranks of the gradients of the weights that now see s / t positions (the norms, the
+  row-parallel biases: a few h per layer).  What changes, per term:
+
+    the replicated 10 s b h of a layer: the norms' inputs (2 s b h / t each) and the
+    residual dropout masks (s b h / t each) are the rank's positions; the column-
+    parallel linears (QKV, the first MLP matrix) all-gather their input for the
+    matmul but keep the rank's s / t positions for the backward pass, where they
+    all-gather them again to form the weight gradient: 2 s b h / t each.  So the
+    replicated term is 10 s b h / t, and with everything else already split the layer
+    keeps 1 / t of the t = 1 count: Korthikanti's s b h (34 + 5 a s / h) / t for the
+    explicit softmax (f = 4h, q = kv = h).  The Llama-style terms above are all / t
+    already and do not move.
+    the stage input and output (the point-to-point tensors, and the input a stage
+    keeps per microbatch in flight): [s/t, b, h], 2 s b h / t.
+    the head (``head_activation_bytes``): GPT's final norm input and output layer
+    input are the rank's positions (the output layer all-gathers for its matmul),
+    4 s b h / t; BERT's final norm input is the rank's positions too, 2 s b h / t,
+    but its output is all-gathered to the whole sequence and the heads run
+    replicated as without sequence parallelism, keeping 8 s b h.  The logits are
+    unchanged.
+    the elementwise work tensor parallelism replicates (``layer_elementwise_bytes``)
+    runs on s / t positions per rank: / t.
+    unchanged: BERT's padding mask (one per whole sequence, ``stage_mask_bytes``).
 * BERT's padding mask, made once per stage forward and kept by its layers
   (``stage_mask_bytes``): [b, s, s] additive fp16 values for the fused kernels
   (2 b s^2) or bools for the explicit softmax (b s^2).  GPT's causal mask is the
   kernels' own, or for the explicit softmax one [s, s] bool tensor shared by every
   layer and microbatch (no b factor: left out, like RoPE's tables).
-* Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes.
+* Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes (/ t with
+  sequence parallelism).
 * The last stage's head: ``head_activation_bytes``.
 
 Named presets (the paper's model sizes, two Llama shapes and Qwen3-0.6B) live in
@@ -139,6 +177,7 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 EXPLICIT_SOFTMAX_BACKENDS = ("unfused", "local")
 """The backends that keep the s x s probabilities (the others run sdpa's kernels)."""
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +240,13 @@ class ModelSpec:
     block's math): 'auto', 'flash', 'fused' (torch's scaled_dot_product_attention: a
     log-sum-exp per query) or 'unfused', 'local' (the explicit softmax: its s x s
     probabilities, dropout mask and output; the paper's Megatron)."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: with t > 1 tensor ranks, what tensor parallelism replicates
+    (the norms' and the column-parallel linears' inputs, the residual dropout masks, the
+    tensors between stages) is split along the sequence, s / t positions per rank; t
+    must then divide seq_length (``CostModel.check``).  Not the block's math but where
+    its activations live, as ``attention_backend``; with t = 1 it changes nothing, as
+    the trainer (and Megatron-LM) turn it off there."""
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -344,6 +390,12 @@ class ModelSpec:
         kernels)."""
         return self.attention_backend in EXPLICIT_SOFTMAX_BACKENDS
 
+    def sequence_shards(self, t: int) -> int:
+        """Ranks a sequence is split over outside the tensor-parallel regions on t tensor
+        ranks: t with sequence parallelism (each holds s / t positions), else 1 (each
+        tensor rank holds the whole sequence)."""
+        return t if self.sequence_parallel else 1
+
     def backend_options(self) -> List[str]:
         """The trainer flag of a non-default attention backend (GPT and BERT alike)."""
         return [] if self.attention_backend == "auto" else [
@@ -428,11 +480,12 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- activations
     def layer_activation_bytes(self, b: int, t: int = 1) -> float:
-        """Bytes one layer keeps for its backward pass (fp16, no recompute; the module
-        docstring derives each term)."""
-        h, f, s, a = self.hidden_size, self.ffn, self.seq_length, self.num_attention_heads
+        """Bytes one layer keeps for its backward pass on one of t tensor ranks (fp16, no
+        recompute; the module docstring derives each term).  With ``sequence_parallel``
+        the 10 s b h tensor parallelism replicates are split over the t ranks as well."""
+        h, f, s = self.hidden_size, self.ffn, self.seq_length
         q, kv = self.q_size, self.kv_size
-        replicated = 10.0 * s * b * h
+        replicated = 10.0 * s * b * h / self.sequence_shards(t)
         attention = 2.0 * s * b * (q + 2 * kv) + 2.0 * s * b * q   # QKV output, context
         if self.rope or self.qk_layernorm:
             attention += 2.0 * s * b * (q + kv)     # rotated (or normalised) q and k
@@ -457,9 +510,12 @@ class ModelSpec:
         s = self.seq_length
         return (1.0 if self.keeps_scores else 2.0) * b * s * s
 
-    def input_activation_bytes(self, b: int) -> float:
-        """Bytes of a stage's input (and output) activation: s b h fp16 values."""
-        return 2.0 * self.seq_length * b * self.hidden_size
+    def input_activation_bytes(self, b: int, t: int = 1) -> float:
+        """Bytes of a stage's input (and output) activation on one of t tensor ranks: s b
+        h fp16 values, the rank's s / t positions of them with ``sequence_parallel``
+        (what crosses a stage boundary and what a stage keeps of each microbatch's
+        input).  What a tensor-parallel collective moves is the whole sequence's: t = 1."""
+        return 2.0 * self.seq_length * b * self.hidden_size / self.sequence_shards(t)
 
     def head_activation_bytes(self, b: int, t: int = 1) -> float:
         """What the last stage keeps after its layers (module docstring's conventions:
@@ -472,18 +528,28 @@ class ModelSpec:
         inputs of those three and of the output layer plus the final norm's input,
         10 s b h.  With ``fp32_logits`` the loss keeps a float32 copy instead: 4 s b V
         / t.  The same with RMSNorm (it keeps its input, as LayerNorm) and with an
-        untied output layer (the same matmul of the same normalised input)."""
+        untied output layer (the same matmul of the same normalised input).
+
+        ``sequence_parallel``: the final norm's input is the rank's s / t positions; so
+        is GPT's output-layer input (all-gathered for the matmul only): 4 s b h / t.
+        BERT all-gathers the final norm's output and runs its heads on the whole
+        sequence, replicated as before: 2 s b h / t + 8 s b h.  The logits do not move."""
         s, h = self.seq_length, self.hidden_size
-        hidden = (10.0 if self.kind == "bert" else 4.0) * s * b * h
+        split = self.sequence_shards(t)
+        if self.kind == "bert":
+            hidden = 2.0 * s * b * h / split + 8.0 * s * b * h
+        else:
+            hidden = 4.0 * s * b * h / split
         return hidden + (4.0 if self.fp32_logits else 2.0) * s * b * self.vocab_size / t
 
-    def layer_elementwise_bytes(self, b: int) -> float:
+    def layer_elementwise_bytes(self, b: int, t: int = 1) -> float:
         """Memory traffic of one layer's forward that tensor parallelism replicates:
         two LayerNorms (read + write) and two dropout + residual adds (two reads, a write
         and a mask), about 12 fp16 tensors of s b h values.  RMSNorm moves the same
         tensors; RoPE and SwiGLU's product act on per-rank heads and features, split by
-        t like the matmuls, so they do not add to it."""
-        return 24.0 * self.seq_length * b * self.hidden_size
+        t like the matmuls, so they do not add to it.  With ``sequence_parallel`` each of
+        the t ranks runs them on its s / t positions only."""
+        return 24.0 * self.seq_length * b * self.hidden_size / self.sequence_shards(t)
 
     def describe(self) -> str:
         arch = ""
@@ -500,6 +566,8 @@ class ModelSpec:
             arch = f", {', '.join(parts)}"
         if self.keeps_scores:
             arch += f", {self.attention_backend} attention"
+        if self.sequence_parallel:
+            arch += ", sequence parallel"
         heads = f"{self.num_attention_heads} heads" + (
             f" of {self.head_dim}" if self.custom_head_dim else "")
         return (f"{self.name or self.kind}: {self.num_layers} layers, hidden {self.hidden_size}, "

@@ -28,7 +28,11 @@ affine in b (the causal mask does not grow with b), so this is exact for them be
 and beyond measured sizes >= 2; at b = 1 the token slice shares its sample's storage
 ([1, s+1] instead of [1, s]), 8 bytes off the affine line.  Profiles are taken with one tensor rank; for
 t > 1 compute time and non-input activations are divided by t (an approximation: the
-elementwise work and LayerNorms are not split by Megatron's tensor parallelism).
+elementwise work and LayerNorms are not split by Megatron's tensor parallelism).  With
+sequence parallelism they are, and the stage input is split too: every activation is
+divided by t (BERT's heads, which run on the whole sequence, and its padding mask still
+approximately).  A profile at t = 1 is the same with or without --sequence-parallel, so
+profiles do not record it and a plan with it needs no other profile.
 
     profile = Profile.load("profile.json")
     cm = CostModel(profile.model_spec(num_layers=24), get_hardware("cpu"), profile=profile)
@@ -316,8 +320,10 @@ class Profile:
 
     # -- per stage --------------------------------------------------------------------
     def stage(self, layers: int, first: bool, last: bool, b: int, d: int = 1,
-              t: int = 1) -> ProfiledStage:
-        """Costs of a stage of ``layers`` blocks (plus embedding/head where it has them)."""
+              t: int = 1, sequence_parallel: bool = False) -> ProfiledStage:
+        """Costs of a stage of ``layers`` blocks (plus embedding/head where it has them).
+        ``sequence_parallel`` (with t > 1): the stage input is each rank's s / t
+        positions too, so the whole stash is divided by t, not only what follows it."""
         parts: List[Tuple[PieceCost, int]] = [(self.piece("block", b), layers)]
         if first:
             parts.append((self.piece("embedding", b), 1))
@@ -329,7 +335,10 @@ class Profile:
         bwd = max(sum(p.backward_s * n for p, n in parts) / t + extra_b, 0.0)
         stash = sum(p.stash_bytes * n for p, n in parts)
         inp = 0 if first else self.stage_input_bytes(b)
-        if t > 1:
+        if t > 1 and sequence_parallel:
+            inp = round(inp / t)
+            stash = round(stash / t)
+        elif t > 1:
             stash = inp + round((stash - inp) / t)
         if layers > 0:  # the same table on every tensor rank
             stash += self._rotary

@@ -67,11 +67,15 @@ def divisors(n: int) -> List[int]:
     return small + large[::-1]
 
 
+def _tensor_sizes(n: int, tensor_parallel: bool, max_tensor: Optional[int]) -> List[int]:
+    """The tensor-parallel sizes t the search tries on n GPUs."""
+    return [t for t in (divisors(n) if tensor_parallel else [1])
+            if max_tensor is None or t <= max_tensor]
+
+
 def _shapes(model: ModelSpec, n: int, tensor_parallel: bool, max_tensor: Optional[int]):
     """(t, w, d) triples, plus why a triple cannot split this model (or None)."""
-    for t in (divisors(n) if tensor_parallel else [1]):
-        if max_tensor is not None and t > max_tensor:
-            continue
+    for t in _tensor_sizes(n, tensor_parallel, max_tensor):
         for d in divisors(n // t):
             w = n // (t * d)
             why = None
@@ -82,6 +86,10 @@ def _shapes(model: ModelSpec, n: int, tensor_parallel: bool, max_tensor: Optiona
             elif model.num_query_groups % t:
                 # each tensor rank holds whole key/value heads
                 why = f"t={t} does not divide {model.num_query_groups} query groups"
+            elif model.sequence_parallel and t > 1 and model.seq_length % t:
+                # each tensor rank holds s / t positions: the trainer refuses the rest
+                why = (f"t={t} does not divide --seq-length {model.seq_length} "
+                       f"(--sequence-parallel)")
             yield t, w, d, why
 
 
@@ -208,6 +216,24 @@ def _check_inputs(model: ModelSpec, num_gpus: int, max_batch_size: int,
                             f"of {', '.join(SCHEDULES)}")
 
 
+def _check_sequence_parallel(model: ModelSpec, num_gpus: int, tensor_parallel: bool,
+                             max_tensor: Optional[int]) -> None:
+    """A model with ``sequence_parallel`` planned where it could never apply is an error
+    rather than a silent no-op: it needs tensor parallelism, and at least one tried
+    t > 1 that divides the sequence (with one GPU, or max_tensor 1, there is no t > 1 to
+    try: then the plan simply has none, as with tensor_parallel alone)."""
+    if not tensor_parallel:
+        raise PlanningError("--sequence-parallel needs --tensor-parallel: it splits each "
+                            "sequence over the tensor ranks, and without --tensor-parallel "
+                            "every plan has one (t = 1)")
+    sizes = [t for t in _tensor_sizes(num_gpus, True, max_tensor) if t > 1]
+    if sizes and all(model.seq_length % t for t in sizes):
+        raise PlanningError(f"--sequence-parallel splits each sequence over the t tensor "
+                            f"ranks: --seq-length {model.seq_length} is divisible by none of "
+                            f"the tensor-parallel sizes t = {', '.join(map(str, sizes))} "
+                            f"that {num_gpus} GPUs allow")
+
+
 def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_size: int, *,
            schedules: Iterable[str] = SCHEDULES, tensor_parallel: bool = False,
            max_tensor: Optional[int] = None, max_microbatch_size: int = 64,
@@ -227,9 +253,16 @@ def search(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch_si
     for --use-distributed-optimizer, (False, True) to let the search decide (True only
     where w > 1: with one replica there is nothing to split).  ``profile`` (``planner.profile.Profile``)
     prices compute and activations from measurements instead of the closed forms.
+
+    A model with ``sequence_parallel`` (needs ``tensor_parallel``) runs it at every
+    t > 1, and a t that does not divide the sequence is rejected.  It is not a choice
+    to try both ways like the distributed optimizer: it saves activation memory and
+    elementwise time for the same communication, so a plan never loses by it.
     """
     schedules = list(schedules)
     _check_inputs(model, num_gpus, max_batch_size, schedules)
+    if model.sequence_parallel:
+        _check_sequence_parallel(model, num_gpus, tensor_parallel, max_tensor)
     schedules = [s for s in SCHEDULES if s in schedules]  # canonical order: none wins ties
     cm = CostModel(model, hardware, options, profile)
     rows: List[PlanRow] = []
@@ -279,7 +312,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
                  extra_args: Sequence[str] = (), precision: str = "fp16") -> str:
     """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags,
     the model's Llama-style options and attention backend included:
-    ``ModelSpec.llama_options``, ``ModelSpec.backend_options``).
+    ``ModelSpec.llama_options``, ``ModelSpec.backend_options``; --sequence-parallel
+    where the model asks for it and the plan has t > 1 to split sequences over).
     ``precision``: fp16 (the paper's V100 runs), bf16, or fp32/fp64 (no flag, e.g. a CPU)."""
     if precision not in PRECISIONS:
         raise PlanningError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -301,6 +335,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         "--tensor-model-parallel-size", cfg.t, "--pipeline-model-parallel-size", cfg.d,
         "--pipeline-schedule", cfg.schedule,
     ]
+    if model.sequence_parallel and cfg.t > 1:  # with t = 1 the trainer would ignore it
+        args.append("--sequence-parallel")
     args += model.llama_options() + model.backend_options()
     if cfg.first_layers is not None:
         args += ["--decoder-first-pipeline-num-layers", cfg.first_layers]

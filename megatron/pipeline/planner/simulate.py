@@ -6,8 +6,9 @@ order of sends and receives).  Both use the same per-stage costs:
 
 * F / B of stage i: ``StageCost.forward_s`` / ``backward_s`` (recompute included);
 * a send or a receive across boundary i -> i+1 occupies its stage for one transfer
-  of s b h fp16 values over that boundary's link, so a stage pays, per microbatch and
-  per boundary, an activation and a gradient: the cost model's p2p time;
+  of s b h fp16 values (s b h / t with sequence parallelism: ``CostModel.boundary_bytes``)
+  over that boundary's link, so a stage pays, per microbatch and per boundary, an
+  activation and a gradient: the cost model's p2p time;
 * REDUCE_GRADS: the stage's all-reduce time, except for 2bw when the cost model lets
   the next batch's compute hide it (Appendix A's max_i max(m slot_i, AR_i)): then it
   costs nothing on the stage and ``simulated_batch_time`` takes the longest all-reduce
@@ -77,9 +78,7 @@ def simulate_config(config: Config, model: ModelSpec, hardware: HardwareSpec, *,
     stages = cm.stage_costs(config)
     est = cm.estimate(config)
     schedule = schedules.build_schedule(config.schedule, config.d, config.m, num_batches)
-    act = (profile.stage_input_bytes(config.b) if profile is not None
-           else model.input_activation_bytes(config.b))
-    cost = action_cost(config, stages, est.links, act, options)
+    cost = action_cost(config, stages, est.links, cm.boundary_bytes(config), options)
     # the executor defers 2BW's step agreement until batch b+2 (no per-step barrier)
     return simulator.simulate(schedule, cost, comm_latency=0.0,
                               deferred_steps=config.schedule == "2bw")
