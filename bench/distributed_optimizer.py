@@ -9,7 +9,7 @@ rank: the optimizer state it holds after training (Adam moments, plus fp32 maste
 under --bf16), counted from the optimizer's own tensors; seconds per iteration (the
 trainer's own timer, median over rounds); and whether the losses of the two runs are the
 same bits.  On a CPU the ranks share two cores, so the time ratio says what the
-owners' weight broadcast adds to a step here, not on a cluster.
+reduce to the owners and their weight broadcast change in a step here, not on a cluster.
 
 Results: bench/results/distributed_optimizer.json.
 """

@@ -15,9 +15,10 @@ Each rank computes its local contribution; the optimizer adds them with one all-
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -55,7 +56,9 @@ def per_tensor_norms(grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[bool],
-                     device: torch.device, count_zeros: bool = False) -> torch.Tensor:
+                     device: torch.device, count_zeros: bool = False, *,
+                     owned: Optional[Sequence[bool]] = None, group: Any = None
+                     ) -> torch.Tensor:
     """This rank's ``[sum of squares, non-finite tensors, zeros]`` as a float64 vector.
 
     * sum of squares: over gradients whose ``mask`` entry is True;
@@ -63,6 +66,12 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
       replicated copy cannot hide an overflow) holding an inf or nan;
     * zeros: number of zero elements over masked gradients (0 unless ``count_zeros``).
     ``None`` gradients (unused parameters) contribute nothing.  No host sync happens here.
+
+    ``owned`` and ``group`` (the distributed optimizer): only the gradients this rank
+    owns are averaged here, the others are its own unreduced ones.  Each gradient's norm
+    (and zero count) is taken from its owner by one sum over ``group`` of vectors that
+    are zero elsewhere (x + 0 = x: exact), and the statistics are then formed from the
+    same values in the same order as without sharding, so they are the same bits.
     """
     if len(grads) != len(mask):
         raise ValueError(f"clip_grads: {len(grads)} gradients but {len(mask)} mask entries")
@@ -78,6 +87,18 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
     else:
         all_norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
     counted = tuple(m for _, m in present)
+    zeros = None
+    if count_zeros:
+        zeros = torch.stack([(g.numel() - torch.count_nonzero(g)).to(device)
+                             if m else torch.zeros((), dtype=torch.int64, device=device)
+                             for g, m in present]).to(torch.float64)
+    if group is not None:
+        mine = _bool_tensor(tuple(o for g, o in zip(grads, owned) if g is not None), device)
+        both = torch.stack([all_norms, zeros if zeros is not None
+                            else torch.zeros_like(all_norms)])
+        both = torch.where(mine, both, torch.zeros_like(both))
+        dist.all_reduce(both, group=group)
+        all_norms, zeros = both[0], (both[1] if zeros is not None else None)
     if all(counted):
         stats[0] = all_norms.square().sum()
     else:
@@ -85,10 +106,8 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
         keep = _bool_tensor(counted, device)
         stats[0] = torch.where(keep, all_norms.square(), torch.zeros_like(all_norms)).sum()
     stats[1] = (~torch.isfinite(all_norms)).sum()
-    if count_zeros:
-        zeros = [g.numel() - torch.count_nonzero(g) for g, m in present if m]
-        if zeros:
-            stats[2] = torch.stack([z.to(device) for z in zeros]).sum()
+    if zeros is not None and any(counted):
+        stats[2] = zeros[_bool_tensor(counted, device)].sum()
     return stats
 
 

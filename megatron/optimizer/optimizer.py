@@ -37,12 +37,15 @@ replicas of a stage split the optimizer state by whole parameters (``shard_owner
 largest first, each to the least-loaded rank).  A rank keeps the Adam moments (or SGD
 momentum) and, with mixed precision, the fp32 master weights of the parameters it owns
 only: 12 (1 - 1/w) bytes per parameter less for Adam with masters over w replicas.  The
-gradients are still all-reduced whole (every rank computes the same global norm and
-overflow verdict from them); each rank updates its own parameters, then every owner
-broadcasts its new weights, in the working dtype, to the other replicas.  That is 1.5x
-the data-parallel traffic of plain data parallelism (Megatron-LM reduce-scatters the
-gradients instead, 1x).  The update of every parameter is the same arithmetic as
-without sharding, so the weights are the same bits.  Checkpoints hold the whole state,
+gradients are reduced to their owners (the trainer's ``GradientReduction`` buckets one
+owner's parameters and ``dist.reduce``s them) instead of all-reduced; each gradient's
+norm comes from its owner through one small sum over the replicas (``local_grad_stats``),
+so every rank forms the same global norm and overflow verdict.  Each rank updates its own
+parameters, then every owner broadcasts its new weights, in the working dtype, to the
+other replicas: a reduce and a broadcast move what one all-reduce moves, the traffic of
+plain data parallelism (Megatron-LM reduce-scatters and all-gathers flat buffers, the
+same volume).  The update of every parameter is the same arithmetic as without
+sharding, so the weights are the same bits.  Checkpoints hold the whole state,
 in the unsharded format: ``state_dict`` gathers it (collective over the data-parallel
 group) and ``load_state_dict`` keeps this rank's share, so a run may resume with or
 without the flag, or with another data-parallel size.
@@ -166,6 +169,8 @@ class MegatronOptimizer:
         self._owned = (self.shard.owned if self.shard is not None
                        else list(range(len(main_params))))
         self._by_rank = self.shard.by_rank if self.shard is not None else []
+        owned_set = set(self._owned)
+        self._owned_mask = [i in owned_set for i in range(len(main_params))]
         # torch's parameter numbering without sharding: the main-parameter index of each
         # member of each param group, in order (decay group, then no-decay)
         self._full_order = full_order if full_order is not None else [
@@ -280,7 +285,10 @@ class MegatronOptimizer:
             grads = self._unscaled_grads(grads_from, inv, skip=late)
             stats = torch.zeros(_NUM_STATS, dtype=torch.float64, device=self._device)
             counted = [None if i in late else g for i, g in enumerate(grads)] if late else grads
-            stats[:3] = local_grad_stats(counted, self._mask, self._device, self.log_num_zeros)
+            sharded = ({"owned": self._owned_mask, "group": self.shard.group}
+                       if self.shard is not None else {})
+            stats[:3] = local_grad_stats(counted, self._mask, self._device, self.log_num_zeros,
+                                         **sharded)
             # a tensor flag (the last stage's loss check) joins the agreement on the device,
             # without a device-to-host sync here
             stats[3] = (extra_found_inf.to(stats.dtype) if torch.is_tensor(extra_found_inf)

@@ -100,15 +100,26 @@ class GradientReduction:
     got no gradient: zero-filled, as an unused parameter contributes 0); ``finish``
     (STEP) waits and copies the averages back into ``.grad``.  Under 2BW each weight
     buffer has its own Parameter objects and so its own reducer.
+
+    With the distributed optimizer (``shard``, an ``OptimizerShard``) only a parameter's
+    owner needs its average: a bucket holds one owner's parameters and is reduced to
+    that owner (``dist.reduce``) instead of all-reduced, half the traffic; the other
+    replicas keep their own, unaveraged gradient, which nothing reads.
     """
 
     def __init__(self, params: List[nn.Parameter], group, world: int, microbatches: int,
                  bucket_bytes: int = 32 * 2 ** 20, overlap: bool = True,
-                 exclude: Tuple[nn.Parameter, ...] = ()) -> None:
+                 exclude: Tuple[nn.Parameter, ...] = (), shard: Any = None) -> None:
         """``exclude``: parameters averaged elsewhere (the tied word embedding, whose sum
-        between first and last stage the engine starts first)."""
-        self.params = [p for p in params
-                       if p.requires_grad and not any(p is e for e in exclude)]
+        between first and last stage the engine starts first).  ``shard``: the
+        distributed optimizer's ``OptimizerShard`` over ``params`` (all of them, in
+        order), or None."""
+        kept = [i for i, p in enumerate(params)
+                if p.requires_grad and not any(p is e for e in exclude)]
+        self.params = [params[i] for i in kept]
+        self.shard = shard
+        # the owner (data-parallel rank) of each kept parameter; None: all-reduced
+        self._owner = ([shard.owners[i] for i in kept] if shard is not None else None)
         self.group, self.world, self.microbatches = group, world, microbatches
         self.active = group is not None and world > 1
         self._pending: List[tuple] = []
@@ -122,20 +133,21 @@ class GradientReduction:
         """Buckets whose all-reduce the hooks started (the rest start at REDUCE_GRADS)."""
         if not self.active:
             return
-        bucket: List[int] = []
-        size = 0
+        # one open bucket per owner (a single one when all-reducing), in the reverse
+        # parameter order; a bucket closes when full or at a change of dtype
+        open_: Dict[int, Tuple[List[int], int]] = {}
         for i in reversed(range(len(self.params))):
             p = self.params[i]
+            owner = self._owner[i] if self._owner is not None else 0
             dtype = grad_dtype_of(p)
             nbytes = p.numel() * dtype.itemsize
+            bucket, size = open_.get(owner, ([], 0))
             if bucket and (dtype != grad_dtype_of(self.params[bucket[0]])
                            or size + nbytes > bucket_bytes):
                 self._buckets.append(bucket)
                 bucket, size = [], 0
-            bucket.append(i)
-            size += nbytes
-        if bucket:
-            self._buckets.append(bucket)
+            open_[owner] = (bucket + [i], size + nbytes)
+        self._buckets += [bucket for bucket, _ in open_.values() if bucket]
         for b, members in enumerate(self._buckets):
             for i in members:
                 self._bucket_of[i] = b
@@ -170,8 +182,15 @@ class GradientReduction:
         flat = torch.cat([g.reshape(-1) for g in grads])
         flat.div_(self.world)
         self._launched[b] = True
-        self._pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
-                              grads))
+        if self._owner is None:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
+            owner = self._owner[self._buckets[b][0]]
+            work = dist.reduce(flat, dst=self.shard.global_rank(owner), group=self.group,
+                               async_op=True)
+            if owner != self.shard.rank:
+                grads = []  # only the owner reads the average
+        self._pending.append((work, flat, grads))
 
     def launch_remaining(self) -> None:
         """REDUCE_GRADS: start every bucket the hooks did not start."""
@@ -284,7 +303,8 @@ class PipelineEngine:
             self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
             overlap=overlap_grad_reduce,
             exclude=tuple(p for p in self.weights.params(j)
-                          if self._tied_early and getattr(p, "shared_embedding", False)))
+                          if self._tied_early and getattr(p, "shared_embedding", False)),
+            shard=getattr(optimizer, "shard", None))
             for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
         self._embedding_work: Dict[int, Any] = {}

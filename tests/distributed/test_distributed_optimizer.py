@@ -237,3 +237,84 @@ def test_a_replica_that_skips_makes_all_skip(extra):
                           timeout=300)
     assert res[0][0] == res[1][0] == [False, False, True, False]
     assert torch.equal(res[0][1], res[1][1])
+
+
+def _reducer_worker(rank: int, world: int):
+    """GradientReduction with the distributed optimizer's shard: the owner of each
+    parameter gets the average, the other replica keeps its own gradient, and no
+    all-reduce runs."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from megatron.optimizer.optimizer import OptimizerShard, shard_owners
+    from megatron.pipeline.engine import GradientReduction
+
+    shapes = [(6, 4), (4,), (5, 3), (3,), (2, 2)]
+    params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    owners = tuple(shard_owners([p.numel() for p in params], world))
+    shard = OptimizerShard(rank=rank, size=world, owners=owners, group=dist.group.WORLD)
+    reducer = GradientReduction(params, dist.group.WORLD, world, microbatches=1,
+                                bucket_bytes=64, overlap=True, shard=shard)
+    buckets = [sorted({owners[i] for i in b}) for b in reducer._buckets]
+    for p in params:  # one microbatch: each hook sees the gradient final
+        p.grad = None
+    grads = [torch.full(s, float(rank + 1), dtype=torch.float64) * (i + 1)
+             for i, s in enumerate(shapes)]
+    loss = sum((p * g).sum() for p, g in zip(params, grads))
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(a) or original(*a, **k)
+    try:
+        loss.backward()  # the hooks launch every bucket
+        launched = reducer.launched_in_backward
+        reducer.launch_remaining()
+        reducer.finish()
+    finally:
+        dist.all_reduce = original
+    got = [p.grad.clone() for p in params]
+    return {"owners": owners, "buckets": buckets, "launched": launched,
+            "all_reduces": len(calls), "grads": got}
+
+
+def test_gradients_are_reduced_to_their_owners_only():
+    results = run_distributed(_reducer_worker, 2, timeout=120)
+    for rank, res in enumerate(results):
+        assert all(len(b) == 1 for b in res["buckets"])  # one owner per bucket
+        assert res["all_reduces"] == 0 and res["launched"] == len(res["buckets"])
+        for i, (owner, grad) in enumerate(zip(res["owners"], res["grads"])):
+            mean = (1 + 2) / 2 * (i + 1)
+            own = (rank + 1) * (i + 1)
+            expected = mean if owner == rank else own
+            assert torch.equal(grad, torch.full_like(grad, expected)), (rank, i, owner)
+    assert set(results[0]["owners"]) == {0, 1}
+
+
+def _stats_worker(rank: int, world: int):
+    """``local_grad_stats`` with ``owned``/``group``: each statistic comes from the
+    owner's gradient (a non-owner's unreduced copy, even a non-finite one, counts for
+    nothing) and equals, bit for bit, the unsharded statistic of the owners' values."""
+    import torch.distributed as dist
+
+    from megatron.optimizer.clip_grads import local_grad_stats
+
+    gen = torch.Generator().manual_seed(11)
+    true = [torch.randn(s, generator=gen, dtype=torch.float64) for s in [(7, 3), (5,), (4, 4)]]
+    true[1][2] = 0.0  # not counted (mask False)
+    true[0][1, 1] = 0.0
+    mask = [True, False, True]
+    owners = [0, 1, 1]
+    mine = [o == rank for o in owners]
+    garbage = [t * 3 + rank for t in true]
+    garbage[0 if rank == 1 else 2] = torch.full_like(true[0 if rank == 1 else 2],
+                                                    float("inf"))
+    held = [t if m else g for t, g, m in zip(true, garbage, mine)]
+    sharded = local_grad_stats(held, mask, torch.device("cpu"), True, owned=mine,
+                               group=dist.group.WORLD)
+    plain = local_grad_stats(true, mask, torch.device("cpu"), True)
+    return sharded, plain
+
+
+def test_sharded_gradient_statistics_are_the_owners():
+    for sharded, plain in run_distributed(_stats_worker, 2, timeout=60):
+        assert torch.equal(sharded, plain), (sharded, plain)
+        assert plain[1] == 0 and plain[2] == 1  # finite; one zero in the counted grads

@@ -20,6 +20,8 @@ microbatch b, m microbatches per pipeline per batch):
   2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
   gradient between first and last stage (none with an untied output layer: the first
   stage then holds the only word embedding and the last stage its own output layer).
+  With the distributed optimizer the gradients are reduced to their owners (half of
+  that) and the new weights broadcast after the step (the other half, in the step).
 
 Time of one batch (one optimizer step) per pipeline, with slot_i the per-microbatch
 time of stage i (compute + tensor-parallel + inter-stage communication), T = max slot_i:
@@ -94,8 +96,10 @@ class Config:
     distributed_optimizer: bool = False
     """--use-distributed-optimizer: the optimizer state beyond the gradients (master
     weights and moments, ``optimizer_bytes_per_param - grad_bytes_per_param``) is split
-    over the w replicas of a stage, each updates its share (the step's time / w), and the
-    owners' new weights are then all-gathered (a broadcast per owner, after the step)."""
+    over the w replicas of a stage, each updates its share (the step's time / w), the
+    gradients are reduced to their owners (half a ring all-reduce) and the owners' new
+    weights are then all-gathered (a broadcast per owner, after the step: the other
+    half)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -407,6 +411,9 @@ class CostModel:
         params = self.stage_params(i, d, layers) / t
         grad_bytes = params * opt.grad_bytes_per_param
         allreduce = ring_allreduce_time(grad_bytes, c.w, links.data)
+        if c.distributed_optimizer and c.w > 1:
+            # each gradient is reduced to its owner only: half a ring all-reduce's bytes
+            allreduce *= 0.5
         dp_allreduce = allreduce
         if opt.overlap_grad_reduce and c.w > 1:
             buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
