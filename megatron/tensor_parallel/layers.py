@@ -45,7 +45,11 @@ class _LinearGatheredRows(torch.autograd.Function):
     reduce-scatters the input's gradient (the sum over ranks of each rank's partial
     product, of which this rank's rows are its input's gradient).  Keeping the gathered
     input instead would keep t times the bytes: sequence parallelism's memory saving
-    rests on this (Korthikanti et al., 2022, section 4.2.2)."""
+    rests on this (Korthikanti et al., 2022, section 4.2.2).
+
+    The backward overlaps its communication with its matmuls, as Megatron-LM does: the
+    gather runs while the input's gradient is formed, the reduce-scatter of that
+    gradient while the weight's is."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp):  # type: ignore[override]
@@ -58,14 +62,19 @@ class _LinearGatheredRows(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
+        if need_w:  # every rank starts the same collectives in the same order
+            full, gathering = gather_rows(x, ctx.tp, async_op=True)
         if need_x:
-            grad_x = reduce_scatter_rows(grad.matmul(weight), ctx.tp)
+            grad_x, scattering = reduce_scatter_rows(grad.matmul(weight), ctx.tp,
+                                                     async_op=True)
         flat_grad = grad.reshape(-1, grad.size(-1))
-        if need_w:
-            full = gather_rows(x, ctx.tp)
-            grad_w = flat_grad.t().matmul(full.reshape(-1, full.size(-1)))
         if need_b and ctx.has_bias:
             grad_b = flat_grad.sum(dim=0)
+        if need_w:
+            gathering.wait()
+            grad_w = flat_grad.t().matmul(full.reshape(-1, full.size(-1)))
+        if need_x:
+            scattering.wait()
         return grad_x, grad_w, grad_b, None
 
 

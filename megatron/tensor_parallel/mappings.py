@@ -59,21 +59,23 @@ def _own_rows(tensor: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     return tensor.narrow(0, tp.rank * rows, rows).clone()
 
 
-def gather_rows(tensor: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    """The ranks' blocks of dim 0 concatenated in rank order (no autograd)."""
+def gather_rows(tensor: torch.Tensor, tp: TPInfo, async_op: bool = False):
+    """The ranks' blocks of dim 0 concatenated in rank order (no autograd).
+    ``async_op``: return (the output, still being filled, and the work to wait for)."""
     tensor = tensor.contiguous()
     out = tensor.new_empty((tensor.size(0) * tp.size,) + tuple(tensor.shape[1:]))
-    _all_gather_single(out, tensor, group=tp.group)
-    return out
+    work = _all_gather_single(out, tensor, group=tp.group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
-def reduce_scatter_rows(tensor: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    """The sum over ranks of ``tensor``, of which this rank keeps its block of dim 0."""
+def reduce_scatter_rows(tensor: torch.Tensor, tp: TPInfo, async_op: bool = False):
+    """The sum over ranks of ``tensor``, of which this rank keeps its block of dim 0.
+    ``async_op``: return (the output, still being filled, and the work to wait for)."""
     tensor = tensor.contiguous()
     rows = divide(tensor.size(0), tp.size, "sequence length (--sequence-parallel)")
     out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
-    _reduce_scatter_single(out, tensor, group=tp.group)
-    return out
+    work = _reduce_scatter_single(out, tensor, group=tp.group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 class _CopyToRegion(torch.autograd.Function):

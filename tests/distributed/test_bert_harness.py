@@ -68,6 +68,8 @@ def schedule_steps(root: Path) -> List[Step]:
         ("d2_2bw", "bert", pp_args(2, "2bw")),
         ("d1_w2", "bert", pp_args(1, "flush", "--save", str(root / "d1"))),
         ("t2", "bert", pp_args(1, "flush", "--tensor-model-parallel-size", "2")),
+        ("t2_sp", "bert", pp_args(1, "flush", "--tensor-model-parallel-size", "2",
+                                  "--sequence-parallel")),
         # 2BW interrupted after batch 2 and resumed from its checkpoint
         ("2bw_first", "bert", pp_args(2, "2bw", "--exit-interval", "2",
                                       "--save", str(root / "resume"))),
@@ -101,6 +103,13 @@ def finetune_steps(root: Path) -> List[Step]:
             "--train-data", *race_files("dev", "middle", 2),
             "--valid-data", race_files("test", "middle", 1)[0], race_files("test", "high", 1)[0],
             "--pretrained-checkpoint", bert_ckpt]),
+        # the same on two tensor ranks with sequence parallelism (no data parallelism)
+        ("race_t2_sp", "task", REAL + [
+            "--task", "RACE", "--global-batch-size", "4", "--epochs", "1",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--train-data", *race_files("dev", "middle", 2),
+            "--valid-data", race_files("test", "middle", 1)[0], race_files("test", "high", 1)[0],
+            "--pretrained-checkpoint", bert_ckpt]),
         ("gpt_pretrain", "gpt", GPT + [
             "--mock-data", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
             "--train-iters", "1", "--lr", "1e-2", "--eval-iters", "0",
@@ -109,6 +118,10 @@ def finetune_steps(root: Path) -> List[Step]:
             "--task", "WIKITEXT103", "--tensor-model-parallel-size", "2",
             "--valid-data", str(root / "wiki.txt"), "--load", str(root / "gpt"),
             "--overlapping-eval", "6"]),
+        ("wikitext_t2_sp", "task", GPT + [
+            "--task", "WIKITEXT103", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--valid-data", str(root / "wiki.txt"),
+            "--load", str(root / "gpt"), "--overlapping-eval", "6"]),
     ]
 
 

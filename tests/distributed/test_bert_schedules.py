@@ -57,7 +57,7 @@ def test_flush_gpipe_none_and_data_parallel_equal_single_process(runs, single_pr
     results, _ = runs
     last = results[-1]
     assert sorted(single_process) == [1, 2, 3]
-    for name in ("d2_flush", "d2_gpipe", "d2_none", "d1_w2", "t2"):
+    for name in ("d2_flush", "d2_gpipe", "d2_none", "d1_w2", "t2", "t2_sp"):
         losses = last[name]["losses"]
         assert sorted(losses) == [1, 2, 3], name
         for it, ref in single_process.items():

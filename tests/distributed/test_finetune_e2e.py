@@ -52,6 +52,17 @@ def test_race_finetuning_on_a_resplit_checkpoint(last):
     assert losses and all(math.isfinite(v["loss"]) for v in losses.values())
 
 
+def test_race_with_sequence_parallelism_trains_as_with_data_parallelism(last):
+    """RACE from the same pipeline checkpoint, resplit to t = 2 with sequence
+    parallelism, trains to the losses and accuracies of the w = 2 run (float32)."""
+    plain, sp = last["race"], last["race_t2_sp"]
+    assert sp["samples"] == plain["samples"] and sp["iteration"] == plain["iteration"]
+    assert sorted(sp["train_losses"]) == sorted(plain["train_losses"])
+    for it, loss in plain["train_losses"].items():
+        assert sp["train_losses"][it]["loss"] == pytest.approx(loss["loss"], rel=1e-4), it
+    assert sp["accuracy"] == plain["accuracy"]
+
+
 def test_wikitext_perplexity_same_with_tensor_parallelism_and_without(last):
     from tasks.main import main
 
@@ -62,6 +73,9 @@ def test_wikitext_perplexity_same_with_tensor_parallelism_and_without(last):
     assert t2.num_tokens == t1.num_tokens and t2.num_words == t1.num_words
     assert t2.total_loss == pytest.approx(t1.total_loss, rel=1e-10)
     assert t2.adjusted_ppl == pytest.approx(t1.adjusted_ppl, rel=1e-9)
+    sp = last["wikitext_t2_sp"]["perplexity"]   # --sequence-parallel at t = 2
+    assert sp.num_tokens == t1.num_tokens
+    assert sp.total_loss == pytest.approx(t1.total_loss, rel=1e-10)
 
 
 def test_finetuning_that_ends_on_nan_steps_fails_and_saves_nothing(tmp_path):

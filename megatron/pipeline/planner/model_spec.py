@@ -129,10 +129,10 @@ Counting conventions (all per microbatch):
   of them (in the backward pass the other way round).  An all-gather and a
   reduce-scatter together move what one all-reduce moves, so the tensor-parallel
   communication is charged as before.  Left out: the second all-gather of a column-
-  parallel linear's input in the backward pass, for its weight gradient (Megatron-LM
-  overlaps it with the input gradient's matmul), and the per-step sum over the tensor
-  ranks of the gradients of the weights that now see s / t positions (the norms, the
-  row-parallel biases: a few h per layer).  What changes, per term:
+  parallel linear's input in the backward pass, for its weight gradient (the trainer,
+  as Megatron-LM, overlaps it with the input gradient's matmul), and the per-step sum
+  over the tensor ranks of the gradients of the weights that now see s / t positions
+  (the norms, the row-parallel biases: a few h per layer).  What changes, per term:
 
     the replicated 10 s b h of a layer: the norms' inputs (2 s b h / t each) and the
     residual dropout masks (s b h / t each) are the rank's positions; the column-
