@@ -180,12 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "1/t of their memory, the same communication); t must divide "
                         "--seq-length")
     s.add_argument("--max-microbatch-size", type=int, default=64)
-    s.add_argument("--recompute", choices=("auto", "on", "off", "layer", "all"),
+    s.add_argument("--recompute", choices=("auto", "on", "off", "layer", "selective", "all"),
                    default="auto",
                    help="activation recomputation: try none and stage-level (auto), always "
                         "stage-level (on), never (off), layer-level uniform chunks of one "
                         "layer (layer: --recompute-method uniform --recompute-num-layers 1), "
-                        "or all three (all)")
+                        "each layer's core attention (selective: --recompute-granularity "
+                        "selective; it pays with --attention-backend local/unfused), or all "
+                        "four (all)")
     s.add_argument("--use-distributed-optimizer", nargs="?", const="on", choices=("on", "auto"),
                    help="plan (and print) the trainer's distributed optimizer: the master "
                         "weights and moments split over each stage's data-parallel "
@@ -327,7 +329,8 @@ def run(argv: Optional[List[str]] = None) -> int:
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
         base_options = CostOptions(c_extra=args.c_extra)
         recompute = {"auto": (False, True), "on": (True,), "off": (False,),
-                     "layer": ("uniform",), "all": (False, True, "uniform")}[args.recompute]
+                     "layer": ("uniform",), "selective": ("selective",),
+                     "all": (False, True, "uniform", "selective")}[args.recompute]
         kwargs = dict(schedules=schedules, tensor_parallel=args.tensor_parallel,
                       max_microbatch_size=args.max_microbatch_size, recompute=recompute,
                       options=(profile.cost_options(base_options) if profile else base_options),

@@ -378,6 +378,9 @@ class ParallelAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.checkpoint_core_attention and torch.is_grad_enabled():
+            # q, k and v stay alive for the recomputation (in the checkpoint's closure);
+            # saving them in _KeptForRecompute too lets the executor's counter see them
+            q, k, v = (_KeptForRecompute.apply(x) for x in (q, k, v))
             ctx = checkpoint(self.core_attention, q, k, v, mask)
         else:
             ctx = self.core_attention(q, k, v, mask)

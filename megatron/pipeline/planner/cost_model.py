@@ -93,6 +93,12 @@ class Config:
     --recompute-method uniform|block --recompute-num-layers N); exclusive with the
     stage-level ``recompute``."""
     recompute_num_layers: int = 0
+    selective_recompute: bool = False
+    """--recompute-granularity selective: every layer's core attention (softmax and its
+    two matmuls) is checkpointed, so its s x s tensors -- or, with the fused kernels, the
+    log-sum-exp -- are not kept (``ModelSpec.score_bytes``) and its forward runs again
+    in the backward pass (``ModelSpec.core_attention_flops``).  Exclusive with the other
+    two kinds of recomputation, as in the trainer."""
     distributed_optimizer: bool = False
     """--use-distributed-optimizer: the optimizer state beyond the gradients (master
     weights and moments, ``optimizer_bytes_per_param - grad_bytes_per_param``) is split
@@ -111,6 +117,9 @@ class Config:
             if self.recompute or self.recompute_num_layers < 1:
                 raise ValueError("layer-level recomputation needs recompute=False (that is "
                                  "the stage-level scheme) and recompute_num_layers >= 1")
+        if self.selective_recompute and (self.recompute or self.recompute_method is not None):
+            raise ValueError("selective recomputation (--recompute-granularity selective) "
+                             "excludes the stage-level and the layer-level schemes")
         for attr in ("w", "d", "t", "b", "m"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"config: {attr} must be >= 1, got {getattr(self, attr)}")
@@ -127,6 +136,8 @@ class Config:
         rc = " +recompute" if self.recompute else ""
         if self.recompute_method is not None:
             rc = f" +recompute {self.recompute_method} {self.recompute_num_layers}"
+        if self.selective_recompute:
+            rc = " +selective recompute"
         split = ""
         if self.first_layers is not None or self.last_layers is not None:
             split = f" layers first={self.first_layers} last={self.last_layers}"
@@ -384,6 +395,10 @@ class CostModel:
         else:
             layer_f = comp_f_layer
             layer_act = mdl.layer_activation_bytes(b, t)
+        if c.selective_recompute:  # the core attention's own tensors are not kept
+            scores = mdl.score_bytes(b) / t
+            act_stage -= layers * scores
+            layer_act -= scores
         # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
         # vocab-parallel embedding (forward) and the output layer's input grad (backward);
         # with sequence parallelism an all-gather + reduce-scatter each, the same bytes.
@@ -392,6 +407,8 @@ class CostModel:
         tp_b = (2 * layers + (1 if last else 0)) * ar
         forward = comp_f + tp_f
         backward = comp_b + tp_b
+        if c.selective_recompute:
+            backward += layers * mdl.core_attention_flops(b) / t / rate
         if c.recompute:
             backward += recompute_extra + tp_f
         # layer-level recomputation: the checkpointed layers' forward runs again in the

@@ -159,6 +159,11 @@ Counting conventions (all per microbatch):
   (2 b s^2) or bools for the explicit softmax (b s^2).  GPT's causal mask is the
   kernels' own, or for the explicit softmax one [s, s] bool tensor shared by every
   layer and microbatch (no b factor: left out, like RoPE's tables).
+* Selective recomputation (``Config.selective_recompute``, --recompute-granularity
+  selective; Korthikanti et al. section 5): each layer's core attention is checkpointed,
+  so the layer keeps its q, k, v and output as before but not ``score_bytes`` (the
+  explicit softmax's 5 a s^2 b, or the fused kernels' log-sum-exp), and the backward
+  pass runs ``core_attention_flops`` (4 b s^2 q) again.
 * Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes (/ t with
   sequence parallelism).
 * The last stage's head: ``head_activation_bytes``.
@@ -467,7 +472,12 @@ class ModelSpec:
         h, f, s = self.hidden_size, self.ffn, self.seq_length
         q, kv = self.q_size, self.kv_size
         mlp = (3 if self.swiglu else 2) * h * f
-        return 2.0 * b * s * (h * (q + 2 * kv) + q * h + mlp) + 4.0 * b * s * s * q
+        return 2.0 * b * s * (h * (q + 2 * kv) + q * h + mlp) + self.core_attention_flops(b)
+
+    def core_attention_flops(self, b: int) -> float:
+        """The two attention matmuls of one layer's forward (scores and context): what
+        selective recomputation runs again in the backward pass."""
+        return 4.0 * b * self.seq_length * self.seq_length * self.q_size
 
     def head_forward_flops(self, b: int) -> float:
         """Logits (and BERT's LM-head transform) for one microbatch: the same matmul

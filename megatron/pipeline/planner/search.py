@@ -108,9 +108,12 @@ def _gpipe_backoff(cm: CostModel, cfg: Config) -> Optional[Estimate]:
 
 def recompute_fields(recompute: Union[bool, str]) -> dict:
     """Config fields of a recompute choice: False (none), True (stage-level, the paper's
-    scheme) or "uniform" (layer-level, uniform chunks of one layer)."""
+    scheme), "uniform" (layer-level, uniform chunks of one layer) or "selective" (each
+    layer's core attention: --recompute-granularity selective)."""
     if recompute == "uniform":
         return {"recompute": False, "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute": False, "selective_recompute": True}
     return {"recompute": bool(recompute)}
 
 
@@ -351,6 +354,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
     elif cfg.recompute_method is not None:
         args += ["--recompute-granularity", "full", "--recompute-method", cfg.recompute_method,
                  "--recompute-num-layers", cfg.recompute_num_layers]
+    elif cfg.selective_recompute:
+        args += ["--recompute-granularity", "selective"]
     if precision in ("fp16", "bf16", "fp64"):
         args.append(f"--{precision}")
     args += list(extra_args)
@@ -373,6 +378,8 @@ def planned_precision(hardware_name: str, profile_dtype: Optional[str] = None) -
 def _recompute_label(c: Config) -> str:
     if c.recompute_method is not None:
         return f"{c.recompute_method[:3]}{c.recompute_num_layers}"
+    if c.selective_recompute:
+        return "sel"
     return "yes" if c.recompute else "no"
 
 
