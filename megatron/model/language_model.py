@@ -14,6 +14,7 @@ from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding,
                                       reduce_scatter_to_sequence_parallel_region,
                                       scatter_to_sequence_parallel_region)
 from megatron.tensor_parallel.param_init import EMBEDDING_LAYER, full_tensor
+from megatron.model.transformer import sequence_parallel
 from megatron.model.utils import position_ids_for
 
 
@@ -67,7 +68,7 @@ class Embedding(nn.Module):
             config.params_dtype) if num_tokentypes > 0 else None
         self.dropout = config.hidden_dropout
         self.tp = tp
-        self.sequence_parallel = config.sequence_parallel and tp.is_parallel
+        self.sequence_parallel = sequence_parallel(config, tp)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -6,6 +6,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from megatron.model.transformer import sequence_parallel
+from megatron.tensor_parallel import TPInfo
+
 
 class PipelineStage(nn.Module):
     """Base of GPT/BERT stages: the input seam and the tied-embedding accessor.
@@ -16,6 +19,7 @@ class PipelineStage(nn.Module):
 
     input_tensor: Optional[torch.Tensor] = None
     share_embeddings_and_output_weights: bool = True
+    tp: TPInfo = TPInfo.single()
 
     def set_input_tensor(self, tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
         """Input of a non-first stage: the previous stage's [s, b, h] output."""
@@ -30,9 +34,8 @@ class PipelineStage(nn.Module):
         """Shape of the activation a non-first stage receives: [s, b, h], or this
         tensor rank's [s/t, b, h] with sequence parallelism."""
         seq = self.config.seq_length
-        tp = getattr(self, "tp", None)
-        if self.config.sequence_parallel and tp is not None and tp.is_parallel:
-            seq //= tp.size
+        if sequence_parallel(self.config, self.tp):
+            seq //= self.tp.size
         return (seq, micro_batch_size, self.config.hidden_size)
 
     def shared_embedding_weight(self) -> Optional[nn.Parameter]:

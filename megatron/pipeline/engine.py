@@ -299,6 +299,13 @@ class PipelineEngine:
         self._tied_early = (groups.in_embedding_group and groups.embedding is not None
                             and self._tied)
         # one gradient reducer per weight buffer (its hooks sit on that buffer's params)
+        # per weight buffer, the weights whose gradients are summed over the tensor ranks
+        # at each step (sequence parallelism: ``_sum_sequence_parallel_grads``)
+        self._sequence_parallel_params = [
+            [p for p in self.weights.params(j)
+             if getattr(p, "sequence_parallel", False) and p.requires_grad]
+            if groups.tp_size > 1 and groups.tensor is not None else []
+            for j in range(self.weights.num_buffers)]
         self._reducers = [GradientReduction(
             self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
             overlap=overlap_grad_reduce,
@@ -740,7 +747,7 @@ class PipelineEngine:
         reduction = self._reductions.pop(t, None)
         if reduction is not None:
             reduction.finish()
-        self._sum_sequence_parallel_grads(params)
+        self._sum_sequence_parallel_grads(self._sequence_parallel_params[self.buffer_for(t)])
         grad_scale = self._batch_scales.pop(t)
         # The last stage's copy of the tied embedding counts in no statistic (the first
         # stage counts the sum), so the agreement starts before that sum is complete:
@@ -768,14 +775,11 @@ class PipelineEngine:
         if self.schedule_at(t) != "2bw":
             self._finish_steps(seg, before_batch=t + 1)
 
-    def _sum_sequence_parallel_grads(self, params: List[nn.Parameter]) -> None:
+    def _sum_sequence_parallel_grads(self, chosen: List[nn.Parameter]) -> None:
         """Sequence parallelism: the replicated weights that act on s/t positions per
         tensor rank (norms, the row-parallel biases) hold partial gradients; sum them
         over the tensor group -- one flat all-reduce per gradient dtype, once per step,
         as Megatron-LM does -- so every tensor rank holds the whole, equal gradient."""
-        if self.groups.tp_size == 1 or self.groups.tensor is None:
-            return
-        chosen = [p for p in params if getattr(p, "sequence_parallel", False) and p.requires_grad]
         by_dtype: Dict[torch.dtype, List[nn.Parameter]] = defaultdict(list)
         for p in chosen:
             if p.grad is None:  # no microbatch reached it: its share is zero
