@@ -25,7 +25,8 @@ from megatron.tensor_parallel import (TPInfo, gather_from_sequence_parallel_regi
                                       scatter_to_sequence_parallel_region)
 from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY, train_configs
-from tests.distributed.test_tensor_parallel import _close, _full_name, _gather, _tp
+from tests.distributed.test_tensor_parallel import (_close, _full_name, _gather,
+                                                     _gpt_forward, _run, _tp)
 
 VOCAB, SEQ, BATCH = 32, 8, 2
 
@@ -68,23 +69,6 @@ def _mappings(tp: TPInfo) -> None:
     _close(local.grad, upstream[rows], "gather backward (own rows)")
 
 
-def _run(stages, forward):
-    """Forward + backward through the stages this process holds (pipeline by hand)."""
-    inputs, outputs, x = [], [], None
-    for stage in stages:
-        if not stage.pre_process:
-            x = x.detach().requires_grad_()
-            stage.set_input_tensor(x)
-        inputs.append(x)
-        x = forward(stage)
-        outputs.append(x)
-    loss = outputs[-1].mean()
-    loss.backward()
-    for i in range(len(stages) - 2, -1, -1):
-        outputs[i].backward(inputs[i + 1].grad)
-    return loss.detach(), outputs
-
-
 def _compare(stages, full, tp: TPInfo, what: str) -> None:
     ref = dict(full.named_parameters())
     grads, marked = {}, set()
@@ -114,14 +98,13 @@ def _gpt_variant(tp: TPInfo, pp: int, what: str, tied: bool = True, **options) -
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     full = GPTModel(cfg, TPInfo.single(), seed=9, share_embeddings_and_output_weights=tied)
-    loss_ref, _ = _run([full], lambda m: m(ids, None, None, labels=labels))
+    loss_ref, _ = _run([full], _gpt_forward(ids, labels))
     stages = [GPTModel(sp_cfg, tp, pre_process=r == 0, post_process=r == pp - 1,
                        layer_numbers=stage_layer_numbers(cfg.num_layers, pp, r), seed=9,
                        share_embeddings_and_output_weights=tied) for r in range(pp)]
     if pp > 1:
         assert stages[1].stage_input_shape(BATCH) == (SEQ // 2, BATCH, 16)
-    loss, outputs = _run(stages, lambda m: m(ids, None, None,
-                                             labels=labels if m.post_process else None))
+    loss, outputs = _run(stages, _gpt_forward(ids, labels))
     _close(loss, loss_ref, f"{what}: loss")
     for out in outputs[:-1]:
         assert out.shape == (SEQ // 2, BATCH, 16), f"{what}: stage output {tuple(out.shape)}"

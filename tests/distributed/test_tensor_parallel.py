@@ -37,21 +37,28 @@ def _config(**kw) -> ModelConfig:
                        params_dtype=torch.float64, **kw)
 
 
-def _run(stages, ids, labels):
-    """Forward + backward through (possibly several) stages held by this process."""
+def _run(stages, forward):
+    """Forward + backward through (possibly several) stages held by this process (the
+    pipeline by hand); ``forward(stage)`` runs one.  Returns the loss and each stage's
+    output."""
     inputs, outputs, x = [], [], None
     for stage in stages:
         if not stage.pre_process:
             x = x.detach().requires_grad_()
             stage.set_input_tensor(x)
         inputs.append(x)
-        x = stage(ids, None, None, labels=labels if stage.post_process else None)
+        x = forward(stage)
         outputs.append(x)
     loss = outputs[-1].mean()
     loss.backward()
     for i in range(len(stages) - 2, -1, -1):
         outputs[i].backward(inputs[i + 1].grad)
-    return loss.detach()
+    return loss.detach(), outputs
+
+
+def _gpt_forward(ids, labels):
+    return lambda stage: stage(ids, None, None,
+                               labels=labels if stage.post_process else None)
 
 
 def _full_name(stage, name: str) -> str:
@@ -69,11 +76,11 @@ def _check_variant(tp: TPInfo, pp: int, tied: bool, recompute: dict) -> None:
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     ids, labels = tokens[:, :-1], tokens[:, 1:]
     full = GPTModel(cfg, TPInfo.single(), seed=9, share_embeddings_and_output_weights=tied)
-    loss_ref = _run([full], ids, labels)
+    loss_ref, _ = _run([full], _gpt_forward(ids, labels))
     stages = [GPTModel(cfg, tp, pre_process=r == 0, post_process=r == pp - 1,
                        layer_numbers=stage_layer_numbers(cfg.num_layers, pp, r), seed=9,
                        share_embeddings_and_output_weights=tied) for r in range(pp)]
-    loss = _run(stages, ids, labels)
+    loss, _ = _run(stages, _gpt_forward(ids, labels))
     _close(loss, loss_ref, f"loss pp={pp} tied={tied}")
     ref = dict(full.named_parameters())
     grads = {}
