@@ -20,10 +20,14 @@ from megatron.parallel_state import ParallelGroups
 
 
 class GPTTask:
-    """State shared by the providers (the end-of-document id for loss masking)."""
+    """State shared by the providers: the end-of-document id and what to do at document
+    boundaries (``megatron.data.document_masks``)."""
 
     eod: int | None = None
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    per_token_loss: bool = False
 
 
 def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: bool,
@@ -37,9 +41,15 @@ def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: boo
 
 
 def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, int, int]):
-    # only --eod-mask-loss reads the end-of-document id (a tokenizer may have none)
-    GPTTask.eod = tokenizer.eod if tokenizer is not None and cfg.data.eod_mask_loss else None
-    GPTTask.eod_mask_loss = cfg.data.eod_mask_loss
+    # only the document-boundary flags read the end-of-document id (some tokenizers have
+    # none; arguments.py refuses these flags without a tokenizer)
+    d = cfg.data
+    boundaries = d.eod_mask_loss or d.reset_position_ids or d.reset_attention_mask
+    GPTTask.eod = tokenizer.eod if tokenizer is not None and boundaries else None
+    GPTTask.eod_mask_loss = d.eod_mask_loss
+    GPTTask.reset_position_ids = d.reset_position_ids
+    GPTTask.reset_attention_mask = d.reset_attention_mask
+    GPTTask.per_token_loss = cfg.training.calculate_per_token_loss
     if cfg.data.mock_data:
         from megatron.data.gpt_dataset import MockGPTDataset
 
@@ -58,34 +68,42 @@ def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, in
 
 
 def get_batch(data: Dict[str, Any], device: torch.device) -> Dict[str, torch.Tensor]:
-    """Shift one sample of seq_length+1 tokens into inputs and labels.
+    """Shift one sample of seq_length+1 tokens into inputs and labels, with the loss mask,
+    positions and attention mask of ``megatron.data.document_masks`` (attention_mask None:
+    causal).
 
     The ids travel in their stored dtype (pinned, non-blocking on CUDA) and widen on the
-    device; nothing here waits for the device (masked_fill, not boolean indexing)."""
+    device; nothing here waits for the device (no boolean indexing)."""
+    from megatron.data.document_masks import ltor_masks_and_position_ids
     from megatron.initialize import to_device
 
     text = to_device(data["text"], device).long()
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
-    loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=device)
-    if GPTTask.eod_mask_loss and GPTTask.eod is not None:
-        loss_mask.masked_fill_(tokens == GPTTask.eod, 0.0)
-    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    attention_mask, loss_mask, position_ids = ltor_masks_and_position_ids(
+        tokens, GPTTask.eod, reset_position_ids=GPTTask.reset_position_ids,
+        reset_attention_mask=GPTTask.reset_attention_mask,
+        eod_mask_loss=GPTTask.eod_mask_loss)
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": position_ids}
+            "position_ids": position_ids, "attention_mask": attention_mask}
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Mean of the per-token losses where loss_mask is 1."""
+    """Mean of the per-token losses where loss_mask is 1; with --calculate-per-token-loss
+    their sum and the number of tokens summed (the engine divides by the global batch's)."""
     losses = output.float() if output.dtype in (torch.float16, torch.bfloat16) else output
-    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum().clamp(min=1.0)
+    total = torch.sum(losses.view(-1) * loss_mask.view(-1))
+    if GPTTask.per_token_loss:
+        return total, loss_mask.sum(), {"lm loss": total.detach()}
+    loss = total / loss_mask.sum().clamp(min=1.0)
     return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
     device = next(model.parameters()).device
     batch = get_batch(next(data_iterator), device)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -100,7 +118,8 @@ def main(argv=None):
 
     return pretrain(datasets_provider, model_provider, forward_step, argv=argv,
                     flops_per_iteration=flops_per_iteration,
-                    default_tokenizer="GPT2BPETokenizer")  # as Megatron-LM's pretrain_gpt.py
+                    default_tokenizer="GPT2BPETokenizer",  # as Megatron-LM's pretrain_gpt.py
+                    per_token_loss=True)
 
 
 if __name__ == "__main__":

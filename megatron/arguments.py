@@ -67,6 +67,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1,
                    help="Dropout on attention probabilities.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal initialiser.")
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="Draw every weight matrix (embeddings and output projections "
+                        "included) from Xavier/Glorot's uniform distribution over the whole "
+                        "unsharded matrix instead of N(0, --init-method-std^2).")
     g.add_argument("--layernorm-epsilon", "--norm-epsilon", dest="layernorm_epsilon",
                    type=float, default=1e-5,
                    help="Epsilon of LayerNorm / RMSNorm (--norm-epsilon: Megatron-LM's newer "
@@ -95,10 +99,22 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "8192/4 and 8192 tokens of wavelength).")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="With --use-rope-scaling: 8 (Llama 3.1) or 32 (Llama 3.2).")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates adjacent dimension pairs (2i, 2i+1) of each head (GPT-J "
+                        "style) instead of the pairs (i, i + half) of Llama's rotate-half.")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="Linear position interpolation for RoPE: positions are divided by "
+                        "this factor (>= 1) before rotating, stretching the trained context "
+                        "that many times.")
     g.add_argument("--swiglu", action="store_true",
                    help="SwiGLU MLP: down(silu(gate(x)) * up(x)), the h -> ffn projection "
                         "doubled to [gate; up] (Llama).  --ffn-hidden-size then defaults to "
                         "Megatron-LM's 8/3 x --hidden-size rounded down to a multiple of 64.")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="MLP activation relu(x)^2 instead of GeLU (not with --swiglu).")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                   help="Take each residual from the LayerNorm's output instead of its "
+                        "input, around both the attention and the MLP.")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="Normalise each query and key head over its dimensions (with "
                         "--normalization), before RoPE (Qwen3).")
@@ -279,6 +295,10 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="GPT: the loss (and its gradient) is the mean over every loss token "
+                        "of the global batch, not the mean of per-microbatch means; "
+                        "microbatches with more tokens (see --eod-mask-loss) weigh more.")
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -374,6 +394,13 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="SentencePiece model file; for HuggingFaceTokenizer a tokenizer "
                         "directory (save_pretrained's) or a model name.")
     g.add_argument("--eod-mask-loss", action="store_true", help="Do not train on end-of-document tokens.")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="GPT: restart the position ids at 0 after every end-of-document "
+                        "token of a sample.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="GPT: a token attends only to the earlier tokens of its own "
+                        "document (end-of-document tokens end a document); costs a "
+                        "[micro-batch, seq, seq] mask per microbatch and stage.")
 
 
 def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
@@ -559,6 +586,17 @@ def _check_architecture(args: argparse.Namespace) -> None:
         _require(rope, "--use-rope-scaling needs --position-embedding-type rope")
         _require(args.rope_scaling_factor >= 1.0,
                  f"--rope-scaling-factor must be >= 1, got {args.rope_scaling_factor}")
+    _require(rope or not args.rotary_interleaved,
+             "--rotary-interleaved needs --position-embedding-type rope")
+    factor = args.rotary_seq_len_interpolation_factor
+    if factor is not None:
+        _require(rope, "--rotary-seq-len-interpolation-factor needs "
+                       "--position-embedding-type rope")
+        _require(math.isfinite(factor) and factor >= 1.0,
+                 f"--rotary-seq-len-interpolation-factor must be >= 1 (how many times "
+                 f"longer the context is stretched), got {factor}")
+    _require(not (args.squared_relu and args.swiglu),
+             "--squared-relu and --swiglu are two MLP activations: give one of them")
 
 
 def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
@@ -1183,6 +1221,11 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        rotary_interleaved=args.rotary_interleaved,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        init_method_xavier_uniform=args.init_method_xavier_uniform,
+        squared_relu=args.squared_relu,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
         num_query_groups=args.query_groups, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
@@ -1194,6 +1237,10 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         llama = non_gpt2_options(model)
         _require(not llama, f"{', '.join(llama)}: built for GPT models only; BERT "
                             f"(pretraining and finetuning) keeps BERT's block")
+        boundaries = [_flag(d) for d in ("eod_mask_loss", "reset_position_ids",
+                                         "reset_attention_mask") if getattr(args, d)]
+        _require(not boundaries, f"{', '.join(boundaries)}: GPT only (BERT's samples are "
+                                 f"sentence pairs with their own padding mask)")
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -1227,8 +1274,10 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        eod_mask_loss=args.eod_mask_loss, mock_data=args.mock_data)
+        eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, mock_data=args.mock_data)
     training = TrainingConfig(
+        calculate_per_token_loss=args.calculate_per_token_loss,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, train_samples=args.train_samples,
         batch_schedule=getattr(args, "batch_schedule", None),
@@ -1263,16 +1312,22 @@ def parse_and_validate(argv: Optional[List[str]] = None,
                        extra_args_provider: Optional[ExtraArgsProvider] = None,
                        world_size: Optional[int] = None,
                        default_tokenizer: Optional[str] = None,
+                       per_token_loss: bool = False,
                        ) -> Tuple[argparse.Namespace, MegatronConfig]:
     """Parse, validate and translate; on a bad command line print one line and exit(2).
 
     Runs before any process group exists, identically on every rank, so every rank
     of a bad launch stops at once.  ``world_size`` defaults to torchrun's WORLD_SIZE.
+    ``per_token_loss``: the entry point's loss function can report loss sums and token
+    counts (--calculate-per-token-loss; refused elsewhere).
     """
     args = parse_args(argv, extra_args_provider)
     try:
         if world_size is None:
             world_size = _world_size_from_env()
+        _require(per_token_loss or not args.calculate_per_token_loss,
+                 "--calculate-per-token-loss is built for pretrain_gpt.py only: this entry "
+                 "point's loss is a mean per microbatch")
         validate_args(args, world_size, default_tokenizer)
         config = build_config(args)
     except ArgumentError as err:

@@ -901,7 +901,10 @@ _SHAPE_FLAGS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size")
 
 
 # The block's architecture fields, their flags and the value of a checkpoint saved before
-# the option existed.
+# the option existed.  (--init-method-std and --init-method-xavier-uniform are not here:
+# they only draw the initial weights, which a resumed run reads from the checkpoint; nor
+# is --rotary-seq-len-interpolation-factor: changing it on a loaded RoPE model to stretch
+# its context is what position interpolation is for.)
 _ARCHITECTURE_FLAGS = (("normalization", "--normalization", "LayerNorm"),
                        ("position_embedding_type", "--position-embedding-type",
                         "learned_absolute"),
@@ -909,7 +912,11 @@ _ARCHITECTURE_FLAGS = (("normalization", "--normalization", "LayerNorm"),
                        ("rotary_percent", "--rotary-percent", 1.0),
                        ("rope_scaling", "--use-rope-scaling", False),
                        ("rope_scaling_factor", "--rope-scaling-factor", 8.0),
+                       ("rotary_interleaved", "--rotary-interleaved", False),
                        ("swiglu", "--swiglu", False),
+                       ("squared_relu", "--squared-relu", False),
+                       ("apply_residual_connection_post_layernorm",
+                        "--apply-residual-connection-post-layernorm", False),
                        ("qk_layernorm", "--qk-layernorm", False),
                        ("num_query_groups", "--num-query-groups", None),
                        ("kv_channels", "--kv-channels", None),
@@ -943,6 +950,10 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
             continue
         if name == "padded_vocab_size" and not (ours and theirs):
             continue  # 0: not known (no tokenizer); load_state_dict still checks
+        if name == "max_position_embeddings" and (
+                getattr(model, "position_embedding_type", None)
+                == saved.get("position_embedding_type") == "rope"):
+            continue  # no position table: a RoPE model may train on longer sequences
         if name == "max_position_embeddings" and saved.get("seq_length") != model.seq_length:
             flag = "--seq-length/--max-position-embeddings"
         diffs.append(f"{flag} {theirs} in the checkpoint, {ours} in this run")

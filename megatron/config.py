@@ -46,6 +46,11 @@ class ModelConfig:
     """Dropout on attention probabilities."""
     init_method_std: float = 0.02
     """Std of the normal initialiser; output projections use std / sqrt(2 * num_layers)."""
+    init_method_xavier_uniform: bool = False
+    """--init-method-xavier-uniform: every weight matrix init_method_std would draw
+    (embeddings, the four block matrices, output projections included, as Megatron-LM)
+    is drawn from U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the FULL unsharded
+    matrix, so that the model does not depend on the tensor-parallel size."""
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
     openai_gelu: bool = False
@@ -85,8 +90,22 @@ class ModelConfig:
     """Llama 3.1's long-context RoPE frequencies (--use-rope-scaling)."""
     rope_scaling_factor: float = 8.0
     """How many times slower the low RoPE frequencies turn with rope_scaling (3.1: 8, 3.2: 32)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates adjacent dimension pairs (2i, 2i + 1) of a head (GPT-J's and the
+    original paper's layout) instead of the pairs (i, i + r/2) of Llama's "rotate half"."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Linear position interpolation: RoPE sees position p as p / factor, so a model
+    trained on n tokens covers factor * n with the angles it knows.  None: no
+    interpolation (factor 1)."""
     swiglu: bool = False
     """MLP = down(silu(gate(x)) * up(x)) instead of down(gelu(up(x)))."""
+    squared_relu: bool = False
+    """MLP = down(relu(up(x))^2) instead of down(gelu(up(x))) (Primer's activation;
+    excludes swiglu)."""
+    apply_residual_connection_post_layernorm: bool = False
+    """Each block's two residuals start from the LayerNorm's output instead of its input:
+    y = LN(x) + attn(LN(x)), then y' = LN2(y) + mlp(LN2(y)) (the original BERT's
+    residual, Megatron-LM's flag); the default is GPT-2's x + attn(LN(x))."""
     qk_layernorm: bool = False
     """Normalise every query and key head (over its head_dim, with ``normalization``)
     before RoPE (Qwen3, OLMo 2)."""
@@ -278,6 +297,10 @@ class DataConfig:
     """Vocabulary size for NullTokenizer (no vocabulary file)."""
     make_vocab_size_divisible_by: int = 128
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    """GPT: positions restart after every end-of-document token (megatron.data.document_masks)."""
+    reset_attention_mask: bool = False
+    """GPT: attention stays inside each document of a sample."""
     mock_data: bool = False
     """Use a synthetic dataset of random tokens (tests, benchmarks)."""
 
@@ -285,6 +308,9 @@ class DataConfig:
 @dataclass(kw_only=True)
 class TrainingConfig:
     """Batches, length of training, logging, evaluation and checkpoints."""
+
+    calculate_per_token_loss: bool = False
+    """GPT: mean over every loss token of the global batch (PipelineEngine.per_token_loss)."""
 
     micro_batch_size: int = 1
     global_batch_size: int = 1

@@ -5,8 +5,9 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
 
 * GPT -> ``GPT2LMHeadModel``.  Same architecture: learned positions, pre-LayerNorm
   blocks, GELU (exact: ``activation_function: "gelu"``; with ``--openai-gelu`` the tanh
-  approximation, ``"gelu_new"``, as OpenAI's GPT-2), final LayerNorm, output tied to
-  the word embedding (or an untied ``lm_head``).  Weight layout differences:
+  approximation, ``"gelu_new"``, as OpenAI's GPT-2; with ``--squared-relu``
+  ``"relu2"``, transformers' relu(x)^2 -- not ``"relu"``, which does not square),
+  final LayerNorm, output tied to the word embedding (or an untied ``lm_head``).  Weight layout differences:
   transformers' GPT-2 uses ``Conv1D`` ([in, out], the transpose of our Linear weights),
   and its fused ``c_attn`` output is [q of all heads | k | v] while ours is ordered
   [head, (q, k, v), head_dim] so that a tensor-parallel split hands out whole heads.
@@ -20,6 +21,13 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   [gate; up] becomes ``gate_proj`` and ``up_proj``; ``--kv-channels`` is ``head_dim``.
   RoPE is the same "rotate half" rotation of whole heads; a ``--rotary-percent`` below
   1 is refused (transformers' Llama does not apply ``partial_rotary_factor``).
+  ``--rotary-interleaved`` (pairs (2i, 2i+1)) exports by reordering each query and key
+  head's dimensions (and their biases and --qk-layernorm weights) to [even ones, odd
+  ones], which turns the interleaved rotation into transformers' rotate-half and leaves
+  every q.k product unchanged.  ``--rotary-seq-len-interpolation-factor N`` is
+  transformers' ``rope_type: "linear"`` with ``factor`` N (its frequencies divided by N,
+  the same angles as our positions divided by N); together with ``--use-rope-scaling``
+  it is refused (transformers takes one ``rope_type``).
   ``--use-rope-scaling`` is transformers' ``rope_type: "llama3"`` with Llama 3.1's
   constants (all three models compute their frequencies through the same
   ``rope_type`` table); config.json keeps our ``max_position_embeddings`` even where it
@@ -27,7 +35,10 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   nothing it computes (the llama3 frequencies do not depend on it), rather than
   claiming a context the model was not built for.
 * Any other combination of the Llama-style options has no transformers model and is
-  refused with one line naming the flags; so is a BERT built with any of them, and so
+  refused with one line naming the flags; so is a BERT built with any of them (or with
+  ``--squared-relu``: MegatronBert's ``hidden_act`` also drives its LM head, which ours
+  keeps GeLU), so is any model built with ``--apply-residual-connection-post-layernorm``
+  (every target takes its residuals before the norm), and so
   is a checkpoint whose recorded model config holds an option this module does not
   know with a value other than its default (``_check_known_options``): an export never
   drops what it does not understand.
@@ -43,7 +54,9 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   tokenizer (NullTokenizer, SentencePiece) writes none and says so.
 
 Import (``--from-hf DIR --save OUT``): a GPT-2, Llama, Qwen2 or Qwen3 directory
-(``config.json`` ``model_type`` "gpt2", "llama", "qwen2" or "qwen3") with ``model.safetensors``
+(``config.json`` ``model_type`` "gpt2" -- ``activation_function`` "relu2" as
+``--squared-relu`` --, "llama", "qwen2" or "qwen3" -- ``rope_type`` "linear" as
+``--rotary-seq-len-interpolation-factor`` --) with ``model.safetensors``
 (or a ``pytorch_model.bin``, read with ``torch.load(weights_only=True)``, which refuses
 pickled code) becomes an iteration-0 checkpoint of any (t, d) layout, usable with
 ``--load OUT --finetune`` or ``--load OUT``.  The script prints the model flags the
@@ -79,6 +92,8 @@ from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ
 _ATTN = "self_attention.query_key_value"
 _GELU_EXACT = ("gelu",)
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_RELU_SQUARED = "relu2"
+"""transformers' relu(x)^2 (``ReLUSquaredActivation``): our --squared-relu."""
 
 
 def _say(line: str) -> None:
@@ -143,6 +158,14 @@ def _layers(full: Dict[str, torch.Tensor], num_layers: int):
 
 
 # --------------------------------------------------------------------------- export
+def _gpt2_activation(model_cfg: Dict[str, Any]) -> str:
+    """GPT-2's ``activation_function`` for our MLP: transformers' "relu2" is relu(x)^2
+    (--squared-relu; its "relu" would not square), "gelu_new" the tanh GELU."""
+    if model_cfg.get("squared_relu") is True:
+        return "relu2"
+    return "gelu_new" if model_cfg.get("openai_gelu") else "gelu"
+
+
 def gpt_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: int
               ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Our full GPT state dict -> (GPT2LMHeadModel state dict, config.json dict)."""
@@ -174,7 +197,7 @@ def gpt_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: i
         "vocab_size": vocab, "n_positions": int(model_cfg["max_position_embeddings"]),
         "n_embd": int(model_cfg["hidden_size"]), "n_layer": layers, "n_head": heads,
         "n_inner": int(model_cfg["ffn_hidden_size"]),
-        "activation_function": "gelu_new" if model_cfg.get("openai_gelu") else "gelu",
+        "activation_function": _gpt2_activation(model_cfg),
         "layer_norm_epsilon": float(model_cfg.get("layernorm_epsilon", 1e-5)),
         "resid_pdrop": float(model_cfg.get("hidden_dropout", 0.1)),
         "embd_pdrop": float(model_cfg.get("hidden_dropout", 0.1)),
@@ -200,14 +223,19 @@ def llama_family(arch: Dict[str, Any]) -> str:
     return "qwen2" if not arch["add_bias_linear"] and arch["add_qkv_bias"] else "llama"
 
 
-def rope_config(theta: float, scaling_factor: Optional[float]) -> Dict[str, Any]:
+def rope_config(theta: float, scaling_factor: Optional[float],
+                interpolation_factor: Optional[float] = None) -> Dict[str, Any]:
     """config.json's RoPE keys.  transformers >= 5 reads ``rope_parameters`` (theta
-    inside); older versions the top-level ``rope_theta`` and, for Llama 3.1's scaling,
-    ``rope_scaling`` (the same keys without theta: they warn about any other key).
-    transformers 5 prefers ``rope_scaling`` where both are present, so the two always
-    say the same."""
+    inside); older versions the top-level ``rope_theta`` and, for Llama 3.1's scaling
+    or linear interpolation, ``rope_scaling`` (the same keys without theta: they warn
+    about any other key).  transformers 5 prefers ``rope_scaling`` where both are
+    present, so the two always say the same.  ``_export_target`` has refused both
+    factors at once."""
     out: Dict[str, Any] = {"rope_parameters": {"rope_type": "default", "rope_theta": theta},
                            "rope_theta": theta}
+    if interpolation_factor is not None:  # positions / N == frequencies / N
+        scaling = {"rope_type": "linear", "factor": float(interpolation_factor)}
+        out.update(rope_parameters={**scaling, "rope_theta": theta}, rope_scaling=scaling)
     if scaling_factor is not None:
         scaling = {"rope_type": "llama3", "factor": float(scaling_factor),
                    "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
@@ -231,6 +259,8 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
     qkv_bias = bias or arch["add_qkv_bias"]
     family = llama_family(arch)
     tied = "output_layer.weight" not in full
+    # --rotary-interleaved: each q/k head's dimensions reordered to rotate-half's layout
+    order = rotate_half_order(head_dim) if arch["rotary_interleaved"] else None
     out = {"model.embed_tokens.weight": full[WORD_EMBEDDING][:vocab]}
     for i, get in _layers(full, layers):
         h = f"model.layers.{i}."
@@ -238,6 +268,8 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
         out[h + "post_attention_layernorm.weight"] = get("post_attention_layernorm.weight")
         for part in ("weight", "bias") if qkv_bias else ("weight",):
             q, k, v = qkv_ours_to_groups(get(f"{_ATTN}.{part}"), heads, groups)
+            if order is not None:
+                q, k = _reorder_heads(q, order), _reorder_heads(k, order)
             out[h + f"self_attn.q_proj.{part}"] = q
             out[h + f"self_attn.k_proj.{part}"] = k
             out[h + f"self_attn.v_proj.{part}"] = v
@@ -247,7 +279,8 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
                 if tuple(weight.shape) != (head_dim,):
                     raise ValueError(f"layer {i}'s self_attention.{ours}.weight is "
                                      f"{tuple(weight.shape)}, expected ({head_dim},)")
-                out[h + f"self_attn.{theirs}.weight"] = weight
+                out[h + f"self_attn.{theirs}.weight"] = (weight if order is None
+                                                         else weight[order])
         for part in ("weight", "bias") if bias else ("weight",):
             out[h + f"self_attn.o_proj.{part}"] = get(f"self_attention.dense.{part}")
             gate, up = get(f"mlp.dense_h_to_4h.{part}").chunk(2, dim=0)
@@ -266,7 +299,8 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
         "num_key_value_heads": groups, "hidden_act": "silu",
         "max_position_embeddings": int(model_cfg["max_position_embeddings"]),
         "rms_norm_eps": float(model_cfg.get("layernorm_epsilon", 1e-5)),
-        **rope_config(theta, arch["rope_scaling_factor"] if arch["rope_scaling"] else None),
+        **rope_config(theta, arch["rope_scaling_factor"] if arch["rope_scaling"] else None,
+                      arch["rotary_seq_len_interpolation_factor"]),
         "attention_dropout": float(model_cfg.get("attention_dropout", 0.0)),
         "initializer_range": float(model_cfg.get("init_method_std", 0.02)),
         "tie_word_embeddings": tied, "use_cache": True,
@@ -284,6 +318,21 @@ def gpt_to_llama(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab
     else:  # Qwen3's head_dim defaults to 128 whatever the width: always written
         config.update(head_dim=head_dim, attention_bias=False, use_sliding_window=False)
     return out, config
+
+
+def rotate_half_order(head_dim: int) -> torch.Tensor:
+    """The dimension order [0, 2, 4, ..., 1, 3, 5, ...] of one head: interleaved RoPE's
+    pair (2i, 2i+1) lands on rotate-half's pair (i, i + head_dim/2), which turns with the
+    same frequency base^(-2i/head_dim).  Queries and keys reordered alike keep every
+    q.k product, so the exported model computes the same attention."""
+    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+
+
+def _reorder_heads(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows [head, head_dim] (a q/k projection's weight or bias) with each head's
+    dimensions taken in ``order``."""
+    d = order.numel()
+    return rows.unflatten(0, (rows.shape[0] // d, d))[:, order].flatten(0, 1)
 
 
 def bert_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: int
@@ -426,8 +475,12 @@ def block_options(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
         raise CheckpointError(f"the checkpoint's config records kv_channels {kv!r}; expected a "
                               f"positive integer")
     numbers = {}
-    for key, default in (("rotary_percent", 1.0), ("rope_scaling_factor", 8.0)):
+    for key, default in (("rotary_percent", 1.0), ("rope_scaling_factor", 8.0),
+                         ("rotary_seq_len_interpolation_factor", None)):
         value = model_cfg.get(key, default)
+        if value is None and default is None:
+            numbers[key] = None
+            continue
         if type(value) not in (int, float):
             raise CheckpointError(f"the checkpoint's config records {key} {value!r}; "
                                   f"expected a number")
@@ -438,7 +491,13 @@ def block_options(model_cfg: Dict[str, Any]) -> Dict[str, Any]:
             "rotary_percent": numbers["rotary_percent"],
             "rope_scaling": model_cfg.get("rope_scaling", False) is True,
             "rope_scaling_factor": numbers["rope_scaling_factor"],
+            "rotary_interleaved": model_cfg.get("rotary_interleaved", False) is True,
+            "rotary_seq_len_interpolation_factor":
+                numbers["rotary_seq_len_interpolation_factor"],
             "swiglu": model_cfg.get("swiglu", False) is True,
+            "squared_relu": model_cfg.get("squared_relu", False) is True,
+            "apply_residual_connection_post_layernorm":
+                model_cfg.get("apply_residual_connection_post_layernorm", False) is True,
             "qk_layernorm": model_cfg.get("qk_layernorm", False) is True,
             "num_attention_heads": heads,
             "kv_channels": kv,
@@ -464,16 +523,20 @@ _EXPORT_READS = frozenset({
     "attention_dropout", "init_method_std", "num_tokentypes", "normalization",
     "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling",
     "rope_scaling_factor", "swiglu", "qk_layernorm", "kv_channels", "num_query_groups",
-    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights"})
+    "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+    "squared_relu", "rotary_interleaved", "rotary_seq_len_interpolation_factor",
+    "apply_residual_connection_post_layernorm"})
 """config["model"] keys the export writes into the transformers model, or refuses."""
 _EXPORT_IGNORES = frozenset({
     "seq_length", "padded_vocab_size", "params_dtype", "recompute_granularity",
     "recompute_method", "recompute_num_layers", "compile_layers", "cross_entropy_loss_fusion",
-    "attention_backend", "sequence_parallel"})
+    "attention_backend", "sequence_parallel", "init_method_xavier_uniform"})
 """config["model"] keys that say how the model was trained, not what it computes: the
 training sequence length (max_position_embeddings is the model's), the vocabulary
-padding (dropped; the tensors have it), the weights' dtype (the tensors have it) and
-the recomputation, fusion, attention-kernel and sequence-parallel switches."""
+padding (dropped; the tensors have it), the weights' dtype (the tensors have it),
+the recomputation, fusion, attention-kernel and sequence-parallel switches, and how
+the initial weights were drawn (--init-method-xavier-uniform: the tensors are the
+trained ones)."""
 
 
 def _check_known_options(model_cfg: Dict[str, Any]) -> None:
@@ -508,11 +571,21 @@ def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
         raise UserError("--to-hf: the checkpoint's config lacks num_attention_heads")
     _check_known_options(model_cfg)
     flags = non_gpt2_flags(model_cfg)
+    arch = block_options(model_cfg)
+    if arch["apply_residual_connection_post_layernorm"]:
+        raise UserError("--to-hf: this model takes its residuals after the LayerNorm "
+                        "(--apply-residual-connection-post-layernorm); transformers' GPT-2, "
+                        "Llama, Qwen2/3 and MegatronBert take them before it, so it cannot "
+                        "be exported")
     if is_bert:
         if flags:
             raise UserError(f"--to-hf: this BERT was built with {' '.join(flags)}; "
                             f"transformers' MegatronBert has BERT's block only, so it cannot "
                             f"be exported")
+        if arch["squared_relu"]:
+            raise UserError("--to-hf: this BERT was built with --squared-relu; transformers' "
+                            "MegatronBert applies its hidden_act to the LM head's transform "
+                            "too, which ours keeps GeLU, so it cannot be exported")
         target = "bert"
     elif not flags:
         target = "gpt2"
@@ -540,12 +613,17 @@ def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
                             f"(--rotary-percent {arch['rotary_percent']:g}); transformers' "
                             f"{model} rotates whole heads (it does not apply "
                             f"partial_rotary_factor), so it cannot be exported")
+        if arch["rope_scaling"] and arch["rotary_seq_len_interpolation_factor"] is not None:
+            raise UserError(f"--to-hf: this GPT combines --use-rope-scaling with "
+                            f"--rotary-seq-len-interpolation-factor "
+                            f"{flag_number(arch['rotary_seq_len_interpolation_factor'])}; "
+                            f"transformers' {model} takes one rope_type (llama3 or linear), "
+                            f"so it cannot be exported")
         target = "llama"
     if not is_bert and "embedding.tokentype_embeddings.weight" in full:
         raise UserError("--to-hf: this GPT has token-type embeddings; transformers' GPT-2, "
                         "Llama and Qwen2/3 have none, so it cannot be exported")
     heads = int(model_cfg["num_attention_heads"])
-    arch = block_options(model_cfg)
     groups, kv = arch["num_query_groups"], arch["kv_channels"]
     for name, value in full.items():
         if not name.endswith(f"{_ATTN}.weight"):
@@ -822,9 +900,10 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
             raise UserError(f"--from-hf {cfg_path}: {key}={cfg[key]} has no equivalent in "
                             f"this trainer's GPT (expected {ok})")
     act = cfg.get("activation_function", "gelu_new")
-    if act not in _GELU_TANH + _GELU_EXACT:
+    if act not in _GELU_TANH + _GELU_EXACT + (_RELU_SQUARED,):
         raise UserError(f"--from-hf {cfg_path}: activation_function {act!r} has no "
-                        f"equivalent here (expected gelu, or gelu_new with --openai-gelu)")
+                        f"equivalent here (expected gelu, gelu_new with --openai-gelu, or "
+                        f"relu2 with --squared-relu)")
     heads, layers, hidden, vocab, positions = (
         _config_int(cfg, k, cfg_path) for k in ("n_head", "n_layer", "n_embd", "vocab_size",
                                                 "n_positions"))
@@ -874,6 +953,7 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
                  "max_position_embeddings": positions, "padded_vocab_size": padded,
                  "layernorm_epsilon": eps, "hidden_dropout": resid, "attention_dropout": attn,
                  "init_method_std": init, "openai_gelu": act in _GELU_TANH,
+                 "squared_relu": act == _RELU_SQUARED,
                  "untie_embeddings_and_output_weights": not tied,
                  "params_dtype": str(full[WORD_EMBEDDING].dtype)}
     return full, model_cfg, vocab
@@ -889,8 +969,9 @@ def _is_number(value: Any) -> bool:
 
 
 def _rope_settings(cfg: Dict[str, Any], cfg_path: str, positions: int
-                   ) -> Tuple[int, Optional[float]]:
-    """(--rotary-base, --rope-scaling-factor or None) of a Llama-family config.json.
+                   ) -> Tuple[int, Optional[float], Optional[float]]:
+    """(--rotary-base, --rope-scaling-factor or None, --rotary-seq-len-interpolation-factor
+    or None) of a Llama-family config.json.
 
     The settings are in ``rope_parameters`` (transformers >= 5; theta inside) or in
     ``rope_scaling`` plus a top-level ``rope_theta`` (older files).  transformers 5.23
@@ -898,11 +979,12 @@ def _rope_settings(cfg: Dict[str, Any], cfg_path: str, positions: int
     former, so a file holding both that disagree describes two models: refused, as is a
     top-level ``rope_theta`` that differs from ``rope_parameters``'.
 
-    ``rope_type`` "default" is plain RoPE; "llama3" is Llama 3.1's scaling, which this
-    trainer has with its constants fixed (low_freq_factor 1, high_freq_factor 4,
-    original_max_position_embeddings 8192; Megatron-LM's too): other constants, any
-    other ``rope_type`` (linear, dynamic, yarn, ...) and partial rotation change the
-    angles in ways this trainer's RoPE does not: refused, one line.
+    ``rope_type`` "default" is plain RoPE; "linear" divides every frequency by
+    ``factor``, which is our linear position interpolation; "llama3" is Llama 3.1's
+    scaling, which this trainer has with its constants fixed (low_freq_factor 1,
+    high_freq_factor 4, original_max_position_embeddings 8192; Megatron-LM's too):
+    other constants, any other ``rope_type`` (dynamic, yarn, ...) and partial rotation
+    change the angles in ways this trainer's RoPE does not: refused, one line.
     ``original_max_position_embeddings`` is read where transformers 5 reads it: the
     top level first, then the RoPE settings, then ``max_position_embeddings``."""
     found: Dict[str, Dict[str, Any]] = {}
@@ -915,11 +997,12 @@ def _rope_settings(cfg: Dict[str, Any], cfg_path: str, positions: int
                             f"settings, found {value!r}")
         value = dict(value)
         value.setdefault("rope_type", value.pop("type", "default"))
-        if value["rope_type"] not in ("default", "llama3"):
+        if value["rope_type"] not in ("default", "llama3", "linear"):
             raise UserError(f"--from-hf {cfg_path}: {key} has rope_type "
                             f"{value['rope_type']!r} (RoPE scaling), which this trainer's RoPE "
-                            f"does not do; only the default RoPE (--rotary-base) and Llama "
-                            f"3.1's 'llama3' scaling (--use-rope-scaling) import")
+                            f"does not do; only the default RoPE (--rotary-base), 'linear' "
+                            f"(--rotary-seq-len-interpolation-factor) and Llama 3.1's "
+                            f"'llama3' scaling (--use-rope-scaling) import")
         found[key] = value
     if len(found) == 2:
         a, b = found["rope_parameters"], found["rope_scaling"]
@@ -947,12 +1030,15 @@ def _rope_settings(cfg: Dict[str, Any], cfg_path: str, positions: int
     if theta != int(theta):
         raise UserError(f"--from-hf {cfg_path}: rope_theta {theta} is not a whole number; "
                         f"this trainer's --rotary-base takes integers")
-    if params.get("rope_type", "default") == "default":
-        return int(theta), None
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return int(theta), None, None
     factor = params.get("factor")
     if not _is_number(factor) or not factor >= 1.0:
-        raise CheckpointError(f"--from-hf {cfg_path}: expected the llama3 RoPE factor to be a "
+        raise CheckpointError(f"--from-hf {cfg_path}: expected the {kind} RoPE factor to be a "
                               f"number >= 1, found {factor!r}")
+    if kind == "linear":
+        return int(theta), None, float(factor)
     originals = [v for v in (cfg.get("original_max_position_embeddings"),
                              params.get("original_max_position_embeddings")) if v is not None]
     constants = {"low_freq_factor": params.get("low_freq_factor"),
@@ -971,7 +1057,7 @@ def _rope_settings(cfg: Dict[str, Any], cfg_path: str, positions: int
                         f"this trainer's --use-rope-scaling has Llama 3.1's low_freq_factor 1, "
                         f"high_freq_factor 4 and original_max_position_embeddings 8192 fixed "
                         f"(only --rope-scaling-factor is a flag)")
-    return int(theta), float(factor)
+    return int(theta), float(factor), None
 
 
 def _head_dim(cfg: Dict[str, Any], family: str, hidden: int, heads: int, cfg_path: str) -> int:
@@ -1055,7 +1141,7 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
                             f"(use_sliding_window / layer_types) has no equivalent here; "
                             f"only full attention in every layer imports")
     tied = flags["tie_word_embeddings"]
-    base, scaling = _rope_settings(cfg, cfg_path, positions)
+    base, scaling, interpolation = _rope_settings(cfg, cfg_path, positions)
     if d < 2:
         raise CheckpointError(f"--from-hf {cfg_path}: head_dim {d} leaves nothing to rotate")
     eps, attn, init = (_config_float(cfg, k, dflt, cfg_path) for k, dflt in (
@@ -1108,6 +1194,7 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
                  "rotary_base": base, "rotary_percent": 1.0,
                  "rope_scaling": scaling is not None,
                  "rope_scaling_factor": scaling if scaling is not None else 8.0,
+                 "rotary_seq_len_interpolation_factor": interpolation,
                  "swiglu": True, "qk_layernorm": family == "qwen3", "kv_channels": d,
                  "num_query_groups": groups, "add_bias_linear": bias,
                  "add_qkv_bias": qkv_bias and not bias,
@@ -1171,8 +1258,13 @@ def _model_flags(model_cfg: Dict[str, Any]) -> str:
         if model_cfg.get("rope_scaling"):
             flags.append(f"--use-rope-scaling --rope-scaling-factor "
                          f"{flag_number(model_cfg['rope_scaling_factor'])}")
+        if model_cfg.get("rotary_seq_len_interpolation_factor") is not None:
+            flags.append(f"--rotary-seq-len-interpolation-factor "
+                         f"{flag_number(model_cfg['rotary_seq_len_interpolation_factor'])}")
     if model_cfg.get("swiglu"):
         flags.append("--swiglu")
+    if model_cfg.get("squared_relu"):
+        flags.append("--squared-relu")
     if model_cfg.get("qk_layernorm"):
         flags.append("--qk-layernorm")
     kv = model_cfg.get("kv_channels")

@@ -331,7 +331,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         fault_injection=fault_injection,
         memory_count_interval=cfg.training.measure_memory_interval,
         flush_warmup_iters=par.tbw_flush_warmup_iters if par.tbw_mitigation == "warmup" else 0,
-        grad_dtype=cfg.precision.grad_dtype)
+        grad_dtype=cfg.precision.grad_dtype,
+        per_token_loss=cfg.training.calculate_per_token_loss)
     return model, optimizer, scheduler, engine
 
 
@@ -753,15 +754,20 @@ def initialize_megatron(args, cfg: MegatronConfig):
 def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable, *,
              extra_args_provider: Optional[Callable] = None, argv: Optional[Sequence[str]] = None,
              flops_per_iteration: Optional[Callable[[MegatronConfig], float]] = None,
-             fault_injection=None, default_tokenizer: Optional[str] = None) -> TrainingResult:
+             fault_injection=None, default_tokenizer: Optional[str] = None,
+             per_token_loss: bool = False) -> TrainingResult:
     """Parse flags, set up every rank, train, evaluate, save.  Returns this rank's result.
 
-    ``default_tokenizer``: --tokenizer-type when absent and a vocabulary is given."""
+    ``default_tokenizer``: --tokenizer-type when absent and a vocabulary is given.
+    ``per_token_loss``: with --calculate-per-token-loss, ``forward_step``'s loss function
+    returns (loss_sum, num_tokens, {name: sum}) (``PipelineEngine``); without this the
+    flag is refused."""
     from megatron.arguments import parse_and_validate
 
     args, cfg = parse_and_validate(list(argv) if argv is not None else None,
                                    extra_args_provider=extra_args_provider,
-                                   default_tokenizer=default_tokenizer)
+                                   default_tokenizer=default_tokenizer,
+                                   per_token_loss=per_token_loss)
     tokenizer, groups, device = initialize_megatron(args, cfg)
     result = _pretrain(cfg, tokenizer, groups, device, datasets_provider, model_provider,
                        forward_step, flops_per_iteration, fault_injection)

@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default auto (torch's fused attention: no seq x seq scores kept); "
                         "unfused, local: the explicit softmax, 5 bytes per score and head "
                         "(the paper's Megatron)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="GPT: the trainer's --reset-attention-mask (attention inside each "
+                        "document): every stage keeps a [b, s, s] mask per microbatch")
     c = p.add_argument_group("cluster (a preset, overridable field by field)")
     c.add_argument("--cluster", default="p3.16xlarge", choices=sorted(HARDWARE_PRESETS))
     c.add_argument("--num-gpus", type=int, required=True, help="N: GPUs to plan for")
@@ -235,17 +238,22 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
     """The planned model: a preset, a profile's shape or the flags, with the flags given
     on top.  A --rope-scaling-factor that the model would not use (no
     --use-rope-scaling, its own or its preset's or profile's) is an error, as
-    --num-query-groups without --group-query-attention.  --sequence-parallel is set
-    here whatever the source: presets and profiles (taken at t = 1, where it changes
-    nothing) do not carry it."""
+    --num-query-groups without --group-query-attention.  --sequence-parallel and
+    --reset-attention-mask are set here whatever the source: presets and profiles (taken
+    at t = 1 and causal) do not carry them."""
     model = _model_from_args(args, profile)
     if args.rope_scaling_factor is not None and not model.rope_scaling:
         raise PlanningError(f"--rope-scaling-factor {args.rope_scaling_factor:g} needs "
                             f"--use-rope-scaling (without it the trainer ignores it)")
-    if args.sequence_parallel:
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if args.sequence_parallel:
         model = replace(model, sequence_parallel=True)
+    if args.reset_attention_mask:
+        if model.kind != "gpt":
+            raise PlanningError("--reset-attention-mask applies to GPT models only (BERT "
+                                "has its padding mask)")
+        model = replace(model, reset_attention_mask=True)
     return model
 
 

@@ -26,11 +26,11 @@ from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
 from megatron.model.stage import PipelineStage
 from megatron.model.transformer import (ParallelTransformer, layer_norm, non_gpt2_options,
-                                        sequence_parallel)
+                                        sequence_parallel, weight_init_method)
 from megatron.model.utils import padding_attention_mask
-from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding, divide,
-                                      gather_from_sequence_parallel_region,
-                                      init_method_normal, mark_replicated_parameters,
+from megatron.tensor_parallel import (InitKey, InitMethod, TPInfo, VocabParallelEmbedding,
+                                      divide, gather_from_sequence_parallel_region,
+                                      mark_replicated_parameters,
                                       vocab_parallel_cross_entropy)
 from megatron.tensor_parallel.param_init import full_tensor, set_tensor_model_parallel_attributes
 
@@ -42,13 +42,14 @@ def head_init_key(seed: int) -> InitKey:
     return embedding_init_key(seed).child("bert_heads")
 
 
-def replicated_linear(in_features: int, out_features: int, key: InitKey, std: float,
-                      dtype: torch.dtype) -> nn.Linear:
-    """An ``nn.Linear`` (same on every TP rank) drawn by the layout-independent rule."""
+def replicated_linear(in_features: int, out_features: int, key: InitKey,
+                      init_method: InitMethod, dtype: torch.dtype) -> nn.Linear:
+    """An ``nn.Linear`` (same on every TP rank) drawn by the layout-independent rule,
+    with ``init_method`` (the model's: ``weight_init_method``)."""
     layer = nn.Linear(in_features, out_features, dtype=dtype)
     with torch.no_grad():
         layer.weight.copy_(full_tensor((out_features, in_features), key.child("weight"),
-                                       init_method_normal(std), dtype))
+                                       init_method, dtype))
         layer.bias.zero_()
     return layer
 
@@ -64,7 +65,7 @@ class Pooler(nn.Module):
     def __init__(self, config: ModelConfig, key: InitKey) -> None:
         super().__init__()
         self.dense = replicated_linear(config.hidden_size, config.hidden_size,
-                                       key.child("dense"), config.init_method_std,
+                                       key.child("dense"), weight_init_method(config),
                                        config.params_dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,7 @@ class BertLMHead(nn.Module):
         self.tp = tp
         self.gelu_approximate = config.gelu_approximate
         self.dense = replicated_linear(config.hidden_size, config.hidden_size,
-                                       key.child("dense"), config.init_method_std,
+                                       key.child("dense"), weight_init_method(config),
                                        config.params_dtype)
         self.layernorm = layer_norm(config)
         per_rank = divide(config.padded_vocab_size, tp.size, "padded vocab size")
@@ -157,7 +158,8 @@ class BertModel(PipelineStage):
         self.lm_head = BertLMHead(config, tp, heads.child("lm_head")) \
             if post_process and add_lm_head else None
         self.binary_head = replicated_linear(config.hidden_size, 2, heads.child("binary_head"),
-                                             config.init_method_std, config.params_dtype) \
+                                             weight_init_method(config),
+                                             config.params_dtype) \
             if post_process and add_binary_head else None
         # The last stage keeps a copy of the word embedding whenever the model is cut
         # (even without an LM head, e.g. when finetuning) because the trainer sums the
@@ -166,7 +168,7 @@ class BertModel(PipelineStage):
         if post_process and not pre_process:
             self.output_word_embeddings = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size, tp=tp,
-                init_method=init_method_normal(config.init_method_std),
+                init_method=weight_init_method(config),
                 params_dtype=config.params_dtype,
                 init_key=embedding_init_key(seed).child("word_embeddings"))
             self.output_word_embeddings.weight.shared = True

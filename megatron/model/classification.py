@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.model.bert_model import BertModel, head_init_key, replicated_linear
+from megatron.model.transformer import weight_init_method
 from megatron.tensor_parallel import TPInfo, mark_replicated_parameters
 
 
@@ -31,7 +32,7 @@ class Classification(BertModel):
         self.classification_dropout = config.hidden_dropout
         self.classification_head = replicated_linear(
             config.hidden_size, num_classes, head_init_key(seed).child("classification_head"),
-            config.init_method_std, config.params_dtype) if post_process else None
+            weight_init_method(config), config.params_dtype) if post_process else None
         mark_replicated_parameters(self)
 
     def forward(self, input_ids: Optional[torch.Tensor], padding_mask: torch.Tensor,

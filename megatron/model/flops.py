@@ -14,9 +14,10 @@ projection is 2 B s h (a head_dim + 2 G head_dim); the output projection
 matrices); the attention matmuls 4 B s^2 (a head_dim), whatever G is.  head_dim is
 --kv-channels, h / a by default.  The vocabulary term, 1.5 B s h V inside the
 "forward" (the formula's V / (16 l h)), is the same whether the output layer is tied to
-the word embedding or not: the same matmul.  Norms, RoPE and biases are elementwise
-work, not counted, as in the formula.  A GPT-2 block (f = 4h, multi-head attention, GeLU)
-is counted by the formula itself, so its numbers do not move.
+the word embedding or not: the same matmul.  Norms, RoPE (in either pair layout, with or
+without position interpolation), the activation (GeLU or --squared-relu), residual adds
+and biases are elementwise work, not counted, as in the formula.  A GPT-2 block (f = 4h,
+multi-head attention, GeLU) is counted by the formula itself, so its numbers do not move.
 """
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ from megatron.config import ModelConfig
 from megatron.model.language_model import Embedding, embedding_init_key, parallel_lm_logits
 from megatron.model.stage import PipelineStage
 from megatron.model.transformer import (ParallelTransformer, check_architecture,
-                                        sequence_parallel)
+                                        sequence_parallel, weight_init_method)
 from megatron.tensor_parallel import (ColumnParallelLinear, TPInfo, VocabParallelEmbedding,
-                                      divide, init_method_normal, mark_replicated_parameters,
+                                      divide, mark_replicated_parameters,
                                       vocab_parallel_cross_entropy)
 
 
@@ -78,7 +78,7 @@ class GPTModel(PipelineStage):
             # trainer keeps them identical by all-reducing their gradients.
             self.output_word_embeddings = VocabParallelEmbedding(
                 config.padded_vocab_size, config.hidden_size, tp=tp,
-                init_method=init_method_normal(config.init_method_std),
+                init_method=weight_init_method(config),
                 params_dtype=config.params_dtype,
                 init_key=embedding_init_key(seed).child("word_embeddings"))
             self.output_word_embeddings.weight.shared = True
@@ -86,7 +86,7 @@ class GPTModel(PipelineStage):
         elif post_process and not share_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size, tp=tp, bias=False,
-                init_method=init_method_normal(config.init_method_std),
+                init_method=weight_init_method(config),
                 params_dtype=config.params_dtype,
                 init_key=embedding_init_key(seed).child("output_layer"),
                 sequence_parallel=config.sequence_parallel)

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.tensor_parallel import (InitKey, TPInfo, VocabParallelEmbedding,
-                                      copy_to_tp_region, get_rng_tracker, init_method_normal,
+from megatron.tensor_parallel import (InitKey, InitMethod, TPInfo, VocabParallelEmbedding,
+                                      copy_to_tp_region, get_rng_tracker,
                                       linear_with_sequence_gather,
                                       reduce_scatter_to_sequence_parallel_region,
                                       scatter_to_sequence_parallel_region)
 from megatron.tensor_parallel.param_init import EMBEDDING_LAYER, full_tensor
-from megatron.model.transformer import sequence_parallel
+from megatron.model.transformer import sequence_parallel, weight_init_method
 from megatron.model.utils import position_ids_for
 
 
@@ -23,12 +23,12 @@ def embedding_init_key(seed: int) -> InitKey:
     return InitKey(seed, EMBEDDING_LAYER)
 
 
-def _replicated_table(rows: int, cols: int, key: InitKey, std: float,
+def _replicated_table(rows: int, cols: int, key: InitKey, init_method: InitMethod,
                       dtype: torch.dtype) -> nn.Embedding:
     table = nn.Embedding(rows, cols, dtype=dtype)
     with torch.no_grad():
-        table.weight.copy_(full_tensor((rows, cols), key.child("weight"),
-                                       init_method_normal(std), dtype))
+        table.weight.copy_(full_tensor((rows, cols), key.child("weight"), init_method,
+                                       dtype))
     return table
 
 
@@ -55,16 +55,16 @@ class Embedding(nn.Module):
             raise ValueError("ModelConfig.padded_vocab_size must be set (> 0) before building "
                              "the embedding; it comes from the tokenizer's padded vocab size")
         key = embedding_init_key(seed)
-        std = config.init_method_std
+        init = weight_init_method(config)
         h = config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size, h, tp=tp, init_method=init_method_normal(std),
+            config.padded_vocab_size, h, tp=tp, init_method=init,
             params_dtype=config.params_dtype, init_key=key.child("word_embeddings"))
         self.position_embeddings = _replicated_table(
-            config.max_position_embeddings, h, key.child("position_embeddings"), std,
+            config.max_position_embeddings, h, key.child("position_embeddings"), init,
             config.params_dtype) if config.uses_position_table else None
         self.tokentype_embeddings = _replicated_table(
-            num_tokentypes, h, key.child("tokentype_embeddings"), std,
+            num_tokentypes, h, key.child("tokentype_embeddings"), init,
             config.params_dtype) if num_tokentypes > 0 else None
         self.dropout = config.hidden_dropout
         self.tp = tp

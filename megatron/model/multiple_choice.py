@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.model.bert_model import BertModel, head_init_key, replicated_linear
+from megatron.model.transformer import weight_init_method
 from megatron.tensor_parallel import TPInfo, mark_replicated_parameters
 
 
@@ -38,7 +39,7 @@ class MultipleChoice(BertModel):
         self.multichoice_dropout = config.hidden_dropout
         self.multichoice_head = replicated_linear(
             config.hidden_size, 1, head_init_key(seed).child("multichoice_head"),
-            config.init_method_std, config.params_dtype) if post_process else None
+            weight_init_method(config), config.params_dtype) if post_process else None
         mark_replicated_parameters(self)
 
     def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config import ModelConfig
-from megatron.tensor_parallel import (ColumnParallelLinear, InitKey, RowParallelLinear, TPInfo,
-                                      checkpoint, copy_to_tp_region, divide, get_rng_tracker,
-                                      init_method_normal, scaled_init_method_normal)
+from megatron.tensor_parallel import (ColumnParallelLinear, InitKey, InitMethod,
+                                      RowParallelLinear, TPInfo, checkpoint,
+                                      copy_to_tp_region, divide, get_rng_tracker,
+                                      init_method_normal, init_method_xavier_uniform,
+                                      scaled_init_method_normal)
 
 _MASK_FILL = -10000.0  # Megatron's value: fully masked rows become uniform, never NaN
 
@@ -47,6 +49,24 @@ def sequence_parallel(config: ModelConfig, tp: TPInfo) -> bool:
     """Whether activations outside the tensor-parallel regions are split along the
     sequence: --sequence-parallel with more than one tensor rank."""
     return config.sequence_parallel and tp.is_parallel
+
+
+def weight_init_method(config: ModelConfig) -> InitMethod:
+    """How every weight matrix but the output projections is drawn: N(0,
+    --init-method-std^2), or with --init-method-xavier-uniform Xavier's uniform over
+    the full matrix (embedding tables included, as Megatron-LM's init_method)."""
+    if config.init_method_xavier_uniform:
+        return init_method_xavier_uniform()
+    return init_method_normal(config.init_method_std)
+
+
+def output_init_method(config: ModelConfig) -> InitMethod:
+    """The attention and MLP output projections: N(0, std^2 / (2 --num-layers)) so the
+    residual sum keeps its scale; with --init-method-xavier-uniform the same Xavier
+    draw as every other matrix (Megatron-LM does not scale it in that mode)."""
+    if config.init_method_xavier_uniform:
+        return init_method_xavier_uniform()
+    return scaled_init_method_normal(config.init_method_std, config.num_layers)
 
 
 def layer_norm(config: ModelConfig, tp: Optional[TPInfo] = None) -> nn.Module:
@@ -104,6 +124,18 @@ def check_architecture(config: ModelConfig, tp: TPInfo) -> None:
                              f"{config.kv_channels} dimensions leaves fewer than 2 to rotate")
         if config.rotary_base <= 0:
             raise ValueError(f"--rotary-base {config.rotary_base}: expected > 0")
+    else:
+        for flag, given in (("--rotary-interleaved", config.rotary_interleaved),
+                            ("--rotary-seq-len-interpolation-factor",
+                             config.rotary_seq_len_interpolation_factor is not None)):
+            if given:
+                raise ValueError(f"{flag} needs --position-embedding-type rope")
+    factor = config.rotary_seq_len_interpolation_factor
+    if factor is not None and not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"--rotary-seq-len-interpolation-factor {factor}: expected a "
+                         f"number >= 1 (how many times longer the context is stretched)")
+    if config.squared_relu and config.swiglu:
+        raise ValueError("--squared-relu and --swiglu are two MLP activations: give one")
     if config.rope_scaling:
         if config.position_embedding_type != "rope":
             raise ValueError("--use-rope-scaling needs --position-embedding-type rope")
@@ -130,6 +162,11 @@ def non_gpt2_options(config) -> list:
         if config.rope_scaling:
             found.append(f"--use-rope-scaling --rope-scaling-factor "
                          f"{flag_number(config.rope_scaling_factor)}")
+        if config.rotary_interleaved:
+            found.append("--rotary-interleaved")
+        if config.rotary_seq_len_interpolation_factor is not None:
+            found.append(f"--rotary-seq-len-interpolation-factor "
+                         f"{flag_number(config.rotary_seq_len_interpolation_factor)}")
     if config.swiglu:
         found.append("--swiglu")
     if config.qk_layernorm:
@@ -151,10 +188,16 @@ def non_gpt2_options(config) -> list:
 class RotaryEmbedding(nn.Module):
     """cos and sin of RoPE's angles position * base^(-2i/r) for the first r dimensions of
     a head (r = ``config.rotary_dim``), in the "rotate half" layout of Megatron-LM and
-    Hugging Face's Llama: dimension j < r/2 is paired with j + r/2.
+    Hugging Face's Llama: dimension j < r/2 is paired with j + r/2.  With
+    ``config.rotary_interleaved`` (--rotary-interleaved) the pairs are the adjacent
+    dimensions (2i, 2i + 1), and the tables repeat each angle twice in a row instead of
+    repeating the half: ``apply_rotary`` reads the layout from ``interleaved``.
 
     With ``config.rope_scaling`` (--use-rope-scaling) the frequencies are Llama 3.1's:
-    see ``llama3_scaled_inv_freq``.
+    see ``llama3_scaled_inv_freq``.  With ``config.rotary_seq_len_interpolation_factor``
+    (linear position interpolation) the positions are divided by the factor before
+    they meet the frequencies: a context factor times longer than the trained one
+    spans the same angles.
 
     No parameters and no buffers (nothing in the state dict): the tables are made for
     the sequence length at hand, computed in float64 and cast to the activations' dtype,
@@ -166,6 +209,8 @@ class RotaryEmbedding(nn.Module):
         self.dim = config.rotary_dim
         self.base = float(config.rotary_base)
         self.scaling_factor = config.rope_scaling_factor if config.rope_scaling else None
+        self.interleaved = config.rotary_interleaved
+        self.interpolation_factor = config.rotary_seq_len_interpolation_factor
         self._cache: dict = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -183,9 +228,14 @@ class RotaryEmbedding(nn.Module):
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device),
-                             self.inv_freq(device))
-        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+        positions = torch.arange(seq_len, dtype=torch.float64, device=device)
+        if self.interpolation_factor is not None:
+            positions = positions / self.interpolation_factor
+        angles = torch.outer(positions, self.inv_freq(device))
+        if self.interleaved:  # angle i at dimensions 2i and 2i + 1
+            angles = angles.repeat_interleave(2, dim=-1)[:, None, None, :]
+        else:  # angle i at dimensions i and i + r/2
+            angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]
         table = (angles.cos().to(dtype), angles.sin().to(dtype))
         self._cache = {key: table}  # one length at a time: no growth over a run
         return table
@@ -209,12 +259,20 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tenso
     return (1.0 - blend) * inv_freq / factor + blend * inv_freq
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.size(-1)`` dimensions of x [s, b, heads, head_dim]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first ``cos.size(-1)`` dimensions of x [s, b, heads, head_dim]: the
+    pairs (j, j + r/2), or with ``interleaved`` the pairs (2i, 2i + 1); cos and sin
+    come from a ``RotaryEmbedding`` of the same layout."""
     r = cos.size(-1)
     rot, rest = x[..., :r], x[..., r:]
-    first, second = rot.chunk(2, dim=-1)
-    rotated = rot * cos + torch.cat((-second, first), dim=-1) * sin
+    if interleaved:  # (x_2i, x_2i+1) -> (-x_2i+1, x_2i), pair by pair
+        pairs = rot.unflatten(-1, (r // 2, 2))
+        turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        first, second = rot.chunk(2, dim=-1)
+        turned = torch.cat((-second, first), dim=-1)
+    rotated = rot * cos + turned * sin
     return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
 
 
@@ -348,7 +406,7 @@ class ParallelAttention(nn.Module):
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         self.query_key_value = ColumnParallelLinear(
             h, qkv_size, tp=tp, bias=config.add_bias_linear or config.add_qkv_bias,
-            init_method=init_method_normal(config.init_method_std),
+            init_method=weight_init_method(config),
             params_dtype=config.params_dtype, init_key=key.child("query_key_value"),
             sequence_parallel=config.sequence_parallel)
         self.core_attention = CoreAttention(config, tp)
@@ -360,10 +418,11 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(
             config.num_attention_heads * self.head_dim, h, tp=tp, input_is_parallel=True,
             bias=config.add_bias_linear,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init_method=output_init_method(config),
             params_dtype=config.params_dtype, init_key=key.child("dense"),
             sequence_parallel=config.sequence_parallel)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.rotary_interleaved = config.rotary_interleaved
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor],
                 rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -376,7 +435,8 @@ class ParallelAttention(nn.Module):
         if self.q_layernorm is not None:
             q, k = self._head_norm(self.q_layernorm, q), self._head_norm(self.k_layernorm, k)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q = apply_rotary(q, *rotary, interleaved=self.rotary_interleaved)
+            k = apply_rotary(k, *rotary, interleaved=self.rotary_interleaved)
         if self.checkpoint_core_attention and torch.is_grad_enabled():
             # q, k and v stay alive for the recomputation (in the checkpoint's closure);
             # saving them in _KeptForRecompute too lets the executor's counter see them
@@ -402,8 +462,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); with --swiglu,
-    h -> 2 ffn -> silu(gate) * up -> h.
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); with --squared-relu the
+    activation is relu(.)^2; with --swiglu, h -> 2 ffn -> silu(gate) * up -> h.
 
     SwiGLU's first weight is [gate; up] (2 ffn rows, gate first, as Megatron-LM's).  It
     is split with stride 2: rank r holds [gate_r; up_r], the rows of its own slice of
@@ -416,15 +476,16 @@ class ParallelMLP(nn.Module):
         h, ffn = config.hidden_size, config.ffn_hidden_size
         self.gelu_approximate = config.gelu_approximate
         self.swiglu = config.swiglu
+        self.squared_relu = config.squared_relu
         self.dense_h_to_4h = ColumnParallelLinear(
             h, 2 * ffn if self.swiglu else ffn, tp=tp, bias=config.add_bias_linear,
             stride=2 if self.swiglu else 1,
-            init_method=init_method_normal(config.init_method_std),
+            init_method=weight_init_method(config),
             params_dtype=config.params_dtype, init_key=key.child("dense_h_to_4h"),
             sequence_parallel=config.sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(
             ffn, h, tp=tp, input_is_parallel=True, bias=config.add_bias_linear,
-            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            init_method=output_init_method(config),
             params_dtype=config.params_dtype, init_key=key.child("dense_4h_to_h"),
             sequence_parallel=config.sequence_parallel)
 
@@ -433,6 +494,10 @@ class ParallelMLP(nn.Module):
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
+        elif self.squared_relu:
+            # relu keeps its output, which square reads too: the same tensors as GeLU
+            # (its input) -- the planner's 4 s b f per layer holds
+            y = torch.square(F.relu(y))
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
         out, _ = self.dense_4h_to_h(y)
@@ -440,7 +505,9 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelTransformerLayer(nn.Module):
-    """x + drop(attn(LN(x))), then + drop(mlp(LN(.))); ``layer_number`` is global, 0-based."""
+    """x + drop(attn(LN(x))), then + drop(mlp(LN(.))); ``layer_number`` is global, 0-based.
+    With --apply-residual-connection-post-layernorm both residuals start from the
+    norm's output instead: LN(x) + drop(attn(LN(x))), and likewise around the MLP."""
 
     def __init__(self, config: ModelConfig, tp: TPInfo, layer_number: int, *, seed: int) -> None:
         super().__init__()
@@ -452,6 +519,7 @@ class ParallelTransformerLayer(nn.Module):
         self.mlp = ParallelMLP(config, tp, key.child("mlp"))
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel(config, tp)
+        self.residual_post_norm = config.apply_residual_connection_post_layernorm
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Residual-branch dropout.  Replicated x (no sequence parallelism): the default
@@ -466,10 +534,12 @@ class ParallelTransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(x), mask, rotary)
-        x = x + self._dropout(attn)
-        mlp = self.mlp(self.post_attention_layernorm(x))
-        return x + self._dropout(mlp)
+        normed = self.input_layernorm(x)
+        attn = self.self_attention(normed, mask, rotary)
+        x = (normed if self.residual_post_norm else x) + self._dropout(attn)
+        normed = self.post_attention_layernorm(x)
+        mlp = self.mlp(normed)
+        return (normed if self.residual_post_norm else x) + self._dropout(mlp)
 
 
 class _KeptForRecompute(torch.autograd.Function):

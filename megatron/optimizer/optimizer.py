@@ -68,8 +68,9 @@ from megatron.optimizer.staleness import (WeightPrediction, delay_compensate_, t
                                           use_foreach)
 
 OPTIMIZERS = ("adam", "sgd")
-_NUM_STATS = 5  # the agreement: sum of squares, non-finite tensors, zeros, extra flag,
-# and the weights' sum of squares (--log-params-norm)
+_NUM_STATS = 6  # the agreement: sum of squares, non-finite tensors, zeros, extra flag,
+# the weights' sum of squares (--log-params-norm) and the tokens the loss summed over
+# (--calculate-per-token-loss)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -146,6 +147,8 @@ class PendingStep:
     late: Tuple[int, ...] = ()
     """Gradients left out of ``grads`` until ``take_late_grads`` (see ``begin_step``)."""
     inv_scale: float = 1.0
+    per_token: bool = False
+    """The gradients are of loss sums: divide them by the tokens summed (``begin_step``)."""
 
 
 class MegatronOptimizer:
@@ -261,7 +264,8 @@ class MegatronOptimizer:
     def begin_step(self, grads_from: Sequence[nn.Parameter], *,
                    extra_found_inf: Union[bool, torch.Tensor] = False,
                    grad_scale: Optional[float] = None,
-                   late: Sequence[int] = ()) -> "PendingStep":
+                   late: Sequence[int] = (),
+                   num_tokens: Union[None, float, torch.Tensor] = None) -> "PendingStep":
         """First half of ``step``: unscale, take local statistics and START the one
         all-reduce that makes every model rank agree on overflow and the global norm.
 
@@ -274,7 +278,14 @@ class MegatronOptimizer:
         ``take_late_grads``.  The last pipeline stage so starts the agreement before the
         tied-embedding sum with the first stage is complete: under a flushing schedule
         the first stage finishes its backward passes last, and it would otherwise wait
-        in the agreement for the last stage, which waited for its embedding gradient."""
+        in the agreement for the last stage, which waited for its embedding gradient.
+
+        ``num_tokens`` (--calculate-per-token-loss; every rank of the model replica passes
+        it, 0 where it computed no loss): the gradients are of the batch's loss SUM, and
+        this rank's share of the tokens it was summed over joins the agreement.
+        ``finish_step`` adds the data-parallel replicas' counts and divides the
+        gradients, and so their norm, by the total: the step follows the mean over every
+        token of the global batch, as Megatron-LM's flag does."""
         self._check_buffers("grads_from", grads_from)
         late = tuple(late)
         if not set(late) <= set(self._shared):
@@ -293,6 +304,9 @@ class MegatronOptimizer:
             # without a device-to-host sync here
             stats[3] = (extra_found_inf.to(stats.dtype) if torch.is_tensor(extra_found_inf)
                         else (1.0 if extra_found_inf else 0.0))
+            if num_tokens is not None:
+                stats[5] = (num_tokens.to(stats.dtype) if torch.is_tensor(num_tokens)
+                            else float(num_tokens))
             if self.log_params_norm:
                 # the weights batch t was computed with (W(t), under 2BW W(t-1)): the only
                 # version every stage still holds, untouched, when its agreement starts
@@ -302,7 +316,7 @@ class MegatronOptimizer:
             if self.model_groups is not None:
                 work = self._start_agreement(stats)
         return PendingStep(grads_from=list(grads_from), grads=grads, stats=stats, work=work,
-                           late=late, inv_scale=inv)
+                           late=late, inv_scale=inv, per_token=num_tokens is not None)
 
     def take_late_grads(self, pending: "PendingStep") -> None:
         """The gradients ``begin_step`` left out (``late``) are now final: unscale them."""
@@ -351,15 +365,23 @@ class MegatronOptimizer:
         with torch.no_grad():
             if pending.work is not None:
                 pending.work.wait()
-            sq_norm, nonfinite, zeros, extra, weight_sq = pending.stats.tolist()
+            sq_norm, nonfinite, zeros, extra, weight_sq, tokens = pending.stats.tolist()
+            replicas = 1
             if self.dp_group is not None:
                 # the replicas must take or skip the step together (else their weights
                 # part for good, and a distributed optimizer's owners would wait for
                 # each other's broadcasts): the gradients agree already, a replica's
-                # own loss check (``extra``) need not
-                flag = torch.tensor([extra], dtype=torch.float64, device=self._device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
-                extra = float(flag.item())
+                # own loss check (``extra``, >= 0: summed, it is > 0 where any is) need
+                # not; per-token losses add the replicas' token counts in the same call
+                both = torch.tensor([extra, tokens], dtype=torch.float64, device=self._device)
+                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=self.dp_group)
+                extra, tokens = both.tolist()
+                replicas = dist.get_world_size(self.dp_group)
+            # per-token: the reduced gradients are the replicas' MEAN of their loss-sum
+            # gradients, so the gradient of (all loss sums) / (all tokens) is this times
+            # replicas / tokens (no token at all: nothing to follow, the gradient is 0)
+            per_token = replicas / max(tokens, 1.0) if pending.per_token else 1.0
+            sq_norm *= per_token * per_token
             grad_norm = math.sqrt(sq_norm) if sq_norm >= 0.0 else float("nan")
             found_inf = nonfinite > 0 or not math.isfinite(sq_norm)
             self.scaler.update(found_inf and self.skip_on_nonfinite)
@@ -376,7 +398,7 @@ class MegatronOptimizer:
                 self._release_grads(grads_from)
                 return StepInfo(skipped=True, **info)
 
-            scale_grads_(grads, clip_coefficient(grad_norm, self.clip_grad))
+            scale_grads_(grads, per_token * clip_coefficient(grad_norm, self.clip_grad))
             if self.dc_lambda:
                 delay_compensate_(grads, grads_from, base, self.dc_lambda)
             for group in self.optimizer.param_groups:

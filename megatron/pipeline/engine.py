@@ -78,6 +78,8 @@ class _Segment:
     in_grads: Dict[int, torch.Tensor] = field(default_factory=dict)
     stash: Dict[int, tuple] = field(default_factory=dict)
     loss_sums: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict)
+    token_sums: Dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per-token losses: the tokens each batch's loss sums ran over (last stage)."""
     reports: List[StepReport] = field(default_factory=list)
     prefetched: Deque[Any] = field(default_factory=deque)
     """Microbatches read ahead of their forward while this stage waited (FIFO)."""
@@ -231,12 +233,20 @@ class PipelineEngine:
                  fault_injection: Optional[Callable[[int, int], bool]] = None,
                  memory_count_interval: int = 0, flush_warmup_iters: int = 0,
                  prepost_receives: Optional[bool] = None,
-                 grad_dtype: Optional[torch.dtype] = None) -> None:
+                 grad_dtype: Optional[torch.dtype] = None,
+                 per_token_loss: bool = False) -> None:
         """``prepost_receives``: post each receive ahead of its action (see
         ``megatron.pipeline.p2p``); default: on gloo when this node's ranks have a core
         per compute thread (``prepost_pays``).  ``grad_dtype``: dtype the gradients of
         weights of another dtype accumulate, are averaged and summed in (float32 for
-        --accumulate-allreduce-grads-in-fp32); None: the weights' own."""
+        --accumulate-allreduce-grads-in-fp32); None: the weights' own.
+
+        ``per_token_loss`` (--calculate-per-token-loss): the last stage's ``loss_fn``
+        returns ``(loss_sum, num_tokens, {name: sum})`` instead of ``(loss, {name:
+        mean})``; the backward passes run on the sums, the optimizer divides the
+        gradients by the tokens of the whole global batch, and the reported values are
+        sums over the batch divided by its tokens (Megatron-LM's convention): a
+        microbatch with more unmasked tokens weighs more, instead of each weighing 1/m."""
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -250,6 +260,7 @@ class PipelineEngine:
         self.forward_step = forward_step
         self.device = device
         self.stage_recompute = stage_recompute
+        self.per_token_loss = per_token_loss
         self.fault_injection = fault_injection
         self.stage = groups.pp_rank
         self.num_stages = groups.pp_size
@@ -455,6 +466,8 @@ class PipelineEngine:
         for sums in seg.loss_sums.values():
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0) + v
+        if self.per_token_loss:
+            return self._dp_per_token(totals, seg.token_sums.get(0))
         count = num_batches * self.eval_microbatches
         return self._dp_mean({k: v / count for k, v in totals.items()})
 
@@ -613,7 +626,21 @@ class PipelineEngine:
         output, loss_fn = self.forward_step(iter([data]), self.model)
         if not self.is_last:
             return output
-        loss, reported = loss_fn(output)
+        if self.per_token_loss:
+            result = loss_fn(output)
+            if not (isinstance(result, tuple) and len(result) == 3):
+                raise RuntimeError("--calculate-per-token-loss: the loss function must return "
+                                   "(loss_sum, num_tokens, {name: sum}), got "
+                                   f"{type(result).__name__} {result!r:.80}")
+            loss, tokens, reported = result
+            key = batch_t if seg.train else 0
+            tokens = torch.as_tensor(tokens).detach().to(torch.float64, copy=True)
+            if key in seg.token_sums:
+                seg.token_sums[key].add_(tokens)
+            else:
+                seg.token_sums[key] = tokens
+        else:
+            loss, reported = loss_fn(output)
         # evaluation sums every batch of the segment into one set of tensors, in place: a
         # new small tensor kept per microbatch pins the allocator's heap above each
         # forward's freed activations, and the process grew by about that much per
@@ -687,7 +714,10 @@ class PipelineEngine:
             if saved is not None:
                 self._set_rng_state(saved)
         if self.is_last:
-            loss = out / self.num_microbatches * self._batch_scales[t]
+            if self.per_token_loss:  # the sum, divided at the step by the batch's tokens
+                loss = out * self._batch_scales[t]
+            else:
+                loss = out / self.num_microbatches * self._batch_scales[t]
             torch.autograd.backward(loss)
         else:
             torch.autograd.backward(out, grad_tensors=seg.out_grads.pop(mb))
@@ -801,8 +831,14 @@ class PipelineEngine:
                 next(p for i, p in enumerate(params) if p.grad is not None and i not in late
                      ).grad.view(-1)[0] = float("inf")
         self._agreement_unstarted -= 1
+        tokens = None
+        if self.per_token_loss:
+            # the last stage's count, from one tensor rank (the agreement sums the replica)
+            tokens = (seg.token_sums.get(t, 0.0)
+                      if self.is_last and self.groups.tp_rank == 0 else 0.0)
         return self.optimizer.begin_step(params, grad_scale=grad_scale, late=late,
-                                         extra_found_inf=self._loss_nonfinite(seg, t))
+                                         extra_found_inf=self._loss_nonfinite(seg, t),
+                                         num_tokens=tokens)
 
     def _loss_nonfinite(self, seg: _Segment, t: int) -> Union[bool, torch.Tensor]:
         """Last stage: whether batch t's reported loss is inf/nan, as a device tensor (no
@@ -829,7 +865,11 @@ class PipelineEngine:
             losses = None
             if self.is_last:
                 sums = seg.loss_sums.pop(t, {})
-                losses = self._dp_mean({k: v / self.num_microbatches for k, v in sums.items()})
+                if self.per_token_loss:
+                    losses = self._dp_per_token(sums, seg.token_sums.pop(t, None))
+                else:
+                    losses = self._dp_mean({k: v / self.num_microbatches
+                                            for k, v in sums.items()})
             if pending.work is not None:
                 self._prefetch_during(pending.work)
             lr = self._lr_provider()
@@ -895,6 +935,23 @@ class PipelineEngine:
             dist.all_reduce(vec, group=self.groups.data)
             vec = vec / self.groups.dp_size
         return dict(zip(keys, vec.tolist()))
+
+    def _dp_per_token(self, sums: Dict[str, torch.Tensor],
+                      tokens: Optional[torch.Tensor]) -> Dict[str, float]:
+        """Per-token losses: every reported sum over the data-parallel replicas, divided
+        by their tokens (one all-reduce, one device-to-host copy)."""
+        if not sums:
+            return {}
+        keys = sorted(sums)
+        vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device)
+                           for k in keys]
+                          + [torch.as_tensor(0.0 if tokens is None else tokens,
+                                             dtype=torch.float64, device=self.device)])
+        if self.groups.data is not None and self.groups.dp_size > 1:
+            dist.all_reduce(vec, group=self.groups.data)
+        values = vec.tolist()
+        count = max(values[-1], 1.0)
+        return {k: v / count for k, v in zip(keys, values[:-1])}
 
     def _note_versions(self, seg: _Segment) -> None:
         """Count weight versions live now: the newest, plus any used by in-flight work."""

@@ -9,7 +9,8 @@ from megatron.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp
                                                reduce_scatter_to_sequence_parallel_region,
                                                scatter_to_sequence_parallel_region,
                                                scatter_to_tp_region)
-from megatron.tensor_parallel.param_init import (InitKey, init_method_normal,
+from megatron.tensor_parallel.param_init import (InitKey, InitMethod, init_method_normal,
+                                                 init_method_xavier_uniform,
                                                  mark_replicated_parameters,
                                                  scaled_init_method_normal)
 from megatron.tensor_parallel.random import (RNGStatesTracker, checkpoint, get_rng_state,
@@ -22,8 +23,9 @@ __all__ = [
     "vocab_parallel_cross_entropy", "copy_to_tp_region", "reduce_from_tp_region",
     "gather_from_tp_region", "scatter_to_tp_region", "linear_with_sequence_gather",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region", "InitKey", "init_method_normal",
-    "scaled_init_method_normal", "mark_replicated_parameters", "RNGStatesTracker",
+    "scatter_to_sequence_parallel_region", "InitKey", "InitMethod", "init_method_normal",
+    "init_method_xavier_uniform", "scaled_init_method_normal", "mark_replicated_parameters",
+    "RNGStatesTracker",
     "checkpoint", "get_rng_state", "set_rng_state", "get_rng_tracker",
     "model_parallel_seed", "TPInfo", "divide", "split_along_last_dim",
 ]

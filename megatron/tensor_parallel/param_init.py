@@ -63,6 +63,22 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
+def init_method_xavier_uniform() -> InitMethod:
+    """Glorot/Xavier uniform: U(-a, a) with a = sqrt(6 / (fan_in + fan_out)), the fans
+    of the tensor it fills: [out, in] for a linear weight, [rows, dim] for a table.
+    ``full_tensor`` hands it the FULL unpartitioned weight, so the bound is that of
+    the whole matrix and a tensor-parallel model equals the single-rank one (drawing
+    each rank's slice on its own would widen the bound as t grows)."""
+    def init_(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if tensor.dim() < 2:
+            raise ValueError(f"xavier_uniform needs a matrix, got shape {tuple(tensor.shape)}")
+        receptive = math.prod(tensor.shape[2:])
+        fan_in, fan_out = tensor.size(1) * receptive, tensor.size(0) * receptive
+        bound = math.sqrt(6.0 / (fan_in + fan_out))
+        tensor.uniform_(-bound, bound, generator=generator)
+    return init_
+
+
 def full_tensor(shape: Sequence[int], key: InitKey, init_method: InitMethod,
                 dtype: torch.dtype) -> torch.Tensor:
     """The unpartitioned initial value of parameter ``key`` (``dtype``), drawn on the

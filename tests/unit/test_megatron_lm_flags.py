@@ -250,12 +250,12 @@ def test_every_ignored_flag_is_accepted_and_noted(flag):
 
 def test_all_refused_flags_are_named_in_one_line():
     with pytest.raises(ArgumentError) as info:
-        validate_args(parse_args(SMALL + ["--rotary-interleaved", "--num-experts", "8",
-                                          "--squared-relu"]), 1)
+        validate_args(parse_args(SMALL + ["--fp32-residual-connection", "--num-experts", "8",
+                                          "--use-torch-fsdp2"]), 1)
     text = str(info.value)
     assert text.startswith("Megatron-LM flags this trainer does not implement")
-    assert all(f in text for f in ("--rotary-interleaved", "--num-experts",
-                                   "--squared-relu"))
+    assert all(f in text for f in ("--fp32-residual-connection", "--num-experts",
+                                   "--use-torch-fsdp2"))
 
 
 def test_kv_channels_sets_the_head_size():

@@ -299,9 +299,10 @@ def test_flags_reach_the_model_config():
     (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], 1,
      "--rotary-percent must be in (0, 1]"),
     (["--no-position-embedding"], 1, "--no-position-embedding"),
-    (["--rotary-interleaved"], 1, "--rotary-interleaved"),
+    (["--rotary-interleaved"], 1, "--rotary-interleaved needs --position-embedding-type rope"),
     (["--use-rope-scaling"], 1, "--use-rope-scaling needs --position-embedding-type rope"),
-    (["--qk-layernorm", "--swiglu", "--squared-relu"], 1, "--squared-relu"),
+    (["--qk-layernorm", "--swiglu", "--squared-relu"], 1,
+     "--squared-relu and --swiglu are two MLP activations"),
 ])
 def test_flag_errors_name_the_flag(extra, world, text):
     with pytest.raises(ArgumentError) as info:

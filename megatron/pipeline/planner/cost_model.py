@@ -390,6 +390,8 @@ class CostModel:
             # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
             stash_one = float(ps.recompute_stash_bytes)
             act_stage = float(ps.stash_bytes) - stash_one
+            if mdl.kind == "gpt":  # profiles run GPT causal: add a document mask's bytes
+                act_stage += mdl.stage_mask_bytes(b)
             block = self.profile.piece("block", b)
             layer_f, layer_act = block.forward_s / t, float(block.stash_bytes) / t
         else:

@@ -98,6 +98,14 @@ Counting conventions (all per microbatch):
     out like the block norms' per-token ones.  (torch's composite RMSNorm outside CUDA
     also keeps the normalised q and k, see RMSNorm below.)
   - RoPE scaling (--use-rope-scaling): other angles, the same tensors: no change.
+    Likewise --rotary-interleaved (other dimension pairs) and
+    --rotary-seq-len-interpolation-factor (other positions): no change, so ModelSpec
+    has no field for them.
+  - --squared-relu: relu keeps its output, which the square reads too (one tensor),
+    and the second matrix keeps the square: 4 s b f / t, as GeLU's input and output.
+    --apply-residual-connection-post-layernorm: the residual adds read the norms'
+    outputs, which the next matrices keep anyway: no change.  (Neither is a ModelSpec
+    field; tests/unit/test_model_options.py checks the executor's count is unchanged.)
   - SwiGLU: the first MLP matrix outputs gate and up, 2 f features (4 s b f bytes, kept
     whole: silu keeps the gate, the product keeps the up half, both views of it); the
     product also keeps silu(gate) (2 s b f) and the second matrix keeps the product
@@ -252,6 +260,11 @@ class ModelSpec:
     must then divide seq_length (``CostModel.check``).  Not the block's math but where
     its activations live, as ``attention_backend``; with t = 1 it changes nothing, as
     the trainer (and Megatron-LM) turn it off there."""
+    reset_attention_mask: bool = False
+    """--reset-attention-mask (GPT): attention stays inside each document of a sample,
+    so every stage makes and keeps a [b, s, s] mask per microbatch, as BERT's padding
+    mask (``stage_mask_bytes``).  The FLOPs are the causal ones; on a GPU the masked
+    kernel is slower than the causal one, which a profile (taken causal) does not see."""
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -308,6 +321,9 @@ class ModelSpec:
         if g < 1 or self.num_attention_heads % g:
             raise ValueError(f"model: --num-query-groups {g} must divide "
                              f"--num-attention-heads {self.num_attention_heads}")
+        if self.kind == "bert" and self.reset_attention_mask:
+            raise ValueError("model: --reset-attention-mask applies to GPT models only "
+                             "(BERT has its padding mask)")
         if self.kind == "bert" and self.llama_options():
             # the trainer's BertModel builds only BERT's own block and tied head
             raise ValueError(f"model: {' '.join(self.llama_options())} apply to GPT models "
@@ -513,9 +529,10 @@ class ModelSpec:
 
     def stage_mask_bytes(self, b: int) -> float:
         """The attention mask a stage makes once per microbatch and its layers keep:
-        BERT's padding mask (additive fp16 for the fused kernels, bool for the explicit
-        softmax); none for GPT (causal)."""
-        if self.kind != "bert":
+        BERT's padding mask, or GPT's document mask with ``reset_attention_mask``
+        (additive fp16 for the fused kernels, bool for the explicit softmax); none for a
+        causal GPT."""
+        if self.kind != "bert" and not self.reset_attention_mask:
             return 0.0
         s = self.seq_length
         return (1.0 if self.keeps_scores else 2.0) * b * s * s
@@ -578,6 +595,8 @@ class ModelSpec:
             arch += f", {self.attention_backend} attention"
         if self.sequence_parallel:
             arch += ", sequence parallel"
+        if self.reset_attention_mask:
+            arch += ", document attention mask"
         heads = f"{self.num_attention_heads} heads" + (
             f" of {self.head_dim}" if self.custom_head_dim else "")
         return (f"{self.name or self.kind}: {self.num_layers} layers, hidden {self.hidden_size}, "

@@ -340,6 +340,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
     ]
     if model.sequence_parallel and cfg.t > 1:  # with t = 1 the trainer would ignore it
         args.append("--sequence-parallel")
+    if model.reset_attention_mask:
+        args.append("--reset-attention-mask")
     args += model.llama_options() + model.backend_options()
     if cfg.first_layers is not None:
         args += ["--decoder-first-pipeline-num-layers", cfg.first_layers]
