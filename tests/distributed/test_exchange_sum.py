@@ -112,8 +112,9 @@ def test_training_with_exchanges_equals_training_with_all_reduce(schedule: str) 
     for res in run_distributed(_train_both_ways, 2, args=(schedule,), timeout=180):
         assert res[True] == res[False]
         assert len(res[True][0]) == 5
-        # exchanged: per batch the agreement (5 numbers: gradient sum of squares,
-        # non-finite tensors, zeros, the loss flag, the weights' sum of squares) and the
-        # tied embedding (padded vocabulary 128 x hidden 32); all_reduce otherwise
-        assert sorted(res["starts_True"]) == [(5,)] * 5 + [(128, 32)] * 5
+        # exchanged: per batch the agreement (6 numbers: gradient sum of squares,
+        # non-finite tensors, zeros, the loss flag, the weights' sum of squares, the
+        # loss tokens) and the tied embedding (padded vocabulary 128 x hidden 32);
+        # all_reduce otherwise
+        assert sorted(res["starts_True"]) == [(6,)] * 5 + [(128, 32)] * 5
         assert res["starts_False"] == []
