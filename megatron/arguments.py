@@ -265,8 +265,9 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="Optimizer.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard the optimizer state (moments and fp32 master weights) over the "
-                        "data-parallel replicas of each stage, by whole parameters (ZeRO-1); "
-                        "the owners broadcast the new weights after each step.")
+                        "data-parallel replicas of each stage, each gradient bucket cut into "
+                        "equal segments (ZeRO-1): gradients are reduce-scattered and the new "
+                        "weights all-gathered after each step.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required to train).")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decayed learning rate.")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",

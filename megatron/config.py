@@ -276,8 +276,8 @@ class OptimizerConfig:
     """On resume adopt the checkpoint's LR schedule (neither flag: a difference is an error)."""
     use_distributed_optimizer: bool = False
     """Shard the optimizer state (Adam moments, SGD momentum, fp32 master weights) over
-    the data-parallel ranks of each stage, by whole parameters (ZeRO stage 1;
-    ``megatron.optimizer.optimizer``'s module docstring)."""
+    the data-parallel ranks of each stage, each flat gradient bucket cut into equal
+    segments (ZeRO stage 1; ``megatron.optimizer.sharding``)."""
 
 
 @dataclass(kw_only=True)

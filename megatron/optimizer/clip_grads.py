@@ -56,9 +56,7 @@ def per_tensor_norms(grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[bool],
-                     device: torch.device, count_zeros: bool = False, *,
-                     owned: Optional[Sequence[bool]] = None, group: Any = None
-                     ) -> torch.Tensor:
+                     device: torch.device, count_zeros: bool = False) -> torch.Tensor:
     """This rank's ``[sum of squares, non-finite tensors, zeros]`` as a float64 vector.
 
     * sum of squares: over gradients whose ``mask`` entry is True;
@@ -66,12 +64,6 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
       replicated copy cannot hide an overflow) holding an inf or nan;
     * zeros: number of zero elements over masked gradients (0 unless ``count_zeros``).
     ``None`` gradients (unused parameters) contribute nothing.  No host sync happens here.
-
-    ``owned`` and ``group`` (the distributed optimizer): only the gradients this rank
-    owns are averaged here, the others are its own unreduced ones.  Each gradient's norm
-    (and zero count) is taken from its owner by one sum over ``group`` of vectors that
-    are zero elsewhere (x + 0 = x: exact), and the statistics are then formed from the
-    same values in the same order as without sharding, so they are the same bits.
     """
     if len(grads) != len(mask):
         raise ValueError(f"clip_grads: {len(grads)} gradients but {len(mask)} mask entries")
@@ -79,26 +71,8 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
     present = [(g, m) for g, m in zip(grads, mask) if g is not None]
     if not present:
         return stats
-    norms = per_tensor_norms([g for g, _ in present])
-    # one stack and one cast when the norms share dtype and device (the usual case): a
-    # cast per tensor was most of this function's CPU time on a small model
-    if len({(n.dtype, n.device) for n in norms}) == 1:
-        all_norms = torch.stack(norms).to(device=device, dtype=torch.float64)
-    else:
-        all_norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
+    all_norms = _norms_f64([g for g, _ in present], device)
     counted = tuple(m for _, m in present)
-    zeros = None
-    if count_zeros:
-        zeros = torch.stack([(g.numel() - torch.count_nonzero(g)).to(device)
-                             if m else torch.zeros((), dtype=torch.int64, device=device)
-                             for g, m in present]).to(torch.float64)
-    if group is not None:
-        mine = _bool_tensor(tuple(o for g, o in zip(grads, owned) if g is not None), device)
-        both = torch.stack([all_norms, zeros if zeros is not None
-                            else torch.zeros_like(all_norms)])
-        both = torch.where(mine, both, torch.zeros_like(both))
-        dist.all_reduce(both, group=group)
-        all_norms, zeros = both[0], (both[1] if zeros is not None else None)
     if all(counted):
         stats[0] = all_norms.square().sum()
     else:
@@ -106,9 +80,68 @@ def local_grad_stats(grads: Sequence[Optional[torch.Tensor]], mask: Sequence[boo
         keep = _bool_tensor(counted, device)
         stats[0] = torch.where(keep, all_norms.square(), torch.zeros_like(all_norms)).sum()
     stats[1] = (~torch.isfinite(all_norms)).sum()
-    if zeros is not None and any(counted):
+    if count_zeros and any(counted):
+        zeros = _zeros_f64([g for g, _ in present], counted, device)
         stats[2] = zeros[_bool_tensor(counted, device)].sum()
     return stats
+
+
+def local_piece_stats(pieces: Sequence[Optional[torch.Tensor]], param_of: Sequence[int],
+                      mask: Sequence[bool], device: torch.device, count_zeros: bool = False,
+                      *, group: Any = None) -> torch.Tensor:
+    """``local_grad_stats`` for the distributed optimizer, where this rank holds averaged
+    gradients for ``pieces`` only (runs of elements of parameter ``param_of[k]``; None:
+    no gradient), and every element has one owner in ``group``.
+
+    The pieces' sums of squares, non-finite flags and zero counts are added per
+    parameter over ``group`` (one all-reduce of 3 x parameters numbers), so each
+    statistic keeps its per-parameter rules: ``mask`` decides what counts in the norm
+    and the zeros, and a parameter cut between ranks is ONE non-finite tensor however
+    many of its pieces overflow.  Every rank of ``group`` returns the same vector (the
+    sum for its whole stage: count it once over the data-parallel group).  The norm is
+    the same up to rounding as without sharding (a cut parameter's squares are summed
+    in another order), not the same bits."""
+    if len(param_of) != len(pieces):
+        raise ValueError(f"clip_grads: {len(pieces)} pieces but {len(param_of)} parameter "
+                         f"indices")
+    per_param = torch.zeros(3, len(mask), dtype=torch.float64, device=device)
+    present = [(g, i) for g, i in zip(pieces, param_of) if g is not None]
+    if present:
+        index = torch.tensor([i for _, i in present], dtype=torch.int64, device=device)
+        norms = _norms_f64([g for g, _ in present], device)
+        sq = norms.square()
+        rows = [sq, (~torch.isfinite(norms)).to(torch.float64)]
+        rows.append(_zeros_f64([g for g, _ in present], (True,) * len(present), device)
+                    if count_zeros else torch.zeros_like(sq))
+        per_param.index_add_(1, index, torch.stack(rows))
+    if group is not None:
+        dist.all_reduce(per_param, group=group)
+    stats = torch.zeros(3, dtype=torch.float64, device=device)
+    keep = _bool_tensor(tuple(bool(m) for m in mask), device)
+    # a masked-out non-finite sum would poison the total even when multiplied by 0
+    stats[0] = torch.where(keep, per_param[0], torch.zeros_like(per_param[0])).sum()
+    stats[1] = (per_param[1] > 0).sum()
+    if count_zeros:
+        stats[2] = torch.where(keep, per_param[2], torch.zeros_like(per_param[2])).sum()
+    return stats
+
+
+def _norms_f64(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each tensor's L2 norm, stacked, as float64 on ``device``."""
+    norms = per_tensor_norms(grads)
+    # one stack and one cast when the norms share dtype and device (the usual case): a
+    # cast per tensor was most of local_grad_stats' CPU time on a small model
+    if len({(n.dtype, n.device) for n in norms}) == 1:
+        return torch.stack(norms).to(device=device, dtype=torch.float64)
+    return torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
+
+
+def _zeros_f64(grads: Sequence[torch.Tensor], counted: Tuple[bool, ...],
+               device: torch.device) -> torch.Tensor:
+    """Zero elements of each counted tensor (0 for the others), as float64."""
+    return torch.stack([(g.numel() - torch.count_nonzero(g)).to(device)
+                        if m else torch.zeros((), dtype=torch.int64, device=device)
+                        for g, m in zip(grads, counted)]).to(torch.float64)
 
 
 def local_weight_sq(params: Sequence[torch.Tensor], mask: Sequence[bool],

@@ -33,22 +33,28 @@ scale.  The trainer counts skipped steps and stops a run that keeps skipping.
 ``extra_found_inf=True`` on any rank skips the step everywhere too.
 
 Distributed optimizer (``--use-distributed-optimizer``, ZeRO stage 1): the data-parallel
-replicas of a stage split the optimizer state by whole parameters (``shard_owners``:
-largest first, each to the least-loaded rank).  A rank keeps the Adam moments (or SGD
-momentum) and, with mixed precision, the fp32 master weights of the parameters it owns
-only: 12 (1 - 1/w) bytes per parameter less for Adam with masters over w replicas.  The
-gradients are reduced to their owners (the trainer's ``GradientReduction`` buckets one
-owner's parameters and ``dist.reduce``s them) instead of all-reduced; each gradient's
-norm comes from its owner through one small sum over the replicas (``local_grad_stats``),
-so every rank forms the same global norm and overflow verdict.  Each rank updates its own
-parameters, then every owner broadcasts its new weights, in the working dtype, to the
-other replicas: a reduce and a broadcast move what one all-reduce moves, the traffic of
-plain data parallelism (Megatron-LM reduce-scatters and all-gathers flat buffers, the
-same volume).  The update of every parameter is the same arithmetic as without
-sharding, so the weights are the same bits.  Checkpoints hold the whole state,
-in the unsharded format: ``state_dict`` gathers it (collective over the data-parallel
-group) and ``load_state_dict`` keeps this rank's share, so a run may resume with or
-without the flag, or with another data-parallel size.
+replicas of a stage split the optimizer state evenly, as Megatron-LM does
+(``megatron.optimizer.sharding``): the stage's flat gradient buckets are padded to a
+multiple of w and cut into w equal segments, and rank r owns segment r of every bucket,
+i.e. pieces of parameters (a parameter may be cut between ranks).  A rank keeps the Adam
+moments (or SGD momentum) and, with mixed precision, the fp32 master weights of its
+pieces only, one 1-D main parameter per piece in its parameter's weight-decay group:
+12 (1 - 1/w) bytes per parameter less for Adam with masters, within a bucket's padding
+of an even share however large one parameter (the word embedding) is.  The trainer's
+``GradientReduction`` reduce-scatters each bucket, so a rank receives the average of its
+own segment only; the gradient statistics are summed per parameter over the replicas
+(``local_piece_stats``), so every rank forms the same global norm and overflow verdict,
+each logical parameter counted once.  Each rank updates its pieces, then the new
+weights, in the working dtype, are all-gathered bucket by bucket into every replica's
+parameters: a reduce-scatter and an all-gather move what one all-reduce moves, the
+traffic of plain data parallelism.  The update is elementwise, so with the same gradient
+scale each piece gets the same bits as its parameter would without sharding; the global
+norm is the same to rounding only (a cut parameter's squares are summed per piece), and
+so is a clipped update.  Checkpoints hold the whole state in the unsharded format:
+``state_dict`` gathers it (collective over the data-parallel group: the moments and
+masters by one all-gather per bucket, as the weights) and ``load_state_dict`` keeps this
+rank's pieces, so a run may resume with or without the flag, or with another
+data-parallel size.
 """
 from __future__ import annotations
 
@@ -61,9 +67,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.exchange import ExchangeSum, exchange_pays
-from megatron.optimizer.clip_grads import (clip_coefficient, local_grad_stats, local_weight_sq,
-                                           norm_mask, scale_grads_)
+from megatron.optimizer.clip_grads import (clip_coefficient, local_grad_stats,
+                                           local_piece_stats, local_weight_sq, norm_mask,
+                                           scale_grads_)
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megatron.optimizer.sharding import (BUCKET_BYTES, OptimizerShard, Piece, all_gather_flat,
+                                         flat_view, plan_buckets)
 from megatron.optimizer.staleness import (WeightPrediction, delay_compensate_, true_weights,
                                           use_foreach)
 
@@ -93,55 +102,14 @@ class StepInfo:
     (only with ``log_params_norm``)."""
 
 
-def shard_owners(numels: Sequence[int], world: int) -> List[int]:
-    """The data-parallel rank that owns each parameter's optimizer state: parameters
-    largest first, each to the rank with the fewest elements so far (the lowest such
-    rank on ties).  The same answer on every rank, and no rank more than one largest
-    parameter above an even split."""
-    if world < 1:
-        raise ValueError(f"shard_owners: world must be >= 1, got {world}")
-    load = [0] * world
-    owners = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-int(numels[i]), i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += int(numels[i])
-    return owners
-
-
-@dataclass(frozen=True)
-class OptimizerShard:
-    """Where the distributed optimizer's state lives: ``owners[i]`` is the data-parallel
-    rank holding parameter i's state; ``group`` the data-parallel process group (None in
-    one process, where ``size`` is 1)."""
-
-    rank: int
-    size: int
-    owners: Tuple[int, ...]
-    group: Any = None
-
-    def owned_by(self, r: int) -> List[int]:
-        return [i for i, o in enumerate(self.owners) if o == r]
-
-    @property
-    def by_rank(self) -> List[List[int]]:
-        """``owned_by(r)`` for every rank r."""
-        return [self.owned_by(r) for r in range(self.size)]
-
-    @property
-    def owned(self) -> List[int]:
-        return self.owned_by(self.rank)
-
-    def global_rank(self, r: int) -> int:
-        return dist.get_global_rank(self.group, r) if self.group is not None else r
-
-
 @dataclass
 class PendingStep:
     """A step whose agreement all-reduce is in flight (see ``begin_step``)."""
 
     grads_from: List[nn.Parameter]
     grads: List[Optional[torch.Tensor]]
+    """The unscaled gradient of each main parameter (with the distributed optimizer: of
+    each piece this rank owns)."""
     stats: torch.Tensor
     work: Any
     late: Tuple[int, ...] = ()
@@ -163,17 +131,16 @@ class MegatronOptimizer:
                  full_order: Optional[List[List[int]]] = None, dp_group: Any = None) -> None:
         self.optimizer = optimizer
         self.main_params = main_params
-        """One per model parameter; None for a parameter another data-parallel rank owns
-        (``shard``)."""
-        self.shard = shard if shard is not None and shard.size > 1 else None
+        """One per model parameter; with the distributed optimizer (``shard``) one per
+        piece this rank owns (``shard.pieces()``, 1-D)."""
+        if shard is not None and shard.size < 2:
+            raise ValueError("MegatronOptimizer: a shard over one replica (use shard=None)")
+        self.shard = shard
         # the stage's data-parallel group (None: one replica): the replicas' own findings
         # (``extra_found_inf``, a replica's loss check) are agreed over it at each step
         self.dp_group = dp_group
-        self._owned = (self.shard.owned if self.shard is not None
-                       else list(range(len(main_params))))
-        self._by_rank = self.shard.by_rank if self.shard is not None else []
-        owned_set = set(self._owned)
-        self._owned_mask = [i in owned_set for i in range(len(main_params))]
+        self._pieces: Optional[List[Piece]] = (self.shard.pieces() if self.shard is not None
+                                               else None)
         # torch's parameter numbering without sharding: the main-parameter index of each
         # member of each param group, in order (decay group, then no-decay)
         self._full_order = full_order if full_order is not None else [
@@ -191,6 +158,15 @@ class MegatronOptimizer:
         self._shapes = [tuple(p.shape) for p in params]
         self._dtypes = [p.dtype for p in params]
         self._device = params[0].device
+        # per main parameter: the model parameter it updates (all of it, or a piece) and
+        # that parameter's dtype
+        self._unit_param = ([pc.param for pc in self._pieces] if self._pieces is not None
+                            else list(range(len(params))))
+        self._unit_dtype = [self._dtypes[i] for i in self._unit_param]
+        self._pieces_by_bucket: List[List[Tuple[int, Piece]]] = (
+            [[] for _ in self.shard.buckets] if self.shard is not None else [])
+        for k, pc in enumerate(self._pieces or ()):
+            self._pieces_by_bucket[pc.bucket].append((k, pc))
         # Attributes (shared, tensor_model_parallel) are read once, from the first buffer.
         self._mask = norm_mask(params, tp_rank)
         # the last stage's copy of the tied word embedding (see ``late_grad_indices``)
@@ -293,13 +269,17 @@ class MegatronOptimizer:
                              f"word-embedding copy {self._shared}")
         with torch.no_grad():
             inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
-            grads = self._unscaled_grads(grads_from, inv, skip=late)
+            grads = self._unscaled(self._unit_grads(grads_from, skip=late), inv)
             stats = torch.zeros(_NUM_STATS, dtype=torch.float64, device=self._device)
-            counted = [None if i in late else g for i, g in enumerate(grads)] if late else grads
-            sharded = ({"owned": self._owned_mask, "group": self.shard.group}
-                       if self.shard is not None else {})
-            stats[:3] = local_grad_stats(counted, self._mask, self._device, self.log_num_zeros,
-                                         **sharded)
+            if self.shard is None:
+                counted = ([None if i in late else g for i, g in enumerate(grads)] if late
+                           else grads)
+                stats[:3] = local_grad_stats(counted, self._mask, self._device,
+                                             self.log_num_zeros)
+            else:  # this rank's pieces (late ones are None), summed per parameter
+                stats[:3] = local_piece_stats(grads, self._unit_param, self._mask,
+                                              self._device, self.log_num_zeros,
+                                              group=self.shard.group)
             # a tensor flag (the last stage's loss check) joins the agreement on the device,
             # without a device-to-host sync here
             stats[3] = (extra_found_inf.to(stats.dtype) if torch.is_tensor(extra_found_inf)
@@ -321,16 +301,12 @@ class MegatronOptimizer:
     def take_late_grads(self, pending: "PendingStep") -> None:
         """The gradients ``begin_step`` left out (``late``) are now final: unscale them."""
         with torch.no_grad():
-            for i in pending.late:
-                p = pending.grads_from[i]
-                if p.grad is None:
-                    pending.grads[i] = None
-                elif self.use_masters:
-                    pending.grads[i] = (p.grad if p.grad.dtype == torch.float32
-                                        else p.grad.to(torch.float32, copy=True))
-                else:
-                    pending.grads[i] = p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
-            scale_grads_([pending.grads[i] for i in pending.late], pending.inv_scale)
+            late = set(pending.late)
+            units = [k for k, i in enumerate(self._unit_param) if i in late]
+            every = self._unit_grads(pending.grads_from)
+            for k, g in zip(units, self._unscaled([every[k] for k in units], pending.inv_scale,
+                                                  [self._unit_dtype[k] for k in units])):
+                pending.grads[k] = g
         pending.late = ()
 
     def agreement_exchange(self) -> Optional[ExchangeSum]:
@@ -369,8 +345,8 @@ class MegatronOptimizer:
             replicas = 1
             if self.dp_group is not None:
                 # the replicas must take or skip the step together (else their weights
-                # part for good, and a distributed optimizer's owners would wait for
-                # each other's broadcasts): the gradients agree already, a replica's
+                # part for good, and a distributed optimizer's replicas would wait for
+                # each other's all-gathers): the gradients agree already, a replica's
                 # own loss check (``extra``, >= 0: summed, it is > 0 where any is) need
                 # not; per-token losses add the replicas' token counts in the same call
                 both = torch.tensor([extra, tokens], dtype=torch.float64, device=self._device)
@@ -400,7 +376,7 @@ class MegatronOptimizer:
 
             scale_grads_(grads, per_token * clip_coefficient(grad_norm, self.clip_grad))
             if self.dc_lambda:
-                delay_compensate_(grads, grads_from, base, self.dc_lambda)
+                self._delay_compensate(grads, grads_from, base)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if self.use_masters:
@@ -410,31 +386,49 @@ class MegatronOptimizer:
             self._release_grads(grads_from)
         return StepInfo(skipped=False, **info)
 
-    def _unscaled_grads(self, grads_from: Sequence[nn.Parameter], inv: float,
-                        skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
-        """Gradients times ``inv`` (1 / the loss scale): for masters in float32 (fp32
-        gradients in place, others as fp32 copies), else in place in the weights' dtype.
-        ``skip``: indices left untouched (None in the list)."""
+    def _unit_grads(self, grads_from: Sequence[nn.Parameter],
+                    skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
+        """The gradient of each main parameter as it is (None: parameter in ``skip`` or
+        without a gradient): ``grads_from[i].grad``, or with the distributed optimizer
+        each piece's elements of it (a view: the reducer wrote the average there)."""
+        if self._pieces is None:
+            return [None if i in skip or p.grad is None else p.grad
+                    for i, p in enumerate(grads_from)]
+        out: List[Optional[torch.Tensor]] = []
+        for pc in self._pieces:
+            g = grads_from[pc.param].grad
+            if g is None or pc.param in skip:
+                out.append(None)
+            else:
+                out.append(flat_view(g if g.is_contiguous() else g.contiguous(), pc))
+        return out
+
+    def _unscaled(self, grads: List[Optional[torch.Tensor]], inv: float,
+                  dtypes: Optional[List[torch.dtype]] = None) -> List[Optional[torch.Tensor]]:
+        """``grads`` (one per main parameter, or per entry of ``dtypes``) times ``inv``
+        (1 / the loss scale): for masters in float32 (fp32 gradients in place, others as
+        fp32 copies), else in place in the weights' dtype (``dtypes``, default: each main
+        parameter's)."""
         if self.use_masters:
             # Gradients already in float32 (accumulated so, --accumulate-allreduce-grads-
             # in-fp32) are used as they are: the step releases them anyway.  Others are
             # copied: on an accelerator into views of one float32 allocation, filled by
             # one multi-tensor copy (a cast per parameter was hundreds of launches per
             # step); on the CPU a cast per parameter is cheaper than making the views.
-            out: List[Optional[torch.Tensor]] = [None] * len(grads_from)
+            out: List[Optional[torch.Tensor]] = [None] * len(grads)
             take = []
-            for i, p in enumerate(grads_from):
-                if p.grad is None or i in skip:
+            for i, g in enumerate(grads):
+                if g is None:
                     continue
-                if p.grad.dtype == torch.float32:
-                    out[i] = p.grad
+                if g.dtype == torch.float32:
+                    out[i] = g
                 else:
                     take.append(i)
-            if take and not use_foreach([grads_from[take[0]].grad]):
+            if take and not use_foreach([grads[take[0]]]):
                 for i in take:
-                    out[i] = grads_from[i].grad.to(torch.float32, copy=True)
+                    out[i] = grads[i].to(torch.float32, copy=True)
             elif take:
-                src = [grads_from[i].grad for i in take]
+                src = [grads[i] for i in take]
                 flat = torch.empty(sum(g.numel() for g in src), dtype=torch.float32,
                                    device=src[0].device)
                 views, at = [], 0
@@ -448,65 +442,81 @@ class MegatronOptimizer:
             return out
         # the update runs in the weights' dtype: a gradient accumulated in another
         # (fp32 gradients of bf16 weights without masters) is cast to it
-        grads = [None if i in skip or p.grad is None
-                 else p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
-                 for i, p in enumerate(grads_from)]
+        dtypes = self._unit_dtype if dtypes is None else dtypes
+        grads = [None if g is None else g if g.dtype == d else g.to(d)
+                 for g, d in zip(grads, dtypes)]
         scale_grads_(grads, inv)
         return grads
 
+    def _unit_weights(self, buf: Sequence[nn.Parameter]) -> List[torch.Tensor]:
+        """Each main parameter's weights in ``buf`` (views of its storage)."""
+        if self._pieces is None:
+            return [p.data for p in buf]
+        return [flat_view(buf[pc.param].data, pc) for pc in self._pieces]
+
+    def _delay_compensate(self, grads: List[Optional[torch.Tensor]],
+                          grads_from: Sequence[nn.Parameter],
+                          base: Sequence[nn.Parameter]) -> None:
+        # a gradient computed with the latest weights themselves needs no compensation
+        same = [grads_from[i] is base[i] for i in self._unit_param]
+        delay_compensate_([None if s else g for g, s in zip(grads, same)],
+                          self._unit_weights(grads_from), self._unit_weights(base),
+                          self.dc_lambda)
+
     def _step_masters(self, grads: List[Optional[torch.Tensor]],
                       write_to: Sequence[nn.Parameter]) -> None:
-        owned, main = self._owned, self.main_params
-        for i in owned:
-            main[i].grad = grads[i]
+        main = self.main_params
+        for m, g in zip(main, grads):
+            m.grad = g
         self.optimizer.step()
-        for i in owned:
-            main[i].grad = None
-        if self.prediction is None:  # cast the new masters into the working buffer
-            _copy_all([main[i].data for i in owned], [write_to[i].data for i in owned])
-        if self.prediction is not None:
+        for m in main:
+            m.grad = None
+        if self.shard is not None:  # the new masters, cast, from every replica
+            self._gather_weights(write_to, [m.data for m in main])
+        elif self.prediction is None:  # cast the new masters into the working buffer
+            _copy_all([m.data for m in main], [p.data for p in write_to])
+        else:
             self.prediction.predict_(write_to, [m.data for m in main],
                                      self.optimizer.param_groups[0]["lr"])
-        self._share_weights(write_to)
 
     def _step_in_buffer(self, grads: List[Optional[torch.Tensor]],
                         write_to: Sequence[nn.Parameter], base: Sequence[nn.Parameter]) -> None:
         _copy_buffer(base, write_to)
         if self.prediction is not None:  # base holds P(W(t)): recover W(t)
             self.prediction.restore_(write_to)
-        for i in self._owned:
-            self.main_params[i].data = write_to[i].data
-            self.main_params[i].grad = grads[i]
+        targets = self._unit_weights(write_to)
+        for m, w, g in zip(self.main_params, targets, grads):
+            m.data = w
+            m.grad = g
         self.optimizer.step()
-        for i in self._owned:
-            self.main_params[i].grad = None
+        for m in self.main_params:
+            m.grad = None
         if self.prediction is not None:
             self.prediction.predict_(write_to, [p.data for p in write_to],
                                      self.optimizer.param_groups[0]["lr"])
-        self._share_weights(write_to)
+        if self.shard is not None:
+            self._gather_weights(write_to, targets)
 
-    def _share_weights(self, write_to: Sequence[nn.Parameter]) -> None:
-        """Distributed optimizer: every owner broadcasts the new weights of its parameters
-        (one flat tensor per owner and dtype) to the other data-parallel replicas."""
+    def _gather_weights(self, write_to: Sequence[nn.Parameter],
+                        mine: List[torch.Tensor]) -> None:
+        """Distributed optimizer: every bucket's new weights from every replica's segment
+        (``mine``: this rank's pieces, any float dtype), in ``write_to``'s dtype, by one
+        all-gather per bucket; all are started before the first is waited for."""
         sh = self.shard
-        if sh is None:
-            return
-        for r, owned in enumerate(self._by_rank):
-            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for i in owned:
-                by_dtype.setdefault(write_to[i].dtype, []).append(write_to[i].data)
-            for dtype, tensors in by_dtype.items():
-                if r == sh.rank:
-                    flat = torch.cat([t.reshape(-1) for t in tensors])
-                else:
-                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype,
-                                       device=tensors[0].device)
-                dist.broadcast(flat, src=sh.global_rank(r), group=sh.group)
-                if r != sh.rank:
-                    at = 0
-                    for t in tensors:
-                        t.copy_(flat[at:at + t.numel()].view_as(t))
-                        at += t.numel()
+        pending = []
+        for b, bucket in enumerate(sh.buckets):
+            first = write_to[bucket.params[0]]
+            seg = torch.zeros(sh.segment(b), dtype=first.dtype, device=first.device)
+            owned = self._pieces_by_bucket[b]
+            _copy_all([mine[k] for k, _ in owned],
+                      [seg[pc.at:pc.at + pc.numel] for _, pc in owned])
+            full = torch.empty(bucket.padded, dtype=first.dtype, device=first.device)
+            work = all_gather_flat(full, seg, group=sh.group, async_op=True)
+            pending.append((work, full, seg, bucket))
+        for work, full, _, bucket in pending:
+            work.wait()
+            dst = [write_to[i].data.view(-1) for i in bucket.params]
+            _copy_all([full[off:off + d.numel()] for off, d in zip(bucket.offsets, dst)], dst)
 
     def _release_grads(self, grads_from: Sequence[nn.Parameter]) -> None:
         self.zero_grad(grads_from)
@@ -530,8 +540,7 @@ class MegatronOptimizer:
         With the distributed optimizer: collective over the data-parallel group, and the
         whole state in the unsharded format on every rank."""
         torch_state, masters = self.optimizer.state_dict(), (
-            [None if m is None else m.data for m in self.main_params]
-            if self.use_masters else None)
+            [m.data for m in self.main_params] if self.use_masters else None)
         if self.shard is not None:
             torch_state, masters = self._gather_state(torch_state, masters)
         return {
@@ -567,46 +576,91 @@ class MegatronOptimizer:
                                        if self.shard is not None else sd["optimizer"])
         if self.use_masters:
             with torch.no_grad():
-                for main, saved in zip(self.main_params, sd["fp32_masters"]):
-                    if main is not None:
-                        main.data.copy_(saved)
+                saved = sd["fp32_masters"]
+                for main, i, pc in zip(self.main_params, self._unit_param,
+                                       self._pieces or [None] * len(self.main_params)):
+                    main.data.copy_(saved[i] if pc is None
+                                    else saved[i].reshape(-1)[pc.start:pc.stop])
         self.scaler.load_state_dict(sd["grad_scaler"])
         if self.prediction is not None:
             self.prediction.load_state_dict(sd.get("weight_prediction"))
 
     # -- the distributed optimizer's state in the unsharded format --------------------
     def _local_order(self) -> List[List[int]]:
-        """Main-parameter indices of this rank's torch param groups, in order."""
-        owned = set(self._owned)
-        return [[i for i in group if i in owned] for group in self._full_order]
+        """Main-parameter (piece) indices of this rank's torch param groups, in order."""
+        return [[k for k, i in enumerate(self._unit_param) if i in members]
+                for members in map(set, self._full_order)]
 
     def _gather_state(self, torch_state: Dict[str, Any], masters: Optional[List[Any]]):
-        """This rank's torch state and masters -> everyone's, numbered as the unsharded
-        optimizer numbers them (collective over the data-parallel group)."""
-        local = [i for group in self._local_order() for i in group]
-        mine = {"state": {local[j]: {k: (v.cpu() if torch.is_tensor(v) else v)
-                                     for k, v in st.items()}
-                          for j, st in torch_state["state"].items()},
-                "masters": ({i: masters[i].cpu() for i in self._owned}
-                            if masters is not None else None)}
-        parts: List[Any] = [None] * self.shard.size
-        dist.all_gather_object(parts, mine, group=self.shard.group)
-        by_main: Dict[int, Any] = {}
-        all_masters: Dict[int, Any] = {}
+        """This rank's torch state (per piece) and masters -> every parameter's, whole,
+        numbered as the unsharded optimizer numbers them (collective over the
+        data-parallel group).  Elementwise tensors (moments, momentum) travel as the
+        weights do, one all-gather per bucket; what else a parameter's state holds (the
+        step count) comes from the owner of its first element."""
+        sh, pieces = self.shard, self._pieces
+        order = [k for group in self._local_order() for k in group]
+        by_piece = {order[j]: st for j, st in torch_state["state"].items()}
+        heads: Dict[int, List[Tuple[str, bool, Any]]] = {}
+        for k, st in by_piece.items():
+            pc = pieces[k]
+            if pc.start == 0:  # (name, elementwise, dtype or value)
+                heads[pc.param] = [
+                    (name, True, v.dtype) if _elementwise(name, v, pc.numel)
+                    else (name, False, v.cpu() if torch.is_tensor(v) else v)
+                    for name, v in st.items()]
+        parts: List[Any] = [None] * sh.size
+        dist.all_gather_object(parts, heads, group=sh.group)
         for part in parts:
-            by_main.update(part["state"])
-            all_masters.update(part["masters"] or {})
+            heads.update(part)
+        full: Dict[int, Dict[str, Any]] = {i: {} for i in heads}
+        names = sorted({name for head in heads.values() for name, ew, _ in head if ew})
+        for name in names:
+            dtypes = {i: d for i, head in heads.items() for n, ew, d in head if ew and n == name}
+            got = self._gather_flat(lambda k: by_piece.get(k, {}).get(name), dtypes)
+            for i, tensor in got.items():
+                full[i][name] = tensor
+        for i, head in heads.items():  # in the state's own order of names
+            full[i] = {name: (full[i][name] if ew else
+                              value.to(self._device) if torch.is_tensor(value) else value)
+                       for name, ew, value in head}
+        full_masters = None
+        if masters is not None:
+            got = self._gather_flat(lambda k: masters[k],
+                                    {i: torch.float32 for i in range(len(self._shapes))})
+            full_masters = [got[i] for i in range(len(self._shapes))]
         full_ids = {i: k for k, i in enumerate(i for g in self._full_order for i in g)}
         groups = []
         for saved, members in zip(torch_state["param_groups"], self._full_order):
             groups.append({**saved, "params": [full_ids[i] for i in members]})
-        state = {full_ids[i]: st for i, st in sorted(by_main.items(), key=lambda x: full_ids[x[0]])}
-        full_masters = ([all_masters[i] for i in range(len(self._shapes))]
-                        if masters is not None else None)
+        state = {full_ids[i]: full[i] for i in sorted(full, key=lambda i: full_ids[i])}
         return {"state": state, "param_groups": groups}, full_masters
 
+    def _gather_flat(self, local, dtypes: Dict[int, torch.dtype]) -> Dict[int, torch.Tensor]:
+        """Whole tensors, shaped as their parameters, of the parameters in ``dtypes``
+        (index -> dtype) from every rank's pieces (``local(k)``: piece k's tensor, or
+        None): one all-gather per bucket that holds any of them."""
+        sh = self.shard
+        out: Dict[int, torch.Tensor] = {}
+        for b, bucket in enumerate(sh.buckets):
+            wanted = [i for i in bucket.params if i in dtypes]
+            if not wanted:
+                continue
+            dtype = dtypes[wanted[0]]
+            seg = torch.zeros(sh.segment(b), dtype=dtype, device=self._device)
+            for k, pc in self._pieces_by_bucket[b]:
+                t = local(k) if pc.param in dtypes else None
+                if t is not None:
+                    seg[pc.at:pc.at + pc.numel].copy_(t.reshape(-1))
+            whole = torch.empty(bucket.padded, dtype=dtype, device=self._device)
+            all_gather_flat(whole, seg, group=sh.group)
+            for i, off in zip(bucket.params, bucket.offsets):
+                if i in dtypes:
+                    n = sh.numels[i]
+                    out[i] = whole[off:off + n].view(self._shapes[i]).clone()
+        return out
+
     def _local_state(self, full: Dict[str, Any]) -> Dict[str, Any]:
-        """An unsharded torch state dict -> this rank's share, in its own numbering."""
+        """An unsharded torch state dict -> this rank's pieces, in its own numbering."""
         groups = full.get("param_groups", [])
         if len(groups) != len(self._full_order) or any(
                 len(g["params"]) != len(members) for g, members in zip(groups, self._full_order)):
@@ -616,9 +670,14 @@ class MegatronOptimizer:
         for saved, members, mine in zip(groups, self._full_order, self._local_order()):
             by_main = dict(zip(members, saved["params"]))
             ids = []
-            for i in mine:
-                if by_main[i] in full["state"]:
-                    local[j] = full["state"][by_main[i]]
+            for k in mine:
+                pc = self._pieces[k]
+                st = full["state"].get(by_main[pc.param])
+                if st is not None:
+                    numel = self.shard.numels[pc.param]
+                    local[j] = {name: (v.reshape(-1)[pc.start:pc.stop].clone()
+                                       if _elementwise(name, v, numel) else v)
+                                for name, v in st.items()}
                 ids.append(j)
                 j += 1
             local_groups.append({**saved, "params": ids})
@@ -628,13 +687,17 @@ class MegatronOptimizer:
         """Make the main parameters match ``params`` (the buffer holding the latest weights)."""
         self._check_buffers("params", params)
         with torch.no_grad():
-            for main, p in zip(self.main_params, params):
-                if main is None:
-                    continue
+            for main, w in zip(self.main_params, self._unit_weights(params)):
                 if self.use_masters:
-                    main.data.copy_(p.data)
+                    main.data.copy_(w)
                 else:
-                    main.data = p.data
+                    main.data = w
+
+
+def _elementwise(name: str, value: Any, numel: int) -> bool:
+    """Whether an optimizer state entry holds one number per weight (Adam's moments, SGD's
+    momentum) rather than one per tensor (the step count)."""
+    return torch.is_tensor(value) and name != "step" and value.numel() == numel
 
 
 def _copy_buffer(src: Sequence[nn.Parameter], dst: Sequence[nn.Parameter]) -> None:
@@ -687,31 +750,37 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
     use_masters = prec_cfg.fp32_master_weights and any(p.dtype in _HALF for p in params)
     shard = None
     if getattr(opt_cfg, "use_distributed_optimizer", False):
-        size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        rank = dist.get_rank(dp_group) if dp_group is not None else 0
-        shard = OptimizerShard(rank=rank, size=size, group=dp_group,
-                               owners=tuple(shard_owners([p.numel() for p in params], size)))
-    owned = set(shard.owned) if shard is not None else set(range(len(params)))
-    if use_masters:
-        main: List[Optional[nn.Parameter]] = [
-            nn.Parameter(p.detach().to(torch.float32, copy=True)) if i in owned else None
-            for i, p in enumerate(params)]
-    else:
+        shard = _plan_shard(params, dp_group, getattr(prec_cfg, "grad_dtype", None))
+    # one main parameter per model parameter, or per piece this rank owns
+    units: List[Tuple[int, Optional[Piece]]] = (
+        [(pc.param, pc) for pc in shard.pieces()] if shard is not None
+        else [(i, None) for i in range(len(params))])
+
+    def weights(i: int, pc: Optional[Piece]) -> torch.Tensor:
         # p.data, not p.detach(): a detached tensor shares p's autograd version counter,
         # so updates that _step_in_buffer writes into ANOTHER buffer (main.data is
         # re-pointed under 2BW) would bump this buffer's version and fail the saved-
         # tensor check of a microbatch in flight on it.
-        main = [nn.Parameter(p.data) if i in owned else None for i, p in enumerate(params)]
+        return params[i].data if pc is None else flat_view(params[i].data, pc)
+
+    if use_masters:
+        main = [nn.Parameter(weights(i, pc).to(torch.float32, copy=True)) for i, pc in units]
+    else:
+        main = [nn.Parameter(weights(i, pc)) for i, pc in units]
 
     # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed.  The
-    # groups are those of the whole stage; a distributed optimizer's hold its own share.
+    # groups are those of the whole stage; a distributed optimizer's hold its own
+    # pieces, each in its parameter's group.
     decay_ids = [i for i, p in enumerate(params) if p.ndim >= 2]
     no_decay_ids = [i for i, p in enumerate(params) if p.ndim < 2]
     kept = [(ids, wd) for ids, wd in ((decay_ids, opt_cfg.weight_decay), (no_decay_ids, 0.0))
             if ids]
     full_order = [ids for ids, _ in kept]
-    groups = [{"params": [main[i] for i in ids if i in owned], "weight_decay": wd}
-              for ids, wd in kept]
+    groups = []
+    for ids, wd in kept:
+        members = set(ids)
+        groups.append({"params": [m for m, (i, _) in zip(main, units) if i in members],
+                       "weight_decay": wd})
     if opt_cfg.optimizer == "adam":
         # torch's fused kernel, on CUDA and on the CPU alike: one call for all tensors.
         # On the CPU a one-off timing of the 32 tensors of a small GPT stage gave 0.50 ms
@@ -742,3 +811,25 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
                              log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
                              name=opt_cfg.optimizer, log_params_norm=log_params_norm,
                              shard=shard, full_order=full_order, dp_group=dp_group)
+
+
+def _plan_shard(params: List[nn.Parameter], dp_group: Any,
+                grad_dtype: Optional[torch.dtype]) -> Optional[OptimizerShard]:
+    """--use-distributed-optimizer: the stage's buckets (as the gradient reducer will
+    build them) and this rank's place in its data-parallel group; None for one replica
+    (nothing to split: the optimizer is the plain one)."""
+    size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    if size == 1:
+        return None
+    if any(not p.requires_grad for p in params):
+        raise ValueError("--use-distributed-optimizer: every parameter of the stage must be "
+                         "trainable (the gradient buckets hold them all)")
+    numels = [p.numel() for p in params]
+    # the gradients' dtype: --accumulate-allreduce-grads-in-fp32 gives weights of
+    # another dtype float32 gradients (``megatron.pipeline.weights.grad_dtype_of``)
+    itemsizes = [(p.dtype if grad_dtype is None else grad_dtype).itemsize for p in params]
+    buckets = plan_buckets(numels, [p.dtype for p in params], size, BUCKET_BYTES, itemsizes,
+                           alone=[bool(getattr(p, "shared_embedding", False)) for p in params])
+    return OptimizerShard(rank=rank, size=size, buckets=buckets, numels=tuple(numels),
+                          group=dp_group)

@@ -29,6 +29,7 @@ from torch import nn
 
 from megatron.errors import UserError
 from megatron.exchange import ExchangeSum, exchange_pays
+from megatron.optimizer.sharding import flat_view, reduce_scatter_flat
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
@@ -103,10 +104,13 @@ class GradientReduction:
     (STEP) waits and copies the averages back into ``.grad``.  Under 2BW each weight
     buffer has its own Parameter objects and so its own reducer.
 
-    With the distributed optimizer (``shard``, an ``OptimizerShard``) only a parameter's
-    owner needs its average: a bucket holds one owner's parameters and is reduced to
-    that owner (``dist.reduce``) instead of all-reduced, half the traffic; the other
-    replicas keep their own, unaveraged gradient, which nothing reads.
+    With the distributed optimizer (``shard``, a ``megatron.optimizer.sharding.
+    OptimizerShard``) the buckets are the shard's: each is padded to a multiple of the
+    data-parallel size w and reduce-scattered instead of all-reduced, so rank r receives
+    the average of its own segment r only, half an all-reduce's traffic (the optimizer
+    all-gathers the new weights after its step: the other half).  ``finish`` writes that
+    average into the pieces of ``.grad`` the segment covers; the rest of each ``.grad``
+    keeps this replica's own, unaveraged gradient, which nothing reads.
     """
 
     def __init__(self, params: List[nn.Parameter], group, world: int, microbatches: int,
@@ -115,13 +119,12 @@ class GradientReduction:
         """``exclude``: parameters averaged elsewhere (the tied word embedding, whose sum
         between first and last stage the engine starts first).  ``shard``: the
         distributed optimizer's ``OptimizerShard`` over ``params`` (all of them, in
-        order), or None."""
+        order), or None; its buckets replace ``bucket_bytes``, and an excluded
+        parameter must be alone in its bucket (``plan_buckets``' ``alone``)."""
         kept = [i for i, p in enumerate(params)
                 if p.requires_grad and not any(p is e for e in exclude)]
         self.params = [params[i] for i in kept]
         self.shard = shard
-        # the owner (data-parallel rank) of each kept parameter; None: all-reduced
-        self._owner = ([shard.owners[i] for i in kept] if shard is not None else None)
         self.group, self.world, self.microbatches = group, world, microbatches
         self.active = group is not None and world > 1
         self._pending: List[tuple] = []
@@ -131,25 +134,18 @@ class GradientReduction:
         self._ready: List[int] = []
         self._launched: List[bool] = []
         self._hooks = []
+        # with a shard: per bucket, its index in ``shard.buckets`` and this rank's pieces
+        # as (position in self.params, Piece)
+        self._layout: List[int] = []
+        self._mine: List[List[tuple]] = []
         self.launched_in_backward = 0
-        """Buckets whose all-reduce the hooks started (the rest start at REDUCE_GRADS)."""
+        """Buckets whose reduction the hooks started (the rest start at REDUCE_GRADS)."""
         if not self.active:
             return
-        # one open bucket per owner (a single one when all-reducing), in the reverse
-        # parameter order; a bucket closes when full or at a change of dtype
-        open_: Dict[int, Tuple[List[int], int]] = {}
-        for i in reversed(range(len(self.params))):
-            p = self.params[i]
-            owner = self._owner[i] if self._owner is not None else 0
-            dtype = grad_dtype_of(p)
-            nbytes = p.numel() * dtype.itemsize
-            bucket, size = open_.get(owner, ([], 0))
-            if bucket and (dtype != grad_dtype_of(self.params[bucket[0]])
-                           or size + nbytes > bucket_bytes):
-                self._buckets.append(bucket)
-                bucket, size = [], 0
-            open_[owner] = (bucket + [i], size + nbytes)
-        self._buckets += [bucket for bucket, _ in open_.values() if bucket]
+        if shard is not None:
+            self._use_shard(kept)
+        else:
+            self._plan(bucket_bytes)
         for b, members in enumerate(self._buckets):
             for i in members:
                 self._bucket_of[i] = b
@@ -158,6 +154,42 @@ class GradientReduction:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, i=i: self._on_grad(i)))
+
+    def _plan(self, bucket_bytes: int) -> None:
+        """Plain data parallelism: buckets in the reverse parameter order; one closes
+        when full or at a change of dtype."""
+        bucket: List[int] = []
+        size = 0
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            dtype = grad_dtype_of(p)
+            nbytes = p.numel() * dtype.itemsize
+            if bucket and (dtype != grad_dtype_of(self.params[bucket[0]])
+                           or size + nbytes > bucket_bytes):
+                self._buckets.append(bucket)
+                bucket, size = [], 0
+            bucket, size = bucket + [i], size + nbytes
+        if bucket:
+            self._buckets.append(bucket)
+
+    def _use_shard(self, kept: List[int]) -> None:
+        """The distributed optimizer's buckets, less those of excluded parameters."""
+        position = {i: j for j, i in enumerate(kept)}
+        pieces = self.shard.pieces()
+        for b, bucket in enumerate(self.shard.buckets):
+            inside = [i in position for i in bucket.params]
+            if not any(inside):
+                continue  # averaged elsewhere: the optimizer reads its own pieces of it
+            if not all(inside):
+                raise ValueError("GradientReduction: a bucket of the distributed optimizer "
+                                 "mixes parameters reduced here with excluded ones")
+            dtypes = {grad_dtype_of(self.params[position[i]]) for i in bucket.params}
+            if len(dtypes) != 1:
+                raise ValueError(f"GradientReduction: bucket {b} mixes gradient dtypes "
+                                 f"{sorted(map(str, dtypes))}")
+            self._buckets.append([position[i] for i in bucket.params])
+            self._layout.append(b)
+            self._mine.append([(position[pc.param], pc) for pc in pieces if pc.bucket == b])
 
     def _reset(self) -> None:
         self._counts = [0] * len(self.params)
@@ -181,18 +213,28 @@ class GradientReduction:
             if p.grad is None:
                 p.grad = zero_grad_like(p)
             grads.append(p.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(self.world)
         self._launched[b] = True
-        if self._owner is None:
+        if self.shard is None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat.div_(self.world)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-        else:
-            owner = self._owner[self._buckets[b][0]]
-            work = dist.reduce(flat, dst=self.shard.global_rank(owner), group=self.group,
-                               async_op=True)
-            if owner != self.shard.rank:
-                grads = []  # only the owner reads the average
-        self._pending.append((work, flat, grads))
+            self._pending.append((work, flat, grads, None))
+            return
+        bucket = self.shard.buckets[self._layout[b]]
+        # the shard's flat order, zero-padded to w equal segments
+        flat = torch.cat([g.reshape(-1) for g in grads]
+                         + [grads[0].new_zeros(bucket.padded - bucket.numel)])
+        flat.div_(self.world)
+        mine = flat.new_empty(bucket.padded // self.world)
+        work = reduce_scatter_flat(mine, flat, group=self.group, async_op=True)
+        # the pieces of .grad the segment covers (made contiguous to be written in place)
+        targets = []
+        for i, pc in self._mine[b]:
+            p = self.params[i]
+            if not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            targets.append((flat_view(p.grad, pc), pc.at))
+        self._pending.append((work, mine, targets, flat))
 
     def launch_remaining(self) -> None:
         """REDUCE_GRADS: start every bucket the hooks did not start."""
@@ -204,9 +246,14 @@ class GradientReduction:
         self._reset()
 
     def finish(self) -> None:
-        """STEP: wait for the all-reduces and write the averages into ``.grad``."""
-        for work, flat, grads in self._pending:
+        """STEP: wait for the reductions and write the averages into ``.grad`` (with a
+        shard, this rank's segment into the pieces it covers)."""
+        for work, flat, grads, sent in self._pending:
             work.wait()
+            if sent is not None:
+                for target, at in grads:
+                    target.copy_(flat[at:at + target.numel()])
+                continue
             offset = 0
             for g in grads:
                 n = g.numel()

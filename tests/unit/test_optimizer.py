@@ -302,18 +302,49 @@ def test_cuda_fused_adam_matches_cpu_reference():
         torch.testing.assert_close(p.detach().cpu(), r.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_shard_owners_balance_whole_parameters():
-    """The distributed optimizer's split: largest first to the least-loaded rank, the
-    same on every call, within one largest parameter of an even split."""
-    from megatron.optimizer.optimizer import shard_owners
+def test_buckets_split_evenly_into_segments():
+    """The distributed optimizer's split: buckets in reverse parameter order, each padded
+    to a multiple of w and cut into w equal segments; the pieces of all ranks tile every
+    parameter once, and each rank holds within the padding of an even share, however
+    large one parameter is."""
+    from megatron.optimizer.sharding import pieces_of, plan_buckets
 
-    numels = [48, 6, 20, 4, 9, 2, 100, 1]
-    owners = shard_owners(numels, 3)
-    assert owners == shard_owners(list(numels), 3)
-    loads = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(3)]
-    assert sum(loads) == sum(numels) and max(loads) - min(loads) <= max(numels)
-    assert owners[numels.index(100)] == 0            # the largest goes first, to rank 0
-    assert shard_owners(numels, 1) == [0] * len(numels)
-    assert sorted(set(shard_owners([5] * 4, 4))) == [0, 1, 2, 3]
+    numels = [48, 6, 20, 4, 9, 2, 1000, 1]
+    keys = ["f32"] * 6 + ["f32", "bf16"]
+    world = 3
+    buckets = plan_buckets(numels, keys, world, bucket_bytes=4 * 60,
+                           alone=[False] * 6 + [True, False])
+    assert buckets == plan_buckets(list(numels), keys, world, 4 * 60,
+                                   alone=[False] * 6 + [True, False])
+    # reverse order; a dtype change, the lone parameter and a full bucket each close one
+    assert [b.params for b in buckets] == [(7,), (6,), (5, 4, 3, 2, 1), (0,)]
+    assert buckets[2].offsets == (0, 2, 11, 15, 35) and buckets[2].numel == 41
+    assert all(b.padded % world == 0 and 0 <= b.padded - b.numel < world for b in buckets)
+    seen = [[0] * n for n in numels]
+    held = []
+    for r in range(world):
+        pieces = pieces_of(buckets, numels, world, r)
+        held.append(sum(pc.numel for pc in pieces))
+        for pc in pieces:
+            bucket = buckets[pc.bucket]
+            off = bucket.offsets[bucket.params.index(pc.param)]
+            assert pc.at == off + pc.start - r * (bucket.padded // world)
+            for e in range(pc.start, pc.stop):
+                seen[pc.param][e] += 1
+    assert all(c == 1 for counts in seen for c in counts)  # each element owned once
+    padding = sum(b.padded - b.numel for b in buckets)
+    assert all(abs(h - sum(numels) / world) <= padding for h in held), held
+    assert pieces_of(buckets, numels, 1, 0)[0].param == 7
     with pytest.raises(ValueError, match="world must be >= 1"):
-        shard_owners(numels, 0)
+        plan_buckets(numels, keys, 0)
+
+
+def test_distributed_optimizer_over_one_replica_is_the_plain_one():
+    """--use-distributed-optimizer without data-parallel replicas splits nothing: one
+    main parameter per model parameter, shaped like it, and the unsharded state."""
+    params = [nn.Parameter(torch.randn(4, 3, dtype=torch.float64)),
+              nn.Parameter(torch.randn(3, dtype=torch.float64))]
+    opt = get_megatron_optimizer(opt_cfg("adam", use_distributed_optimizer=True),
+                                 PrecisionConfig(), params)
+    assert opt.shard is None
+    assert [m.shape for m in opt.main_params] == [p.shape for p in params]

@@ -431,7 +431,11 @@ class CostModel:
         grad_bytes = params * opt.grad_bytes_per_param
         allreduce = ring_allreduce_time(grad_bytes, c.w, links.data)
         if c.distributed_optimizer and c.w > 1:
-            # each gradient is reduced to its owner only: half a ring all-reduce's bytes
+            # each bucket is reduce-scattered (a rank receives the average of its own
+            # 1/w segment only): half a ring all-reduce's bytes; the all-gather of the
+            # new weights after the step (below) is the other half.  (With d > 1 the
+            # trainer still all-reduces the tied word embedding in full, after its sum
+            # between first and last stage: not counted here.)
             allreduce *= 0.5
         dp_allreduce = allreduce
         if opt.overlap_grad_reduce and c.w > 1:
@@ -447,6 +451,8 @@ class CostModel:
         activations = act_stage if c.recompute else n * act_stage + transient
         optimizer_bytes = params * opt.optimizer_bytes_per_param
         if c.distributed_optimizer and c.w > 1:
+            # every rank owns one equal segment of each bucket: state / w, whatever
+            # the largest parameter (a bucket's padding, < w elements, is ignored)
             state = opt.optimizer_bytes_per_param - opt.grad_bytes_per_param
             optimizer_bytes = params * (opt.grad_bytes_per_param + state / c.w)
             # a ring all-gather moves half a ring all-reduce's bytes
