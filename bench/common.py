@@ -91,6 +91,22 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"write_results: cannot store {type(obj).__name__} in JSON")
 
 
+def mock_gpt_argv(m: Dict[str, int], iters: int) -> List[str]:
+    """Trainer flags of a small float32 GPT on random tokens, without dropout (so runs
+    that differ in one switch compute the same function): ``m`` gives layers, hidden,
+    heads, seq, vocab and micro_batch; 4 microbatches per batch."""
+    return [
+        "--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
+        "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]),
+        "--max-position-embeddings", str(m["seq"]), "--vocab-size", str(m["vocab"]),
+        "--make-vocab-size-divisible-by", "64", "--tokenizer-type", "NullTokenizer",
+        "--mock-data", "--micro-batch-size", str(m["micro_batch"]),
+        "--global-batch-size", str(4 * m["micro_batch"]), "--train-iters", str(iters),
+        "--lr", "1e-3", "--lr-decay-style", "constant", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--seed", "5", "--log-interval", "1000",
+        "--eval-interval", "100000", "--eval-iters", "1", "--num-workers", "0"]
+
+
 def gpt_config(argv: List[str]) -> Tuple[Any, Any]:
     """``(cfg, tokenizer)`` exactly as ``megatron.training.pretrain`` derives them from
     ``argv`` (padded vocabulary included), for building the same GPT outside the trainer."""

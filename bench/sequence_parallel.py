@@ -29,25 +29,15 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import format_table, write_results  # noqa: E402
+from bench.common import format_table, mock_gpt_argv, write_results  # noqa: E402
 
 MODEL = dict(layers=4, hidden=256, heads=8, seq=256, vocab=8192, micro_batch=4)
 QUICK_MODEL = dict(layers=2, hidden=64, heads=4, seq=32, vocab=1024, micro_batch=2)
 
 
 def _argv(m: Dict[str, int], iters: int, sp: bool) -> List[str]:
-    return [
-        "--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
-        "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]),
-        "--max-position-embeddings", str(m["seq"]), "--vocab-size", str(m["vocab"]),
-        "--make-vocab-size-divisible-by", "64", "--tokenizer-type", "NullTokenizer",
-        "--mock-data", "--micro-batch-size", str(m["micro_batch"]),
-        "--global-batch-size", str(4 * m["micro_batch"]), "--train-iters", str(iters),
-        "--lr", "1e-3", "--lr-decay-style", "constant", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--tensor-model-parallel-size", "2",
-        "--seed", "5", "--log-interval", "1000", "--eval-interval", "100000",
-        "--eval-iters", "1", "--num-workers", "0",
-        ] + (["--sequence-parallel"] if sp else [])
+    return (mock_gpt_argv(m, iters) + ["--tensor-model-parallel-size", "2"]
+            + (["--sequence-parallel"] if sp else []))
 
 
 def _worker(rank: int, world: int, model: Dict[str, int], iters: int,
