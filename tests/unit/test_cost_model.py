@@ -309,9 +309,10 @@ def test_layer_level_recompute_memory_and_time():
 
 def test_distributed_optimizer_splits_the_state_and_gathers_the_weights():
     """--use-distributed-optimizer: masters and moments (12 of the 14 bytes) split over
-    the w replicas of a stage, the gradients (2) whole; the gradients are reduced to
-    their owners (half a ring all-reduce) and after the step the owners' weights are
-    all-gathered: the other half, of one fp16 weight version."""
+    the w replicas of a stage, the gradients (2) whole; the gradients are
+    reduce-scattered (half a ring all-reduce) and after the step the weights are
+    all-gathered: the other half, of one fp16 weight version.  The tied word embedding
+    of first and last stage is still all-reduced in full (its other half)."""
     cfg = Config(w=4, d=2, b=2, m=4, schedule="flush")
     plain = CostModel(TOY, PLAIN).stage_costs(cfg)
     sharded = CostModel(TOY, PLAIN).stage_costs(
@@ -323,7 +324,10 @@ def test_distributed_optimizer_splits_the_state_and_gathers_the_weights():
         links = CostModel(TOY, PLAIN).estimate(cfg).links
         assert s.step_s - p.step_s == pytest.approx(
             0.5 * ring_allreduce_time(2 * p.params, 4, links.data))
-        assert s.dp_allreduce_s == pytest.approx(0.5 * p.dp_allreduce_s)
+        embedding = 0.5 * ring_allreduce_time(2 * TOY.vocab_size * TOY.hidden_size, 4,
+                                              links.data)
+        assert TOY.tied_output and embedding > 0      # d = 2: both stages hold it
+        assert s.dp_allreduce_s == pytest.approx(0.5 * p.dp_allreduce_s + embedding)
         assert p.dp_allreduce_s == pytest.approx(
             ring_allreduce_time(2 * p.params, 4, links.data))
     # one replica: nothing to split

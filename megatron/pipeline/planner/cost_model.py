@@ -20,8 +20,8 @@ microbatch b, m microbatches per pipeline per batch):
   2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
   gradient between first and last stage (none with an untied output layer: the first
   stage then holds the only word embedding and the last stage its own output layer).
-  With the distributed optimizer the gradients are reduced to their owners (half of
-  that) and the new weights broadcast after the step (the other half, in the step).
+  With the distributed optimizer the gradient buckets are reduce-scattered (half of
+  that) and the new weights all-gathered after the step (the other half, in the step).
 
 Time of one batch (one optimizer step) per pipeline, with slot_i the per-microbatch
 time of stage i (compute + tensor-parallel + inter-stage communication), T = max slot_i:
@@ -102,9 +102,9 @@ class Config:
     distributed_optimizer: bool = False
     """--use-distributed-optimizer: the optimizer state beyond the gradients (master
     weights and moments, ``optimizer_bytes_per_param - grad_bytes_per_param``) is split
-    over the w replicas of a stage, each updates its share (the step's time / w), the
-    gradients are reduced to their owners (half a ring all-reduce) and the owners' new
-    weights are then all-gathered (a broadcast per owner, after the step: the other
+    evenly over the w replicas of a stage (equal segments of every flat bucket), each
+    updates its share (the step's time / w), the gradients are reduce-scattered (half a
+    ring all-reduce) and the new weights then all-gathered (after the step: the other
     half)."""
 
     def __post_init__(self) -> None:
@@ -433,10 +433,13 @@ class CostModel:
         if c.distributed_optimizer and c.w > 1:
             # each bucket is reduce-scattered (a rank receives the average of its own
             # 1/w segment only): half a ring all-reduce's bytes; the all-gather of the
-            # new weights after the step (below) is the other half.  (With d > 1 the
-            # trainer still all-reduces the tied word embedding in full, after its sum
-            # between first and last stage: not counted here.)
+            # new weights after the step (below) is the other half.
             allreduce *= 0.5
+            if d > 1 and (first or last) and mdl.tied_output:
+                # ...but the tied word embedding, averaged apart after its sum between
+                # first and last stage, is still all-reduced in full: its other half
+                emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
+                allreduce += 0.5 * ring_allreduce_time(emb, c.w, links.data)
         dp_allreduce = allreduce
         if opt.overlap_grad_reduce and c.w > 1:
             buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
