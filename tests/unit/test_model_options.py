@@ -260,6 +260,35 @@ def test_flags_reach_the_model_config():
             plain.apply_residual_connection_post_layernorm) == (False, False, False, None, False)
 
 
+def test_use_checkpoint_args_takes_the_options(tmp_path):
+    """--use-checkpoint-args reads the new block options from the --load checkpoint's
+    recorded config, as the other block flags (the command line still wins)."""
+    import contextlib
+    import io
+
+    import pretrain_gpt
+    from megatron.training import pretrain
+
+    ck = str(tmp_path / "ck")
+    options = ["--squared-relu", "--position-embedding-type", "rope", "--rotary-interleaved",
+               "--rotary-seq-len-interpolation-factor", "2",
+               "--apply-residual-connection-post-layernorm"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                 pretrain_gpt.forward_step,
+                 argv=SMALL + options + ["--eval-iters", "0", "--num-workers", "0",
+                                         "--save", ck, "--train-iters", "1"])
+    later = ["--use-checkpoint-args", "--load", ck, "--micro-batch-size", "2",
+             "--train-iters", "4", "--lr", "1e-4", "--mock-data"]
+    model = build_config(validate_args(parse_args(later), 1)).model
+    assert (model.squared_relu, model.position_embedding_type, model.rotary_interleaved,
+            model.rotary_seq_len_interpolation_factor,
+            model.apply_residual_connection_post_layernorm) == (True, "rope", True, 2.0, True)
+    stretched = build_config(validate_args(parse_args(
+        later + ["--rotary-seq-len-interpolation-factor", "4"]), 1)).model
+    assert stretched.rotary_seq_len_interpolation_factor == 4.0
+
+
 def test_the_flags_are_no_longer_refused():
     from megatron import megatron_lm_flags
 
