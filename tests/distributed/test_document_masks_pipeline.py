@@ -2,12 +2,12 @@
 --calculate-per-token-loss through the trainer, in float64 on gloo ranks.
 
 Every pipeline stage builds the document mask from its own copy of the batch, so a
-two-stage pipeline and two data-parallel replicas give the losses of a plain
-single-process loop whose masks come from a hand-written reference.  With per-token
-losses the same loop takes the mean over all loss tokens of each global batch; with
---eod-mask-loss the microbatches hold different numbers of them, so this differs from the
-mean of microbatch means, and a token count taken twice (by both tensor ranks of the last
-stage, or not added over replicas) changes the losses."""
+two-stage pipeline, two data-parallel replicas and two sequence-parallel tensor ranks
+give the losses of a plain single-process loop whose masks come from a hand-written
+reference.  With per-token losses the same loop takes the mean over all loss tokens of
+each global batch; with --eod-mask-loss the microbatches hold different numbers of them,
+so this differs from the mean of microbatch means, and a token count taken twice (by
+both tensor ranks of the last stage, or not added over replicas) changes the losses."""
 from __future__ import annotations
 
 import math
@@ -45,6 +45,10 @@ def train_per_token(rank: int, world: int, configs):
 @pytest.fixture(scope="module")
 def two_ranks():
     configs = [("docs_d2", _pp(2, *FLAGS), None), ("docs_w2", _pp(1, *FLAGS), None),
+               # sequence parallelism: the mask spans the gathered sequence
+               ("docs_t2sp", _pp(1, *FLAGS, "--tensor-model-parallel-size", "2",
+                                 "--sequence-parallel", "--make-vocab-size-divisible-by",
+                                 "32"), None),
                ("plain_d2", _pp(2), None)]
     return run_distributed(train_configs, 2, args=(configs,), timeout=600)
 
@@ -107,7 +111,7 @@ def _losses(results, name: str) -> List[float]:
 
 def test_pipeline_and_replicas_equal_the_reference_loop(two_ranks):
     ref = _reference_losses()
-    for name in ("docs_d2", "docs_w2"):
+    for name in ("docs_d2", "docs_w2", "docs_t2sp"):
         got = _losses(two_ranks, name)
         assert len(got) == STEPS and all(math.isclose(a, b, rel_tol=1e-10, abs_tol=1e-12)
                                          for a, b in zip(got, ref)), (name, got, ref)
