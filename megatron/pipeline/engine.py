@@ -986,19 +986,13 @@ class PipelineEngine:
     def _dp_per_token(self, sums: Dict[str, torch.Tensor],
                       tokens: Optional[torch.Tensor]) -> Dict[str, float]:
         """Per-token losses: every reported sum over the data-parallel replicas, divided
-        by their tokens (one all-reduce, one device-to-host copy)."""
+        by their tokens.  The ratio of the replicas' means is that of their sums, so
+        ``_dp_mean``'s one all-reduce carries the token count along."""
         if not sums:
             return {}
-        keys = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device)
-                           for k in keys]
-                          + [torch.as_tensor(0.0 if tokens is None else tokens,
-                                             dtype=torch.float64, device=self.device)])
-        if self.groups.data is not None and self.groups.dp_size > 1:
-            dist.all_reduce(vec, group=self.groups.data)
-        values = vec.tolist()
-        count = max(values[-1], 1.0)
-        return {k: v / count for k, v in zip(keys, values[:-1])}
+        means = self._dp_mean({**sums, " tokens": 0.0 if tokens is None else tokens})
+        count = means.pop(" tokens")
+        return {k: v / count if count > 0 else v for k, v in means.items()}
 
     def _note_versions(self, seg: _Segment) -> None:
         """Count weight versions live now: the newest, plus any used by in-flight work."""
