@@ -258,6 +258,11 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
                    help="Accumulate the fp16/bf16 weights' gradients over microbatches, "
                         "and all-reduce them, in float32 (on by default with --bf16, as in "
                         "Megatron-LM; needs torch >= 2.10 for Tensor.grad_dtype).")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="With --fp16/--bf16, keep the residual stream (embedding output, "
+                        "layer sums, the tensors between pipeline stages) in float32; the "
+                        "norms compute in float32 and hand the linear layers fp16/bf16. "
+                        "No effect in fp32.")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
@@ -268,6 +273,14 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
                         "data-parallel replicas of each stage, each gradient bucket cut into "
                         "equal segments (ZeRO-1): gradients are reduce-scattered and the new "
                         "weights all-gathered after each step.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="With --use-distributed-optimizer: leave the all-gathers of the new "
+                        "weights in flight after the step; each transformer layer of the next "
+                        "forward pass waits only for the buckets holding its own weights.")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                   help="Parameters (elements) per data-parallel gradient bucket (default: "
+                        "32 MiB of gradients). Smaller buckets start their reduction, and "
+                        "with --overlap-param-gather their weight gathers, in finer steps.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required to train).")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decayed learning rate.")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
@@ -675,6 +688,12 @@ def _check_batches(args: argparse.Namespace) -> None:
     _require(args.tbw_mitigation == "none" or args.pipeline_schedule == "2bw",
              f"--2bw-mitigation {args.tbw_mitigation} needs --pipeline-schedule 2bw, got "
              f"--pipeline-schedule {args.pipeline_schedule}")
+    _require(not args.overlap_param_gather or args.use_distributed_optimizer,
+             "--overlap-param-gather overlaps the distributed optimizer's weight all-gathers: "
+             "it needs --use-distributed-optimizer")
+    _require(args.ddp_bucket_size is None or args.ddp_bucket_size >= 1,
+             f"--ddp-bucket-size must be a positive number of parameters, got "
+             f"{args.ddp_bucket_size}")
     _require(not (args.use_distributed_optimizer and args.tbw_mitigation == "predict"),
              "--2bw-mitigation predict needs every parameter's optimizer state on every rank: "
              "it cannot run with --use-distributed-optimizer")
@@ -792,6 +811,10 @@ def _check_precision(args: argparse.Namespace) -> None:
             print(f"warning: --bf16 gradients accumulate in bf16: fp32 accumulation needs "
                   f"torch >= 2.10 (Tensor.grad_dtype), this is torch {torch.__version__}",
                   file=sys.stderr)
+    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
+        args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+            "note: --fp32-residual-connection changes nothing without --fp16/--bf16 (the "
+            "residual stream is in the weights' float32 or float64 already)"]
     if args.fp16:
         args.params_dtype = torch.float16
     elif args.bf16:
@@ -1039,7 +1062,9 @@ CHECKPOINT_ARGS = (
     ("data", "tokenizer_model"), ("data", "vocab_size"), ("data", "make_vocab_size_divisible_by"),
 )
 """(config section, flag dest) that --use-checkpoint-args reads from the checkpoint, as
-Megatron-LM's load_args_from_checkpoint: the model's shape and its tokenizer."""
+Megatron-LM's load_args_from_checkpoint: the model's shape and its tokenizer.  Not the
+precision flags (--bf16, --fp32-residual-connection): they change no weight, and a run
+may resume a checkpoint in another precision."""
 
 
 _PATH_ARGS = ("vocab_file", "merge_file", "tokenizer_model")
@@ -1230,6 +1255,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         init_method_xavier_uniform=args.init_method_xavier_uniform,
         squared_relu=args.squared_relu,
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        fp32_residual_connection=args.fp32_residual_connection,
         swiglu=args.swiglu, qk_layernorm=args.qk_layernorm, kv_channels=args.kv_channels,
         num_query_groups=args.query_groups, add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
@@ -1271,7 +1297,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather, ddp_bucket_size=args.ddp_bucket_size)
     data = DataConfig(
         data_path=list(args.data_path or []), split=args.split,
         data_cache_path=args.data_cache_path, num_workers=args.num_workers,

@@ -904,7 +904,9 @@ _SHAPE_FLAGS = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size")
 # the option existed.  (--init-method-std and --init-method-xavier-uniform are not here:
 # they only draw the initial weights, which a resumed run reads from the checkpoint; nor
 # is --rotary-seq-len-interpolation-factor: changing it on a loaded RoPE model to stretch
-# its context is what position interpolation is for.)
+# its context is what position interpolation is for; nor --fp32-residual-connection,
+# which like --bf16 sets the precision of the arithmetic, not the weights: a checkpoint
+# loads with or without it.)
 _ARCHITECTURE_FLAGS = (("normalization", "--normalization", "LayerNorm"),
                        ("position_embedding_type", "--position-embedding-type",
                         "learned_absolute"),

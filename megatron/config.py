@@ -106,6 +106,15 @@ class ModelConfig:
     """Each block's two residuals start from the LayerNorm's output instead of its input:
     y = LN(x) + attn(LN(x)), then y' = LN2(y) + mlp(LN2(y)) (the original BERT's
     residual, Megatron-LM's flag); the default is GPT-2's x + attn(LN(x))."""
+    fp32_residual_connection: bool = False
+    """--fp32-residual-connection (Megatron-LM's flag): with fp16/bf16 weights the
+    residual stream -- the embedding output, every layer's sums, the tensor sent between
+    pipeline stages and the final norm's input -- is kept in float32 (``residual_dtype``).
+    The norms read it in float32 (their weights cast up) and hand the linear layers,
+    the output layer and BERT's heads their output in params_dtype; a sublayer's
+    params_dtype output added to the float32 stream stays float32.  With
+    apply_residual_connection_post_layernorm the residual is the norm's float32 output
+    (the linear layers read its params_dtype copy).  No effect in fp32/fp64 training."""
     qk_layernorm: bool = False
     """Normalise every query and key head (over its head_dim, with ``normalization``)
     before RoPE (Qwen3, OLMo 2)."""
@@ -149,6 +158,16 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (even; the rest pass unchanged)."""
         return int(self.kv_channels * self.rotary_percent) // 2 * 2
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """dtype of the residual stream, of a stage's output and of the input a non-first
+        pipeline stage receives: float32 with fp32_residual_connection in fp16/bf16
+        training, else params_dtype."""
+        if self.fp32_residual_connection and self.params_dtype in (torch.float16,
+                                                                   torch.bfloat16):
+            return torch.float32
+        return self.params_dtype
 
     @property
     def uses_position_table(self) -> bool:
@@ -278,6 +297,12 @@ class OptimizerConfig:
     """Shard the optimizer state (Adam moments, SGD momentum, fp32 master weights) over
     the data-parallel ranks of each stage, each flat gradient bucket cut into equal
     segments (ZeRO stage 1; ``megatron.optimizer.sharding``)."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: leave the new weights' all-gathers in flight into
+    the next forward pass, whose layers wait for their own buckets
+    (``megatron.pipeline.param_gather``)."""
+    ddp_bucket_size: Optional[int] = None
+    """Parameters per data-parallel gradient bucket (None: 32 MiB of gradients)."""
 
 
 @dataclass(kw_only=True)

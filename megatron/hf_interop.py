@@ -530,10 +530,12 @@ _EXPORT_READS = frozenset({
 _EXPORT_IGNORES = frozenset({
     "seq_length", "padded_vocab_size", "params_dtype", "recompute_granularity",
     "recompute_method", "recompute_num_layers", "compile_layers", "cross_entropy_loss_fusion",
-    "attention_backend", "sequence_parallel", "init_method_xavier_uniform"})
+    "attention_backend", "sequence_parallel", "init_method_xavier_uniform",
+    "fp32_residual_connection"})
 """config["model"] keys that say how the model was trained, not what it computes: the
 training sequence length (max_position_embeddings is the model's), the vocabulary
 padding (dropped; the tensors have it), the weights' dtype (the tensors have it),
+the residual stream's (--fp32-residual-connection: float32 in fp16/bf16 training),
 the recomputation, fusion, attention-kernel and sequence-parallel switches, and how
 the initial weights were drawn (--init-method-xavier-uniform: the tensors are the
 trained ones)."""

@@ -170,17 +170,12 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--wandb-save-dir", "ignored",
                "Weights & Biases logging is not built (use --tensorboard-dir)", nargs=None),
     # ---- features not built here
-    CompatFlag("--overlap-param-gather", "ignored",
-               "the distributed optimizer's owners broadcast the new weights right after "
-               "the step, not overlapped with the next forward pass (same results)"),
     CompatFlag("--num-layers-per-virtual-pipeline-stage", "refused",
                "the interleaved schedule is not built, use --pipeline-schedule flush "
                "(1F1B) or 2bw", nargs=None),
     CompatFlag("--num-virtual-stages-per-pipeline-rank", "refused",
                "the interleaved schedule is not built, use --pipeline-schedule flush "
                "(1F1B) or 2bw", nargs=None),
-    CompatFlag("--fp32-residual-connection", "refused",
-               "the residual stream is kept in the training precision"),
     CompatFlag("--num-experts", "refused", "mixture-of-experts models are not built", nargs=None),
     CompatFlag("--fp8-format", "refused", "fp8 training is not built (--bf16, --fp16)",
                nargs=None),

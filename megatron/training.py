@@ -325,19 +325,21 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         schedule=cfg.parallel.pipeline_schedule,
         num_microbatches=cfg.training.num_microbatches(groups.dp_size),
         micro_batch_size=cfg.training.micro_batch_size, forward_step=forward_step,
-        device=device, activation_dtype=cfg.model.params_dtype,
+        device=device, activation_dtype=cfg.model.residual_dtype,
         stage_recompute=cfg.model.stage_recompute, trace=trace,
         get_rng_state=get_rng_state, set_rng_state=set_rng_state,
         fault_injection=fault_injection,
         memory_count_interval=cfg.training.measure_memory_interval,
         flush_warmup_iters=par.tbw_flush_warmup_iters if par.tbw_mitigation == "warmup" else 0,
         grad_dtype=cfg.precision.grad_dtype,
-        per_token_loss=cfg.training.calculate_per_token_loss)
+        per_token_loss=cfg.training.calculate_per_token_loss,
+        grad_bucket_elements=cfg.optimizer.ddp_bucket_size)
     return model, optimizer, scheduler, engine
 
 
 def _model_states(engine: PipelineEngine) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
     """(newest weights, 2BW shadow weights or None) as module state dicts."""
+    engine.optimizer.wait_gathers()  # --overlap-param-gather: none may still be in flight
     w = engine.weights
     w.install(engine.latest_buffer)
     latest = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}

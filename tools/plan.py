@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="GPT: the trainer's --reset-attention-mask (attention inside each "
                         "document): every stage keeps a [b, s, s] mask per microbatch")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="the trainer's --fp32-residual-connection: the residual stream "
+                        "(stage inputs and outputs, the norms' inputs) in float32, 4 bytes "
+                        "a value where the counts have 2")
     c = p.add_argument_group("cluster (a preset, overridable field by field)")
     c.add_argument("--cluster", default="p3.16xlarge", choices=sorted(HARDWARE_PRESETS))
     c.add_argument("--num-gpus", type=int, required=True, help="N: GPUs to plan for")
@@ -238,9 +242,10 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
     """The planned model: a preset, a profile's shape or the flags, with the flags given
     on top.  A --rope-scaling-factor that the model would not use (no
     --use-rope-scaling, its own or its preset's or profile's) is an error, as
-    --num-query-groups without --group-query-attention.  --sequence-parallel and
-    --reset-attention-mask are set here whatever the source: presets and profiles (taken
-    at t = 1 and causal) do not carry them."""
+    --num-query-groups without --group-query-attention.  --sequence-parallel,
+    --reset-attention-mask and --fp32-residual-connection are set here whatever the
+    source: presets and profiles (taken at t = 1, causal and without the flag) do not
+    carry them."""
     model = _model_from_args(args, profile)
     if args.rope_scaling_factor is not None and not model.rope_scaling:
         raise PlanningError(f"--rope-scaling-factor {args.rope_scaling_factor:g} needs "
@@ -254,6 +259,8 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
             raise PlanningError("--reset-attention-mask applies to GPT models only (BERT "
                                 "has its padding mask)")
         model = replace(model, reset_attention_mask=True)
+    if args.fp32_residual_connection:
+        model = replace(model, fp32_residual_connection=True)
     return model
 
 

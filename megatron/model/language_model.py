@@ -46,6 +46,12 @@ class Embedding(nn.Module):
     straight to that slice; with position or token-type tables the sum is all-reduced,
     the tables added to the whole sequence and this rank's slice kept, so that every
     rank holds the tables' whole gradient (Megatron-LM's choice too).
+
+    With a float32 residual stream (--fp32-residual-connection under fp16/bf16) the sum
+    of the tables is cast to float32 before the sequence is scattered and dropped out,
+    as in Megatron-LM; the reduce-scattered word embeddings are cast after the
+    reduce-scatter, which is exact either way (each position's vector comes from one
+    rank, the others add zeros) and moves half the bytes.
     """
 
     def __init__(self, config: ModelConfig, tp: TPInfo, *, seed: int,
@@ -69,13 +75,15 @@ class Embedding(nn.Module):
         self.dropout = config.hidden_dropout
         self.tp = tp
         self.sequence_parallel = sequence_parallel(config, tp)
+        self.residual_dtype = config.residual_dtype
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         tables = self.position_embeddings is not None or self.tokentype_embeddings is not None
         if self.sequence_parallel and not tables:
             x = self.word_embeddings.partial(input_ids).transpose(0, 1)  # [s, b, h]
-            return self._dropout(reduce_scatter_to_sequence_parallel_region(x, self.tp))
+            x = reduce_scatter_to_sequence_parallel_region(x, self.tp)
+            return self._dropout(x.to(self.residual_dtype))
         x = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -85,7 +93,7 @@ class Embedding(nn.Module):
             if tokentype_ids is None:
                 raise ValueError("this model has token-type embeddings: pass tokentype_ids")
             x = x + self.tokentype_embeddings(tokentype_ids)
-        x = x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        x = x.transpose(0, 1).contiguous().to(self.residual_dtype)  # [b, s, h] -> [s, b, h]
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp)
         return self._dropout(x)

@@ -32,7 +32,9 @@ class PipelineStage(nn.Module):
 
     def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:
         """Shape of the activation a non-first stage receives: [s, b, h], or this
-        tensor rank's [s/t, b, h] with sequence parallelism."""
+        tensor rank's [s/t, b, h] with sequence parallelism.  Its dtype is
+        ``config.residual_dtype`` (float32 with --fp32-residual-connection), not
+        necessarily the weights'."""
         seq = self.config.seq_length
         if sequence_parallel(self.config, self.tp):
             seq //= self.tp.size

@@ -69,22 +69,51 @@ def output_init_method(config: ModelConfig) -> InitMethod:
     return scaled_init_method_normal(config.init_method_std, config.num_layers)
 
 
-def layer_norm(config: ModelConfig, tp: Optional[TPInfo] = None) -> nn.Module:
+class Float32LayerNorm(nn.LayerNorm):
+    """LayerNorm of the float32 residual stream (--fp32-residual-connection): computed
+    in float32 with its fp16/bf16 weights cast up, returning float32 (the caller casts
+    what the linear layers read).  Its parameters and state-dict keys are LayerNorm's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                            self.bias.float(), self.eps)
+
+
+class Float32RMSNorm(nn.RMSNorm):
+    """RMSNorm of the float32 residual stream: see ``Float32LayerNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps)
+
+
+def fp32_residual(config: ModelConfig) -> bool:
+    """Whether the residual stream is kept in float32 while the weights are not
+    (--fp32-residual-connection with --fp16/--bf16; ``ModelConfig.residual_dtype``)."""
+    return config.residual_dtype != config.params_dtype
+
+
+def layer_norm(config: ModelConfig, tp: Optional[TPInfo] = None, *,
+               stream: bool = False) -> nn.Module:
     """The block's normalisation: torch's LayerNorm or RMSNorm (--normalization), both
     with a weight (RMSNorm has no bias), epsilon --norm-epsilon / --layernorm-epsilon.
+
+    ``stream``: the norm reads the residual stream (a layer's two norms, the final
+    norm); with a float32 stream (``fp32_residual``) it computes in float32 and returns
+    float32 (``Float32LayerNorm``).
 
     Under sequence parallelism (``tp`` given) the norm sees s/t positions per rank, so
     its weights' gradients are partial: they are marked ``sequence_parallel`` and the
     trainer sums them over the tensor ranks."""
+    in_fp32 = stream and fp32_residual(config)
     if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                          dtype=config.params_dtype)
+        norm = (Float32RMSNorm if in_fp32 else nn.RMSNorm)(
+            config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
     elif config.normalization != "LayerNorm":
         raise ValueError(f"--normalization {config.normalization!r}: expected one of "
                          f"{', '.join(NORMALIZATIONS)}")
     else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
-                            dtype=config.params_dtype)
+        norm = (Float32LayerNorm if in_fp32 else nn.LayerNorm)(
+            config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
     if tp is not None and sequence_parallel(config, tp):
         for p in norm.parameters():
             p.sequence_parallel = True
@@ -507,19 +536,32 @@ class ParallelMLP(nn.Module):
 class ParallelTransformerLayer(nn.Module):
     """x + drop(attn(LN(x))), then + drop(mlp(LN(.))); ``layer_number`` is global, 0-based.
     With --apply-residual-connection-post-layernorm both residuals start from the
-    norm's output instead: LN(x) + drop(attn(LN(x))), and likewise around the MLP."""
+    norm's output instead: LN(x) + drop(attn(LN(x))), and likewise around the MLP.
+
+    With a float32 residual stream (--fp32-residual-connection under fp16/bf16) x and
+    both sums are float32: the norms compute in float32, attention and MLP read their
+    output cast to params_dtype, and their (dropped-out) params_dtype outputs are added
+    to the float32 residual.  With --apply-residual-connection-post-layernorm as well,
+    the residual is the norm's float32 output, not the params_dtype copy the sublayer
+    reads: what stays float32 is then the same -- the layer's input, its intermediate
+    sum and its output, hence everything between layers and stages -- and the stream
+    does not lose the norm's precision on its way to the next layer.  (Megatron-LM adds
+    the norm's fp16/bf16 output there, which leaves the layer's output in params_dtype
+    while its pipeline buffers expect float32.)"""
 
     def __init__(self, config: ModelConfig, tp: TPInfo, layer_number: int, *, seed: int) -> None:
         super().__init__()
         self.layer_number = layer_number
         key = InitKey(seed, layer_number)
-        self.input_layernorm = layer_norm(config, tp)
+        self.input_layernorm = layer_norm(config, tp, stream=True)
         self.self_attention = ParallelAttention(config, tp, key.child("self_attention"))
-        self.post_attention_layernorm = layer_norm(config, tp)
+        self.post_attention_layernorm = layer_norm(config, tp, stream=True)
         self.mlp = ParallelMLP(config, tp, key.child("mlp"))
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel(config, tp)
         self.residual_post_norm = config.apply_residual_connection_post_layernorm
+        # the dtype attention and the MLP read: params_dtype, cast from a float32 stream
+        self.sublayer_dtype = config.params_dtype if fp32_residual(config) else None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Residual-branch dropout.  Replicated x (no sequence parallelism): the default
@@ -535,11 +577,16 @@ class ParallelTransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
                 rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         normed = self.input_layernorm(x)
-        attn = self.self_attention(normed, mask, rotary)
+        attn = self.self_attention(self._sublayer_input(normed), mask, rotary)
         x = (normed if self.residual_post_norm else x) + self._dropout(attn)
         normed = self.post_attention_layernorm(x)
-        mlp = self.mlp(normed)
+        mlp = self.mlp(self._sublayer_input(normed))
         return (normed if self.residual_post_norm else x) + self._dropout(mlp)
+
+    def _sublayer_input(self, normed: torch.Tensor) -> torch.Tensor:
+        """A norm's output as attention or the MLP reads it: params_dtype (the norm's
+        float32 output cast down when the stream is float32)."""
+        return normed if self.sublayer_dtype is None else normed.to(self.sublayer_dtype)
 
 
 class _KeptForRecompute(torch.autograd.Function):
@@ -575,7 +622,11 @@ def _check_recompute(config: ModelConfig) -> None:
 
 
 class ParallelTransformer(nn.Module):
-    """The layers ``layer_numbers`` (global, 0-based) plus, on the last stage, a final LN."""
+    """The layers ``layer_numbers`` (global, 0-based) plus, on the last stage, a final LN.
+
+    Takes and returns the residual stream (float32 with --fp32-residual-connection under
+    fp16/bf16); the final LN's output, which the output layer or BERT's heads read, is in
+    params_dtype."""
 
     def __init__(self, config: ModelConfig, tp: TPInfo, layer_numbers: range, *, seed: int,
                  post_layer_norm: Optional[bool] = None) -> None:
@@ -601,7 +652,11 @@ class ParallelTransformer(nn.Module):
                 layer.compile()
         if post_layer_norm is None:
             post_layer_norm = layer_numbers.stop == config.num_layers
-        self.final_layernorm = layer_norm(config, tp) if post_layer_norm else None
+        self.final_layernorm = (layer_norm(config, tp, stream=True) if post_layer_norm
+                                else None)
+        # with a float32 stream: RoPE's tables, the attention mask and the final norm's
+        # output (for the output layer, pooler and heads) in params_dtype, not the stream's
+        self.compute_dtype = config.params_dtype if fp32_residual(config) else None
         # the whole sequence's length, which RoPE's tables and the mask span
         self.seq_shards = tp.size if sequence_parallel(config, tp) else 1
 
@@ -617,11 +672,12 @@ class ParallelTransformer(nn.Module):
         # RoPE's tables: made once per stage forward and shared by its layers (a
         # recomputed chunk reads the same tensors: they need no gradient)
         seq = hidden.size(0) * self.seq_shards
-        rotary = (self.rotary(seq, hidden.device, hidden.dtype)
+        dtype = self.compute_dtype or hidden.dtype   # what attention computes in
+        rotary = (self.rotary(seq, hidden.device, dtype)
                   if self.rotary is not None else None)
         # likewise the attention mask in the form the attention kernel reads
         mask = self.layers[0].self_attention.core_attention.prepare_mask(
-            mask, hidden.dtype, seq, hidden.device)
+            mask, dtype, seq, hidden.device)
         if self.recompute_method is None or not torch.is_grad_enabled():
             hidden = self._run(0, n, rotary)(hidden, mask)
         elif self.recompute_method == "uniform":
@@ -638,4 +694,6 @@ class ParallelTransformer(nn.Module):
                           if i < self.recompute_num_layers else run(hidden, mask))
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
+            if self.compute_dtype is not None:
+                hidden = hidden.to(self.compute_dtype)
         return hidden

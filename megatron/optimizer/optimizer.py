@@ -50,11 +50,8 @@ parameters: a reduce-scatter and an all-gather move what one all-reduce moves, t
 traffic of plain data parallelism.  The update is elementwise, so with the same gradient
 scale each piece gets the same bits as its parameter would without sharding; the global
 norm is the same to rounding only (a cut parameter's squares are summed per piece), and
-so is a clipped update.  Checkpoints hold the whole state in the unsharded format:
-``state_dict`` gathers it (collective over the data-parallel group: the moments and
-masters by one all-gather per bucket, as the weights) and ``load_state_dict`` keeps this
-rank's pieces, so a run may resume with or without the flag, or with another
-data-parallel size.
+so is a clipped update.  Checkpoints hold the whole state in the unsharded format
+(``megatron.optimizer.sharded_state``).
 """
 from __future__ import annotations
 
@@ -71,8 +68,9 @@ from megatron.optimizer.clip_grads import (clip_coefficient, local_grad_stats,
                                            local_piece_stats, local_weight_sq, norm_mask,
                                            scale_grads_)
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
-from megatron.optimizer.sharding import (BUCKET_BYTES, OptimizerShard, Piece, all_gather_flat,
-                                         flat_view, plan_buckets)
+from megatron.optimizer.sharded_state import UnshardedFormat
+from megatron.optimizer.sharding import (OptimizerShard, Piece, WeightGather, copy_all,
+                                         flat_view, plan_shard)
 from megatron.optimizer.staleness import (WeightPrediction, delay_compensate_, true_weights,
                                           use_foreach)
 
@@ -139,13 +137,16 @@ class MegatronOptimizer:
         # the stage's data-parallel group (None: one replica): the replicas' own findings
         # (``extra_found_inf``, a replica's loss check) are agreed over it at each step
         self.dp_group = dp_group
-        self._pieces: Optional[List[Piece]] = (self.shard.pieces() if self.shard is not None
-                                               else None)
         # torch's parameter numbering without sharding: the main-parameter index of each
         # member of each param group, in order (decay group, then no-decay)
-        self._full_order = full_order if full_order is not None else [
+        full_order = full_order if full_order is not None else [
             [next(i for i, m in enumerate(main_params) if m is p) for p in g["params"]]
             for g in optimizer.param_groups]
+        # checkpoints hold the unsharded format (``megatron.optimizer.sharded_state``)
+        self._format = (UnshardedFormat(shard, full_order, [tuple(p.shape) for p in params],
+                                        params[0].device) if shard is not None else None)
+        self._pieces: Optional[List[Piece]] = (self._format.pieces if self._format is not None
+                                               else None)
         self.scaler = scaler
         self.use_masters = use_masters
         self.skip_on_nonfinite = skip_on_nonfinite
@@ -163,10 +164,6 @@ class MegatronOptimizer:
         self._unit_param = ([pc.param for pc in self._pieces] if self._pieces is not None
                             else list(range(len(params))))
         self._unit_dtype = [self._dtypes[i] for i in self._unit_param]
-        self._pieces_by_bucket: List[List[Tuple[int, Piece]]] = (
-            [[] for _ in self.shard.buckets] if self.shard is not None else [])
-        for k, pc in enumerate(self._pieces or ()):
-            self._pieces_by_bucket[pc.bucket].append((k, pc))
         # Attributes (shared, tensor_model_parallel) are read once, from the first buffer.
         self._mask = norm_mask(params, tp_rank)
         # the last stage's copy of the tied word embedding (see ``late_grad_indices``)
@@ -174,6 +171,9 @@ class MegatronOptimizer:
         # 2BW staleness mitigations (megatron.optimizer.staleness), off by default.
         self.prediction: Optional[WeightPrediction] = None
         self.dc_lambda = 0.0
+        # the new weights' all-gathers (the distributed optimizer; None otherwise)
+        self.gather: Optional[WeightGather] = (
+            WeightGather(shard, self._format.pieces_by_bucket) if shard is not None else None)
         # how the agreement is summed: an ExchangeSum, False for all_reduce, None: not
         # decided yet (at the first step, when the process group is known to exist)
         self._agreement: Union[None, bool, ExchangeSum] = None
@@ -288,6 +288,7 @@ class MegatronOptimizer:
                 stats[5] = (num_tokens.to(stats.dtype) if torch.is_tensor(num_tokens)
                             else float(num_tokens))
             if self.log_params_norm:
+                self.wait_gathers()  # a parameter no forward read may still be in flight
                 # the weights batch t was computed with (W(t), under 2BW W(t-1)): the only
                 # version every stage still holds, untouched, when its agreement starts
                 # (a later one may or may not be written yet, by stage timing)
@@ -332,6 +333,7 @@ class MegatronOptimizer:
     def finish_step(self, pending: "PendingStep", write_to: Sequence[nn.Parameter],
                     base: Sequence[nn.Parameter], lr: float) -> StepInfo:
         """Second half of ``step``: wait for the agreement, then skip or update."""
+        self.wait_gathers()  # the last step's weights are the base of this one
         self._check_buffers("write_to", write_to)
         self._check_buffers("base", base)
         if pending.late:
@@ -435,7 +437,7 @@ class MegatronOptimizer:
                 for g in src:
                     views.append(flat[at:at + g.numel()].view(g.shape))
                     at += g.numel()
-                _copy_all(src, views)
+                copy_all(src, views)
                 for i, v in zip(take, views):
                     out[i] = v
             scale_grads_(out, inv)
@@ -472,9 +474,9 @@ class MegatronOptimizer:
         for m in main:
             m.grad = None
         if self.shard is not None:  # the new masters, cast, from every replica
-            self._gather_weights(write_to, [m.data for m in main])
+            self.gather.start(write_to, [m.data for m in main])
         elif self.prediction is None:  # cast the new masters into the working buffer
-            _copy_all([m.data for m in main], [p.data for p in write_to])
+            copy_all([m.data for m in main], [p.data for p in write_to])
         else:
             self.prediction.predict_(write_to, [m.data for m in main],
                                      self.optimizer.param_groups[0]["lr"])
@@ -495,28 +497,13 @@ class MegatronOptimizer:
             self.prediction.predict_(write_to, [p.data for p in write_to],
                                      self.optimizer.param_groups[0]["lr"])
         if self.shard is not None:
-            self._gather_weights(write_to, targets)
+            self.gather.start(write_to, targets)
 
-    def _gather_weights(self, write_to: Sequence[nn.Parameter],
-                        mine: List[torch.Tensor]) -> None:
-        """Distributed optimizer: every bucket's new weights from every replica's segment
-        (``mine``: this rank's pieces, any float dtype), in ``write_to``'s dtype, by one
-        all-gather per bucket; all are started before the first is waited for."""
-        sh = self.shard
-        pending = []
-        for b, bucket in enumerate(sh.buckets):
-            first = write_to[bucket.params[0]]
-            seg = torch.zeros(sh.segment(b), dtype=first.dtype, device=first.device)
-            owned = self._pieces_by_bucket[b]
-            _copy_all([mine[k] for k, _ in owned],
-                      [seg[pc.at:pc.at + pc.numel] for _, pc in owned])
-            full = torch.empty(bucket.padded, dtype=first.dtype, device=first.device)
-            work = all_gather_flat(full, seg, group=sh.group, async_op=True)
-            pending.append((work, full, seg, bucket))
-        for work, full, _, bucket in pending:
-            work.wait()
-            dst = [write_to[i].data.view(-1) for i in bucket.params]
-            _copy_all([full[off:off + d.numel()] for off, d in zip(bucket.offsets, dst)], dst)
+    def wait_gathers(self) -> None:
+        """Finish the distributed optimizer's weight all-gathers still in flight
+        (``--overlap-param-gather``; ``WeightGather.wait``)."""
+        if self.gather is not None:
+            self.gather.wait()
 
     def _release_grads(self, grads_from: Sequence[nn.Parameter]) -> None:
         self.zero_grad(grads_from)
@@ -542,7 +529,7 @@ class MegatronOptimizer:
         torch_state, masters = self.optimizer.state_dict(), (
             [m.data for m in self.main_params] if self.use_masters else None)
         if self.shard is not None:
-            torch_state, masters = self._gather_state(torch_state, masters)
+            torch_state, masters = self._format.gather(torch_state, masters)
         return {
             "meta": {"optimizer": self.name, "num_params": len(self._shapes),
                      "shapes": list(self._shapes), "fp32_masters": self.use_masters},
@@ -555,6 +542,7 @@ class MegatronOptimizer:
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore ``state_dict()``; raises on a different optimizer or parameter layout."""
+        self.wait_gathers()  # none may land on the weights after this
         meta = sd.get("meta")
         if meta is None:
             raise ValueError("optimizer checkpoint state has no 'meta' entry (not written by "
@@ -572,8 +560,8 @@ class MegatronOptimizer:
             raise ValueError("optimizer checkpoint has no fp32 master weights (saved without "
                              "mixed precision): load with --no-load-optim, or call "
                              "reload_model_params after loading the model weights")
-        self.optimizer.load_state_dict(self._local_state(sd["optimizer"])
-                                       if self.shard is not None else sd["optimizer"])
+        self.optimizer.load_state_dict(self._format.local(sd["optimizer"])
+                                       if self._format is not None else sd["optimizer"])
         if self.use_masters:
             with torch.no_grad():
                 saved = sd["fp32_masters"]
@@ -585,106 +573,9 @@ class MegatronOptimizer:
         if self.prediction is not None:
             self.prediction.load_state_dict(sd.get("weight_prediction"))
 
-    # -- the distributed optimizer's state in the unsharded format --------------------
-    def _local_order(self) -> List[List[int]]:
-        """Main-parameter (piece) indices of this rank's torch param groups, in order."""
-        return [[k for k, i in enumerate(self._unit_param) if i in members]
-                for members in map(set, self._full_order)]
-
-    def _gather_state(self, torch_state: Dict[str, Any], masters: Optional[List[Any]]):
-        """This rank's torch state (per piece) and masters -> every parameter's, whole,
-        numbered as the unsharded optimizer numbers them (collective over the
-        data-parallel group).  Elementwise tensors (moments, momentum) travel as the
-        weights do, one all-gather per bucket; what else a parameter's state holds (the
-        step count) comes from the owner of its first element."""
-        sh, pieces = self.shard, self._pieces
-        order = [k for group in self._local_order() for k in group]
-        by_piece = {order[j]: st for j, st in torch_state["state"].items()}
-        heads: Dict[int, List[Tuple[str, bool, Any]]] = {}
-        for k, st in by_piece.items():
-            pc = pieces[k]
-            if pc.start == 0:  # (name, elementwise, dtype or value)
-                heads[pc.param] = [
-                    (name, True, v.dtype) if _elementwise(name, v, pc.numel)
-                    else (name, False, v.cpu() if torch.is_tensor(v) else v)
-                    for name, v in st.items()]
-        parts: List[Any] = [None] * sh.size
-        dist.all_gather_object(parts, heads, group=sh.group)
-        for part in parts:
-            heads.update(part)
-        full: Dict[int, Dict[str, Any]] = {i: {} for i in heads}
-        names = sorted({name for head in heads.values() for name, ew, _ in head if ew})
-        for name in names:
-            dtypes = {i: d for i, head in heads.items() for n, ew, d in head if ew and n == name}
-            got = self._gather_flat(lambda k: by_piece.get(k, {}).get(name), dtypes)
-            for i, tensor in got.items():
-                full[i][name] = tensor
-        for i, head in heads.items():  # in the state's own order of names
-            full[i] = {name: (full[i][name] if ew else
-                              value.to(self._device) if torch.is_tensor(value) else value)
-                       for name, ew, value in head}
-        full_masters = None
-        if masters is not None:
-            got = self._gather_flat(lambda k: masters[k],
-                                    {i: torch.float32 for i in range(len(self._shapes))})
-            full_masters = [got[i] for i in range(len(self._shapes))]
-        full_ids = {i: k for k, i in enumerate(i for g in self._full_order for i in g)}
-        groups = []
-        for saved, members in zip(torch_state["param_groups"], self._full_order):
-            groups.append({**saved, "params": [full_ids[i] for i in members]})
-        state = {full_ids[i]: full[i] for i in sorted(full, key=lambda i: full_ids[i])}
-        return {"state": state, "param_groups": groups}, full_masters
-
-    def _gather_flat(self, local, dtypes: Dict[int, torch.dtype]) -> Dict[int, torch.Tensor]:
-        """Whole tensors, shaped as their parameters, of the parameters in ``dtypes``
-        (index -> dtype) from every rank's pieces (``local(k)``: piece k's tensor, or
-        None): one all-gather per bucket that holds any of them."""
-        sh = self.shard
-        out: Dict[int, torch.Tensor] = {}
-        for b, bucket in enumerate(sh.buckets):
-            wanted = [i for i in bucket.params if i in dtypes]
-            if not wanted:
-                continue
-            dtype = dtypes[wanted[0]]
-            seg = torch.zeros(sh.segment(b), dtype=dtype, device=self._device)
-            for k, pc in self._pieces_by_bucket[b]:
-                t = local(k) if pc.param in dtypes else None
-                if t is not None:
-                    seg[pc.at:pc.at + pc.numel].copy_(t.reshape(-1))
-            whole = torch.empty(bucket.padded, dtype=dtype, device=self._device)
-            all_gather_flat(whole, seg, group=sh.group)
-            for i, off in zip(bucket.params, bucket.offsets):
-                if i in dtypes:
-                    n = sh.numels[i]
-                    out[i] = whole[off:off + n].view(self._shapes[i]).clone()
-        return out
-
-    def _local_state(self, full: Dict[str, Any]) -> Dict[str, Any]:
-        """An unsharded torch state dict -> this rank's pieces, in its own numbering."""
-        groups = full.get("param_groups", [])
-        if len(groups) != len(self._full_order) or any(
-                len(g["params"]) != len(members) for g, members in zip(groups, self._full_order)):
-            raise ValueError("optimizer checkpoint: its parameter groups do not match this "
-                             "stage's (decay, no-decay) groups")
-        local, local_groups, j = {}, [], 0
-        for saved, members, mine in zip(groups, self._full_order, self._local_order()):
-            by_main = dict(zip(members, saved["params"]))
-            ids = []
-            for k in mine:
-                pc = self._pieces[k]
-                st = full["state"].get(by_main[pc.param])
-                if st is not None:
-                    numel = self.shard.numels[pc.param]
-                    local[j] = {name: (v.reshape(-1)[pc.start:pc.stop].clone()
-                                       if _elementwise(name, v, numel) else v)
-                                for name, v in st.items()}
-                ids.append(j)
-                j += 1
-            local_groups.append({**saved, "params": ids})
-        return {"state": local, "param_groups": local_groups}
-
     def reload_model_params(self, params: Sequence[nn.Parameter]) -> None:
         """Make the main parameters match ``params`` (the buffer holding the latest weights)."""
+        self.wait_gathers()
         self._check_buffers("params", params)
         with torch.no_grad():
             for main, w in zip(self.main_params, self._unit_weights(params)):
@@ -694,26 +585,10 @@ class MegatronOptimizer:
                     main.data = w
 
 
-def _elementwise(name: str, value: Any, numel: int) -> bool:
-    """Whether an optimizer state entry holds one number per weight (Adam's moments, SGD's
-    momentum) rather than one per tensor (the step count)."""
-    return torch.is_tensor(value) and name != "step" and value.numel() == numel
-
-
 def _copy_buffer(src: Sequence[nn.Parameter], dst: Sequence[nn.Parameter]) -> None:
     pairs = [(s.data, d.data) for s, d in zip(src, dst) if s is not d]
     if pairs:
-        _copy_all([s for s, _ in pairs], [d for _, d in pairs])
-
-
-def _copy_all(src: List[torch.Tensor], dst: List[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for all i (casting): one multi-tensor copy on an accelerator
-    (a copy per parameter was hundreds of launches per step), a loop on the CPU."""
-    if use_foreach(dst):
-        torch._foreach_copy_(dst, src)
-    else:
-        for s, d in zip(src, dst):
-            d.copy_(s)
+        copy_all([s for s, _ in pairs], [d for _, d in pairs])
 
 
 def _first_difference(saved: List[tuple], ours: List[tuple]) -> str:
@@ -750,7 +625,8 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
     use_masters = prec_cfg.fp32_master_weights and any(p.dtype in _HALF for p in params)
     shard = None
     if getattr(opt_cfg, "use_distributed_optimizer", False):
-        shard = _plan_shard(params, dp_group, getattr(prec_cfg, "grad_dtype", None))
+        shard = plan_shard(params, dp_group, getattr(prec_cfg, "grad_dtype", None),
+                           getattr(opt_cfg, "ddp_bucket_size", None))
     # one main parameter per model parameter, or per piece this rank owns
     units: List[Tuple[int, Optional[Piece]]] = (
         [(pc.param, pc) for pc in shard.pieces()] if shard is not None
@@ -805,31 +681,12 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
         scaler = ConstantGradScaler(prec_cfg.loss_scale)
     else:
         scaler = ConstantGradScaler(1.0)
-    return MegatronOptimizer(torch_opt, main, params, scaler=scaler, use_masters=use_masters,
-                             skip_on_nonfinite=bool(prec_cfg.fp16), clip_grad=opt_cfg.clip_grad,
-                             model_groups=model_groups, tp_rank=tp_rank,
-                             log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
-                             name=opt_cfg.optimizer, log_params_norm=log_params_norm,
-                             shard=shard, full_order=full_order, dp_group=dp_group)
-
-
-def _plan_shard(params: List[nn.Parameter], dp_group: Any,
-                grad_dtype: Optional[torch.dtype]) -> Optional[OptimizerShard]:
-    """--use-distributed-optimizer: the stage's buckets (as the gradient reducer will
-    build them) and this rank's place in its data-parallel group; None for one replica
-    (nothing to split: the optimizer is the plain one)."""
-    size = dist.get_world_size(dp_group) if dp_group is not None else 1
-    rank = dist.get_rank(dp_group) if dp_group is not None else 0
-    if size == 1:
-        return None
-    if any(not p.requires_grad for p in params):
-        raise ValueError("--use-distributed-optimizer: every parameter of the stage must be "
-                         "trainable (the gradient buckets hold them all)")
-    numels = [p.numel() for p in params]
-    # the gradients' dtype: --accumulate-allreduce-grads-in-fp32 gives weights of
-    # another dtype float32 gradients (``megatron.pipeline.weights.grad_dtype_of``)
-    itemsizes = [(p.dtype if grad_dtype is None else grad_dtype).itemsize for p in params]
-    buckets = plan_buckets(numels, [p.dtype for p in params], size, BUCKET_BYTES, itemsizes,
-                           alone=[bool(getattr(p, "shared_embedding", False)) for p in params])
-    return OptimizerShard(rank=rank, size=size, buckets=buckets, numels=tuple(numels),
-                          group=dp_group)
+    opt = MegatronOptimizer(torch_opt, main, params, scaler=scaler, use_masters=use_masters,
+                            skip_on_nonfinite=bool(prec_cfg.fp16), clip_grad=opt_cfg.clip_grad,
+                            model_groups=model_groups, tp_rank=tp_rank,
+                            log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
+                            name=opt_cfg.optimizer, log_params_norm=log_params_norm,
+                            shard=shard, full_order=full_order, dp_group=dp_group)
+    if opt.gather is not None:
+        opt.gather.overlap = bool(getattr(opt_cfg, "overlap_param_gather", False))
+    return opt

@@ -19,7 +19,7 @@ out and the optimizer reads its pieces of the averaged gradient all the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -140,3 +140,108 @@ def flat_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
     """``piece``'s elements of ``t`` (a tensor of its parameter's shape, contiguous) as a
     1-D view: writing it writes ``t``."""
     return t.view(-1)[piece.start:piece.stop]
+
+
+def plan_shard(params: Sequence[torch.nn.Parameter], dp_group: Any,
+               grad_dtype: Optional[torch.dtype],
+               bucket_elements: Optional[int] = None) -> Optional[OptimizerShard]:
+    """--use-distributed-optimizer: the stage's buckets (as the gradient reducer will
+    build them) and this rank's place in its data-parallel group; None for one replica
+    (nothing to split: the optimizer is the plain one).  ``bucket_elements``
+    (--ddp-bucket-size): parameters per bucket instead of 32 MiB of gradients."""
+    size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    rank = dist.get_rank(dp_group) if dp_group is not None else 0
+    if size == 1:
+        return None
+    if any(not p.requires_grad for p in params):
+        raise ValueError("--use-distributed-optimizer: every parameter of the stage must be "
+                         "trainable (the gradient buckets hold them all)")
+    numels = [p.numel() for p in params]
+    # the gradients' dtype: --accumulate-allreduce-grads-in-fp32 gives weights of
+    # another dtype float32 gradients (``megatron.pipeline.weights.grad_dtype_of``)
+    itemsizes = [(p.dtype if grad_dtype is None else grad_dtype).itemsize for p in params]
+    limit = BUCKET_BYTES
+    if bucket_elements is not None:
+        itemsizes, limit = [1] * len(params), bucket_elements
+    buckets = plan_buckets(numels, [p.dtype for p in params], size, limit, itemsizes,
+                           alone=[bool(getattr(p, "shared_embedding", False)) for p in params])
+    return OptimizerShard(rank=rank, size=size, buckets=buckets, numels=tuple(numels),
+                          group=dp_group)
+
+
+class WeightGather:
+    """The distributed optimizer's new weights, from every replica's segments: one
+    all-gather per bucket (``start``).  Without ``overlap`` they are waited for at
+    once; with it (``--overlap-param-gather``) they stay in flight until ``wait``:
+    until then a bucket's parameters hold, outside this rank's own pieces, the weights
+    from before the step, and whoever reads them waits first (the pipeline engine's
+    forward hooks wait layer by layer; the optimizer's next step, evaluation and
+    checkpoints wait for all)."""
+
+    def __init__(self, shard: OptimizerShard,
+                 pieces_by_bucket: Sequence[Sequence[Tuple[int, Piece]]]) -> None:
+        self.shard = shard
+        self.pieces_by_bucket = pieces_by_bucket
+        self.overlap = False
+        self.order: List[int] = list(range(len(shard.buckets) - 1, -1, -1))
+        """The order the all-gathers start in: the order the next forward pass reads the
+        buckets (default: last bucket first, as the buckets follow the backward pass)."""
+        # bucket -> (work, gathered flat tensor, sent segment kept alive, destinations)
+        self._pending: Dict[int, Tuple[Any, torch.Tensor, torch.Tensor,
+                                       List[torch.nn.Parameter]]] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def set_order(self, order: Sequence[int]) -> None:
+        order = [int(b) for b in order]
+        if sorted(order) != list(range(len(self.shard.buckets))):
+            raise ValueError(f"WeightGather.set_order: {order} is not an order of the "
+                             f"{len(self.shard.buckets)} buckets")
+        self.order = order
+
+    def start(self, write_to: Sequence[torch.nn.Parameter],
+              mine: Sequence[torch.Tensor]) -> None:
+        """All-gather every bucket of ``write_to`` (a weight buffer), this rank's segment
+        filled from ``mine`` (its pieces, in ``shard.pieces()`` order, any float dtype;
+        cast to the weights' dtype)."""
+        self.wait()
+        sh = self.shard
+        for b in self.order:
+            bucket = sh.buckets[b]
+            dst = [write_to[i] for i in bucket.params]
+            seg = torch.zeros(sh.segment(b), dtype=dst[0].dtype, device=dst[0].device)
+            owned = self.pieces_by_bucket[b]
+            copy_all([mine[k] for k, _ in owned],
+                      [seg[pc.at:pc.at + pc.numel] for _, pc in owned])
+            full = torch.empty(bucket.padded, dtype=dst[0].dtype, device=dst[0].device)
+            work = all_gather_flat(full, seg, group=sh.group, async_op=True)
+            self._pending[b] = (work, full, seg, dst)
+        if not self.overlap:
+            self.wait()
+
+    def wait(self, buckets: Optional[Iterable[int]] = None) -> None:
+        """Finish the all-gathers of ``buckets`` (default: all) still in flight and
+        write what they brought into the weights."""
+        if not self._pending:
+            return
+        for b in (list(self._pending) if buckets is None else buckets):
+            got = self._pending.pop(b, None)
+            if got is None:
+                continue
+            work, full, _, dst = got
+            work.wait()
+            offsets = self.shard.buckets[b].offsets
+            views = [p.data.view(-1) for p in dst]
+            copy_all([full[off:off + v.numel()] for off, v in zip(offsets, views)], views)
+
+
+def copy_all(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i (casting): one multi-tensor copy on an accelerator
+    (a copy per parameter was hundreds of launches per step), a loop on the CPU."""
+    if dst and dst[0].device.type != "cpu":
+        torch._foreach_copy_(list(dst), list(src))
+    else:
+        for s, d in zip(src, dst):
+            d.copy_(s)

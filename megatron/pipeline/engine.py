@@ -34,6 +34,7 @@ from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
 from megatron.pipeline.p2p import P2PCommunicator, available_cores, prepost_pays
+from megatron.pipeline.param_gather import gather_hooks
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.weights import WeightBuffers, grad_dtype_of, zero_grad_like
 
@@ -115,12 +116,14 @@ class GradientReduction:
 
     def __init__(self, params: List[nn.Parameter], group, world: int, microbatches: int,
                  bucket_bytes: int = 32 * 2 ** 20, overlap: bool = True,
-                 exclude: Tuple[nn.Parameter, ...] = (), shard: Any = None) -> None:
+                 exclude: Tuple[nn.Parameter, ...] = (), shard: Any = None,
+                 bucket_elements: Optional[int] = None) -> None:
         """``exclude``: parameters averaged elsewhere (the tied word embedding, whose sum
         between first and last stage the engine starts first).  ``shard``: the
         distributed optimizer's ``OptimizerShard`` over ``params`` (all of them, in
         order), or None; its buckets replace ``bucket_bytes``, and an excluded
-        parameter must be alone in its bucket (``plan_buckets``' ``alone``)."""
+        parameter must be alone in its bucket (``plan_buckets``' ``alone``).
+        ``bucket_elements``: close buckets by parameter count instead of bytes."""
         kept = [i for i, p in enumerate(params)
                 if p.requires_grad and not any(p is e for e in exclude)]
         self.params = [params[i] for i in kept]
@@ -145,7 +148,7 @@ class GradientReduction:
         if shard is not None:
             self._use_shard(kept)
         else:
-            self._plan(bucket_bytes)
+            self._plan(bucket_bytes, bucket_elements)
         for b, members in enumerate(self._buckets):
             for i in members:
                 self._bucket_of[i] = b
@@ -155,17 +158,19 @@ class GradientReduction:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, i=i: self._on_grad(i)))
 
-    def _plan(self, bucket_bytes: int) -> None:
+    def _plan(self, bucket_bytes: int, bucket_elements: Optional[int] = None) -> None:
         """Plain data parallelism: buckets in the reverse parameter order; one closes
-        when full or at a change of dtype."""
+        when full (``bucket_bytes``, or ``bucket_elements`` parameters) or at a change of
+        dtype."""
+        limit = bucket_bytes if bucket_elements is None else bucket_elements
         bucket: List[int] = []
         size = 0
         for i in reversed(range(len(self.params))):
             p = self.params[i]
             dtype = grad_dtype_of(p)
-            nbytes = p.numel() * dtype.itemsize
+            nbytes = p.numel() * (dtype.itemsize if bucket_elements is None else 1)
             if bucket and (dtype != grad_dtype_of(self.params[bucket[0]])
-                           or size + nbytes > bucket_bytes):
+                           or size + nbytes > limit):
                 self._buckets.append(bucket)
                 bucket, size = [], 0
             bucket, size = bucket + [i], size + nbytes
@@ -281,7 +286,8 @@ class PipelineEngine:
                  memory_count_interval: int = 0, flush_warmup_iters: int = 0,
                  prepost_receives: Optional[bool] = None,
                  grad_dtype: Optional[torch.dtype] = None,
-                 per_token_loss: bool = False) -> None:
+                 per_token_loss: bool = False,
+                 grad_bucket_elements: Optional[int] = None) -> None:
         """``prepost_receives``: post each receive ahead of its action (see
         ``megatron.pipeline.p2p``); default: on gloo when this node's ranks have a core
         per compute thread (``prepost_pays``).  ``grad_dtype``: dtype the gradients of
@@ -293,7 +299,11 @@ class PipelineEngine:
         mean})``; the backward passes run on the sums, the optimizer divides the
         gradients by the tokens of the whole global batch, and the reported values are
         sums over the batch divided by its tokens (Megatron-LM's convention): a
-        microbatch with more unmasked tokens weighs more, instead of each weighing 1/m."""
+        microbatch with more unmasked tokens weighs more, instead of each weighing 1/m.
+
+        ``grad_bucket_elements`` (--ddp-bucket-size): parameters per gradient bucket of
+        plain data parallelism (None: 32 MiB of gradients; the distributed optimizer's
+        buckets are its own, planned with the same size)."""
         self.model = model
         self.optimizer = optimizer
         self.groups = groups
@@ -366,12 +376,15 @@ class PipelineEngine:
             for j in range(self.weights.num_buffers)]
         self._reducers = [GradientReduction(
             self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
-            overlap=overlap_grad_reduce,
+            overlap=overlap_grad_reduce, bucket_elements=grad_bucket_elements,
             exclude=tuple(p for p in self.weights.params(j)
                           if self._tied_early and getattr(p, "shared_embedding", False)),
             shard=getattr(optimizer, "shard", None))
             for j in range(self.weights.num_buffers)]
         self._reductions: Dict[int, GradientReduction] = {}
+        # --overlap-param-gather: a step's weight all-gathers stay in flight into the next
+        # forward pass, whose layers wait for their own buckets (None: waited at the step)
+        self._gather_hooks = gather_hooks(model, self.weights, optimizer)
         self._embedding_work: Dict[int, Any] = {}
         # On gloo the tied-embedding sum is an ExchangeSum (None: not built yet, False:
         # all_reduce), as is the optimizer's agreement (``agreement_exchange``).  Their
@@ -489,6 +502,7 @@ class PipelineEngine:
             # otherwise count every batch.
             self._run(actions, seg)
             reports += seg.reports
+        self.optimizer.wait_gathers()  # checkpoints and evaluation read every weight
         self.install_latest()
         return reports
 
@@ -668,6 +682,8 @@ class PipelineEngine:
     def _run_forward(self, data: Any, input_tensor: Optional[torch.Tensor], mb: int,
                      seg: _Segment, batch_t: int) -> Any:
         """One microbatch through this stage; returns the tensor to send, or the loss."""
+        if self._gather_hooks is not None:
+            self._gather_hooks.wait_outside()
         if not self.is_first:
             self.model.set_input_tensor(input_tensor)
         output, loss_fn = self.forward_step(iter([data]), self.model)

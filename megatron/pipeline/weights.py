@@ -84,6 +84,12 @@ class WeightBuffers:
         self.installed = 0
 
     @property
+    def slots(self) -> List[List[Tuple[nn.Module, str]]]:
+        """Per parameter (in ``params(j)`` order): the (module, attribute) places it is
+        registered at."""
+        return self._slots
+
+    @property
     def num_buffers(self) -> int:
         return len(self.buffers)
 

@@ -229,6 +229,8 @@ def test_distributed_optimizer_quick(tmp_path: Path) -> None:
     assert sum(r["state_bytes_sharded"] for r in rows) == rows[0]["state_bytes_plain"]
     assert all(0 < r["state_ratio"] < 1 for r in rows)
     assert data["state_bytes_sharded_max"] - data["state_bytes_sharded_min"] <= 64
+    # --overlap-param-gather: the same bits as waiting for the gathers at the step
+    assert all(r["overlap_same_losses"] for r in rows)
 
 
 def test_sequence_parallel_quick(tmp_path: Path) -> None:

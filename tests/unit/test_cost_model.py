@@ -334,3 +334,26 @@ def test_distributed_optimizer_splits_the_state_and_gathers_the_weights():
     one = Config(w=1, d=2, b=2, m=4, schedule="flush")
     assert CostModel(TOY, PLAIN).stage_costs(dataclasses.replace(
         one, distributed_optimizer=True)) == CostModel(TOY, PLAIN).stage_costs(one)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1e12, 4096.0])
+def test_overlapped_weight_gather_hides_behind_one_forward(bucket_bytes):
+    """--overlap-param-gather (the planner's command passes it): the weights' all-gather
+    runs into the next forward pass, each layer waiting for its own buckets, so what
+    shows is the larger of one bucket's share and what a microbatch's forward cannot
+    cover; waited for at the step it shows whole.  On a slow data-parallel link (1e6
+    bytes/s) the gather outlasts the forward.  With one bucket nothing hides."""
+    slow = dataclasses.replace(PLAIN, intra_server_bandwidth=1e6)
+    cfg = Config(w=4, d=2, b=2, m=4, schedule="flush", distributed_optimizer=True)
+    on = CostModel(TOY, slow, CostOptions(grad_bucket_bytes=bucket_bytes)).stage_costs(cfg)
+    off = CostModel(TOY, slow, CostOptions(grad_bucket_bytes=bucket_bytes,
+                                           overlap_param_gather=False)).stage_costs(cfg)
+    links = CostModel(TOY, slow).estimate(cfg).links
+    for a, b in zip(on, off):
+        gather = 0.5 * ring_allreduce_time(2 * a.params, 4, links.data)
+        assert gather > a.forward_s
+        buckets = max(1, -(-(2 * a.params) // bucket_bytes))
+        assert b.step_s - a.step_s == pytest.approx(
+            gather - max(gather / buckets, gather - a.forward_s))
+        # one bucket: the first layer waits for all of it, nothing hides
+        assert (b.step_s > a.step_s) == (buckets > 1)

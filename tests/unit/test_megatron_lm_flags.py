@@ -250,11 +250,11 @@ def test_every_ignored_flag_is_accepted_and_noted(flag):
 
 def test_all_refused_flags_are_named_in_one_line():
     with pytest.raises(ArgumentError) as info:
-        validate_args(parse_args(SMALL + ["--fp32-residual-connection", "--num-experts", "8",
+        validate_args(parse_args(SMALL + ["--tp-comm-overlap", "--num-experts", "8",
                                           "--use-torch-fsdp2"]), 1)
     text = str(info.value)
     assert text.startswith("Megatron-LM flags this trainer does not implement")
-    assert all(f in text for f in ("--fp32-residual-connection", "--num-experts",
+    assert all(f in text for f in ("--tp-comm-overlap", "--num-experts",
                                    "--use-torch-fsdp2"))
 
 

@@ -405,7 +405,7 @@ def test_megatron_lm_llama3_command_line_validates():
     """32 ranks (t=8: one key/value group per rank, d=4), with Llama 3.1's RoPE scaling."""
     cfg = build_config(_validate(LLAMA31_8B + ["--use-rope-scaling"], world=32))
     model = cfg.model
-    assert cfg.optimizer.use_distributed_optimizer
+    assert cfg.optimizer.use_distributed_optimizer and cfg.optimizer.overlap_param_gather
     assert (model.num_query_groups, model.swiglu, model.rotary_base, model.kv_channels,
             model.untie_embeddings_and_output_weights) == (8, True, 500000, 128, True)
     assert (model.rope_scaling, model.rope_scaling_factor) == (True, 8.0)

@@ -15,7 +15,8 @@ microbatch b, m microbatches per pipeline per batch):
 * inter-stage traffic (Appendix A, T^comm_{i->j} = 2 |A^{inp.+out.}(b)| I(d > 1) /
   bwdth_depth(d)): per microbatch, each boundary a stage touches carries one activation
   and one gradient of s b h fp16 values over the link that boundary crosses (with
-  sequence parallelism each tensor rank sends its s / t positions: s b h / t values).
+  sequence parallelism each tensor rank sends its s / t positions: s b h / t values;
+  float32 values with ``ModelSpec.fp32_residual_connection``).
 * data parallelism: ring all-reduce of the stage's fp16 gradients among its w replicas,
   2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
   gradient between first and last stage (none with an untied output layer: the first
@@ -186,6 +187,11 @@ class CostOptions:
     so under flush/gpipe/none most of it hides behind that backward pass."""
     grad_bucket_bytes: float = 32 * 2 ** 20
     """Bucket size of the executor's gradient all-reduce (``GradientReduction``)."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer, the printed command passes --overlap-param-gather:
+    the new weights' all-gathers run into the next forward pass, each layer waiting for
+    its own buckets, so all but about one bucket's gather hides behind a microbatch's
+    forward on the stage."""
 
 
 def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
@@ -373,7 +379,7 @@ class CostModel:
         # What one tensor-parallel collective moves (the whole sequence's s b h values,
         # with or without sequence parallelism), and what crosses a stage boundary and
         # is kept of a stage's input per microbatch (a rank's s / t positions with it).
-        hidden = mdl.input_activation_bytes(b)
+        hidden = mdl.tensor_parallel_bytes(b)
         act = self.boundary_bytes(c)
         act_stage = layers * mdl.layer_activation_bytes(b, t) + mdl.stage_mask_bytes(b)
         if last:
@@ -461,6 +467,9 @@ class CostModel:
             # a ring all-gather moves half a ring all-reduce's bytes
             gather = 0.5 * ring_allreduce_time(params * opt.weight_bytes_per_param, c.w,
                                                links.data)
+            if opt.overlap_param_gather:
+                buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
+                gather = max(gather / buckets, gather - forward)
             step = step / c.w + gather
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,

@@ -167,13 +167,29 @@ Counting conventions (all per microbatch):
   (2 b s^2) or bools for the explicit softmax (b s^2).  GPT's causal mask is the
   kernels' own, or for the explicit softmax one [s, s] bool tensor shared by every
   layer and microbatch (no b factor: left out, like RoPE's tables).
+* A float32 residual stream (``fp32_residual_connection``, --fp32-residual-connection,
+  Megatron-LM's flag; the counts stay those of fp16/bf16 training).  The tensors of the
+  stream are 4 bytes a value instead of 2: what crosses a stage boundary and what a
+  stage keeps of its input (4 s b h, / t with sequence parallelism), and the inputs of
+  the two norms of a layer (4 s b h each, replicated or split as before).  The norms'
+  outputs reach the linear layers in the training dtype (the matrices keep those
+  2-byte copies), the residual branches' outputs and dropout masks are unchanged, and
+  the float32 sums are not kept (an add saves nothing): the replicated term is
+  14 s b h in place of 10 s b h.  Likewise the last stage's final-norm input: GPT's head
+  keeps 6 s b h (/ t with sequence parallelism) in place of 4, BERT's 4 s b h / split +
+  8 s b h.  The tensor-parallel collectives move the sublayers' outputs and the norms'
+  outputs, still 2 bytes a value, and so does the embedding's (cast after its sum).
+  Left out, like the norms' per-token statistics: each norm's float32 copy of its
+  weights (LayerNorm 2 h, RMSNorm h values per layer and microbatch).  Elementwise
+  traffic: the norms read, and the residual adds read and write, float32 (6 of the 12
+  tensors of ``layer_elementwise_bytes`` at 4 bytes).
 * Selective recomputation (``Config.selective_recompute``, --recompute-granularity
   selective; Korthikanti et al. section 5): each layer's core attention is checkpointed,
   so the layer keeps its q, k, v and output as before but not ``score_bytes`` (the
   explicit softmax's 5 a s^2 b, or the fused kernels' log-sum-exp), and the backward
   pass runs ``core_attention_flops`` (4 b s^2 q) again.
 * Input activation of a pipeline stage: s b h fp16 values = 2 s b h bytes (/ t with
-  sequence parallelism).
+  sequence parallelism; 4 s b h with a float32 residual stream).
 * The last stage's head: ``head_activation_bytes``.
 
 Named presets (the paper's model sizes, two Llama shapes and Qwen3-0.6B) live in
@@ -265,6 +281,11 @@ class ModelSpec:
     so every stage makes and keeps a [b, s, s] mask per microbatch, as BERT's padding
     mask (``stage_mask_bytes``).  The FLOPs are the causal ones; on a GPU the masked
     kernel is slower than the causal one, which a profile (taken causal) does not see."""
+    fp32_residual_connection: bool = False
+    """--fp32-residual-connection: the residual stream (the stage inputs and outputs, the
+    norms' inputs) is float32 while the rest is in the training dtype: 4 bytes a value
+    where the counts have 2 (``residual_bytes``; the module docstring's item).  Not the
+    block's math but the precision of its sums, as ``attention_backend`` is a kernel."""
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -411,6 +432,12 @@ class ModelSpec:
         kernels)."""
         return self.attention_backend in EXPLICIT_SOFTMAX_BACKENDS
 
+    @property
+    def residual_bytes(self) -> float:
+        """Bytes of one value of the residual stream: 4 with fp32_residual_connection,
+        else the training dtype's 2."""
+        return 4.0 if self.fp32_residual_connection else 2.0
+
     def sequence_shards(self, t: int) -> int:
         """Ranks a sequence is split over outside the tensor-parallel regions on t tensor
         ranks: t with sequence parallelism (each holds s / t positions), else 1 (each
@@ -511,7 +538,9 @@ class ModelSpec:
         the 10 s b h tensor parallelism replicates are split over the t ranks as well."""
         h, f, s = self.hidden_size, self.ffn, self.seq_length
         q, kv = self.q_size, self.kv_size
-        replicated = 10.0 * s * b * h / self.sequence_shards(t)
+        # the two norms' inputs (the stream), the QKV and first MLP matrices' inputs, the
+        # two residual dropout masks: 10 s b h, or 14 s b h with a float32 stream
+        replicated = (2.0 * self.residual_bytes + 6.0) * s * b * h / self.sequence_shards(t)
         attention = 2.0 * s * b * (q + 2 * kv) + 2.0 * s * b * q   # QKV output, context
         if self.rope or self.qk_layernorm:
             attention += 2.0 * s * b * (q + kv)     # rotated (or normalised) q and k
@@ -539,10 +568,17 @@ class ModelSpec:
 
     def input_activation_bytes(self, b: int, t: int = 1) -> float:
         """Bytes of a stage's input (and output) activation on one of t tensor ranks: s b
-        h fp16 values, the rank's s / t positions of them with ``sequence_parallel``
-        (what crosses a stage boundary and what a stage keeps of each microbatch's
-        input).  What a tensor-parallel collective moves is the whole sequence's: t = 1."""
-        return 2.0 * self.seq_length * b * self.hidden_size / self.sequence_shards(t)
+        h fp16 values (float32 with ``fp32_residual_connection``), the rank's s / t
+        positions of them with ``sequence_parallel`` (what crosses a stage boundary and
+        what a stage keeps of each microbatch's input)."""
+        return (self.residual_bytes * self.seq_length * b * self.hidden_size
+                / self.sequence_shards(t))
+
+    def tensor_parallel_bytes(self, b: int) -> float:
+        """Bytes one tensor-parallel collective moves: the whole sequence's s b h values
+        of a sublayer's (or the embedding's) output, fp16 whatever the residual stream's
+        dtype."""
+        return 2.0 * self.seq_length * b * self.hidden_size
 
     def head_activation_bytes(self, b: int, t: int = 1) -> float:
         """What the last stage keeps after its layers (module docstring's conventions:
@@ -560,13 +596,17 @@ class ModelSpec:
         ``sequence_parallel``: the final norm's input is the rank's s / t positions; so
         is GPT's output-layer input (all-gathered for the matmul only): 4 s b h / t.
         BERT all-gathers the final norm's output and runs its heads on the whole
-        sequence, replicated as before: 2 s b h / t + 8 s b h.  The logits do not move."""
+        sequence, replicated as before: 2 s b h / t + 8 s b h.  The logits do not move.
+
+        ``fp32_residual_connection``: the final norm's input is float32, 2 s b h more
+        (/ t with sequence parallelism); its output is cast to the training dtype."""
         s, h = self.seq_length, self.hidden_size
         split = self.sequence_shards(t)
+        norm_input = self.residual_bytes * s * b * h / split
         if self.kind == "bert":
-            hidden = 2.0 * s * b * h / split + 8.0 * s * b * h
+            hidden = norm_input + 8.0 * s * b * h
         else:
-            hidden = 4.0 * s * b * h / split
+            hidden = norm_input + 2.0 * s * b * h / split
         return hidden + (4.0 if self.fp32_logits else 2.0) * s * b * self.vocab_size / t
 
     def layer_elementwise_bytes(self, b: int, t: int = 1) -> float:
@@ -575,8 +615,11 @@ class ModelSpec:
         and a mask), about 12 fp16 tensors of s b h values.  RMSNorm moves the same
         tensors; RoPE and SwiGLU's product act on per-rank heads and features, split by
         t like the matmuls, so they do not add to it.  With ``sequence_parallel`` each of
-        the t ranks runs them on its s / t positions only."""
-        return 24.0 * self.seq_length * b * self.hidden_size / self.sequence_shards(t)
+        the t ranks runs them on its s / t positions only.  With
+        ``fp32_residual_connection`` the 6 tensors of the stream (the norms' inputs, the
+        adds' residual inputs and outputs) are float32: 36 s b h bytes."""
+        per_value = 24.0 + 6.0 * (self.residual_bytes - 2.0)
+        return per_value * self.seq_length * b * self.hidden_size / self.sequence_shards(t)
 
     def describe(self) -> str:
         arch = ""
@@ -597,6 +640,8 @@ class ModelSpec:
             arch += ", sequence parallel"
         if self.reset_attention_mask:
             arch += ", document attention mask"
+        if self.fp32_residual_connection:
+            arch += ", fp32 residual stream"
         heads = f"{self.num_attention_heads} heads" + (
             f" of {self.head_dim}" if self.custom_head_dim else "")
         return (f"{self.name or self.kind}: {self.num_layers} layers, hidden {self.hidden_size}, "

@@ -396,6 +396,16 @@ class Profile:
         if wrong:
             raise ValueError(f"--profile {self.source} was taken for another model shape: "
                              + ", ".join(wrong))
+        profiled = bool(self.model.get("fp32_residual_connection", False))
+        if self.model.get("dtype") in ("fp16", "bf16") \
+                and model.fp32_residual_connection != profiled:
+            # a float32 stream doubles the stage inputs and the norms' inputs that the
+            # profile measured in half precision (and tools/profile_model.py does not
+            # take the flag): plan it with the closed forms
+            raise ValueError(f"--profile {self.source} was taken in {self.model['dtype']} "
+                             f"{'with' if profiled else 'without'} --fp32-residual-connection, "
+                             f"planning {'with' if model.fp32_residual_connection else 'without'}"
+                             f" it: plan without --profile (the closed forms count it)")
 
     def _same_attention(self, model: ModelSpec) -> bool:
         """auto, flash and fused run the same kernels (torch picks), as unfused and

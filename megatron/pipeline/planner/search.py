@@ -316,7 +316,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
     """The torchrun + pretrain_{gpt,bert}.py command that runs ``plan`` (Megatron flags,
     the model's Llama-style options and attention backend included:
     ``ModelSpec.llama_options``, ``ModelSpec.backend_options``; --sequence-parallel
-    where the model asks for it and the plan has t > 1 to split sequences over).
+    where the model asks for it and the plan has t > 1 to split sequences over;
+    --reset-attention-mask and --fp32-residual-connection where the model has them).
     ``precision``: fp16 (the paper's V100 runs), bf16, or fp32/fp64 (no flag, e.g. a CPU)."""
     if precision not in PRECISIONS:
         raise PlanningError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -350,7 +351,9 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
     if cfg.schedule == "2bw" and RECOMMENDED_2BW_MITIGATION != "none":
         args += ["--2bw-mitigation", RECOMMENDED_2BW_MITIGATION]
     if cfg.distributed_optimizer:
-        args.append("--use-distributed-optimizer")
+        # the cost model hides the weights' all-gather behind the next forward pass
+        # (``CostOptions.overlap_param_gather``)
+        args += ["--use-distributed-optimizer", "--overlap-param-gather"]
     if cfg.recompute:
         args.append("--recompute-activations")
     elif cfg.recompute_method is not None:
@@ -360,6 +363,8 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
         args += ["--recompute-granularity", "selective"]
     if precision in ("fp16", "bf16", "fp64"):
         args.append(f"--{precision}")
+    if model.fp32_residual_connection:  # (a note, no effect, in fp32/fp64)
+        args.append("--fp32-residual-connection")
     args += list(extra_args)
     # $VARS stay unquoted so the shell expands them on each node.
     return " ".join(launch + [script] + [shlex.quote(str(a)) for a in args])
