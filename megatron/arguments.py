@@ -609,8 +609,12 @@ def _check_architecture(args: argparse.Namespace) -> None:
         _require(math.isfinite(factor) and factor >= 1.0,
                  f"--rotary-seq-len-interpolation-factor must be >= 1 (how many times "
                  f"longer the context is stretched), got {factor}")
-    _require(not (args.squared_relu and args.swiglu),
-             "--squared-relu and --swiglu are two MLP activations: give one of them")
+    given = [flag for flag, on in (("--squared-relu", args.squared_relu),
+                                   ("--swiglu", args.swiglu),
+                                   ("--openai-gelu", args.openai_gelu)) if on]
+    _require(len(given) < 2,
+             f"{' and '.join(given)} are {'two' if len(given) == 2 else 'three'} MLP "
+             f"activations: give one of them")
 
 
 def _check_parallel(args: argparse.Namespace, world_size: int) -> None:

@@ -251,7 +251,11 @@ class TrainingResult:
     """Set when training ended on steps skipped for non-finite values (the run fails)."""
 
 
-def _cyclic(loader) -> Iterator[Any]:
+def _cyclic(loader, first=None) -> Iterator[Any]:
+    """``first`` (a loader starting later in the same data) once, then ``loader`` over
+    and over."""
+    if first is not None:
+        yield from first
     while True:
         for item in loader:
             yield item
@@ -284,8 +288,13 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
     train = None if tr.skip_train else loader(train_ds, state.consumed_train_samples)
     valid = loader(valid_ds, 0)
     test = loader(test_ds, 0)
+    # validation reads on from where the checkpoint's run left it (Megatron-LM's
+    # consumed_valid_samples), so a resumed run evaluates the batches an uninterrupted
+    # one would; past the end it starts over from the first sample
+    ahead = (loader(valid_ds, state.consumed_valid_samples % len(valid_ds))
+             if valid is not None and state.consumed_valid_samples else None)
     return (iter(train) if train is not None else None,
-            _cyclic(valid) if valid is not None else None,
+            _cyclic(valid, first=ahead) if valid is not None else None,
             _cyclic(test) if test is not None else None)
 
 
@@ -456,6 +465,13 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     engine.set_iteration(state.iteration)
     _load_model_states(engine, payload["model"], payload.get("model_shadow"),
                        source=f"--load {tr.load}")
+    if not tr.no_load_optim and payload.get("optimizer") is None and state.iteration > 0:
+        # (an imported checkpoint, at iteration 0, has none to give: a fresh optimizer)
+        raise CheckpointError(
+            f"--load {tr.load}: the checkpoint of iteration {state.iteration} holds no "
+            f"optimizer state (saved with --no-save-optim?); resuming would restart the "
+            f"optimizer's moments silently: pass --no-load-optim to resume with a fresh "
+            f"optimizer, or --finetune to start a new run from its weights")
     if not tr.no_load_optim and payload.get("optimizer") is not None:
         try:
             optimizer.load_state_dict(payload["optimizer"])
@@ -682,6 +698,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             break
         if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
             losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation", it, logger)
+            state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size
             if losses:
                 result.eval_losses[it] = losses
         if tr.save and tr.save_interval and it % tr.save_interval == 0:
@@ -819,6 +836,7 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         if valid_iter is not None and cfg.training.eval_iters:
             losses = evaluate_and_print(engine, valid_iter, cfg.training.eval_iters,
                                         "validation (end of training)", state.iteration, logger)
+            state.consumed_valid_samples += cfg.training.eval_iters * cfg.training.global_batch_size
             if losses:
                 result.eval_losses[state.iteration] = losses
         if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (

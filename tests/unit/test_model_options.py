@@ -302,6 +302,10 @@ def test_the_flags_are_no_longer_refused():
 @pytest.mark.parametrize("extra,text", [
     (["--squared-relu", "--swiglu"],
      "--squared-relu and --swiglu are two MLP activations: give one of them"),
+    (["--squared-relu", "--openai-gelu"],
+     "--squared-relu and --openai-gelu are two MLP activations: give one of them"),
+    (["--swiglu", "--openai-gelu"],
+     "--swiglu and --openai-gelu are two MLP activations: give one of them"),
     (["--rotary-interleaved"], "--rotary-interleaved needs --position-embedding-type rope"),
     (["--rotary-seq-len-interpolation-factor", "2"],
      "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope"),
