@@ -244,8 +244,10 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
     --use-rope-scaling, its own or its preset's or profile's) is an error, as
     --num-query-groups without --group-query-attention.  --sequence-parallel,
     --reset-attention-mask and --fp32-residual-connection are set here whatever the
-    source: presets and profiles (taken at t = 1, causal and without the flag) do not
-    carry them."""
+    source: presets do not carry them, nor profiles --sequence-parallel (taken at t =
+    1); a profile taken with --reset-attention-mask or --fp32-residual-connection gives
+    its flag to a model from its shape.  What the profile's costs leave out for this
+    model (``Profile.notes``) is printed as a note."""
     model = _model_from_args(args, profile)
     if args.rope_scaling_factor is not None and not model.rope_scaling:
         raise PlanningError(f"--rope-scaling-factor {args.rope_scaling_factor:g} needs "
@@ -261,6 +263,10 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
         model = replace(model, reset_attention_mask=True)
     if args.fp32_residual_connection:
         model = replace(model, fp32_residual_connection=True)
+    if profile is not None:
+        profile.check_model(model)  # a refusal before the notes of a plan it makes
+        for note in profile.notes(model):
+            print(f"note:    {note}")
     return model
 
 
@@ -273,6 +279,10 @@ def _model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None
             if getattr(args, k) is None:
                 setattr(args, k, profile.model[k])
         arch = {**{k: profile.model[k] for k in ARCH_FIELDS}, **arch}
+        # the run options it was taken with (model_from_args sets what the flags give)
+        for k in ("reset_attention_mask", "fp32_residual_connection"):
+            if profile.model.get(k):
+                setattr(args, k, True)
         if args.kv_channels is None and \
                 profile.model["kv_channels"] * profile.model["num_attention_heads"] == \
                 profile.model["hidden_size"]:

@@ -11,22 +11,27 @@ trainer runs them (``pretrain_gpt.get_batch`` and ``pretrain_gpt.loss_func``, th
 model's own modules, the executor's ``StashTracker`` counting saved tensors), with
 warm-up runs first and the median of the timed runs kept:
 
-* ``block``: a ``ParallelTransformerLayer`` on an [s, b, h] input, timed as a chain of
-  ``--chain-blocks`` distinct layers (default min(num_layers, 4)) run back to back as a
-  stage runs them, divided by their number.  On this project's 2-core CPU one layer
+* ``block``: a ``ParallelTransformerLayer`` on an [s, b, h] input (the residual stream:
+  float32 with --fp32-residual-connection under --fp16/--bf16, as a stage's layers take
+  and return it, with a float32 gradient), timed as a chain of ``--chain-blocks``
+  distinct layers (default min(num_layers, 4)) run back to back as a stage runs them,
+  divided by their number.  On this project's 2-core CPU one layer
   timed alone on an input it had just seen ran 4% (the profiler's own runs) to 11% (a
   separate experiment) faster per layer than four chained ones, and the trainer's stages
   were slower still (bench/planner_validation.py);
 * ``embedding`` (first stage): word + position embeddings (no position table with
-  RoPE), tokens -> [s, b, h];
-* ``head`` (last stage): final norm, logits against the word embedding (an untied output
-  layer: its own weight), the vocab-parallel cross-entropy and the masked mean loss.
+  RoPE), tokens -> [s, b, h] (cast to the stream's dtype, as the model's);
+* ``head`` (last stage): final norm (reading the stream: in float32 with a float32
+  stream, its output cast to the weights' dtype, as ``ParallelTransformer``'s), logits
+  against the word embedding (an untied output layer: its own weight), the
+  vocab-parallel cross-entropy and the masked mean loss.
 
 The model flags are the trainer's, the Llama-style block options included
 (--normalization, --position-embedding-type, --swiglu, --group-query-attention
 --num-query-groups, --disable-bias-linear, --add-qkv-bias,
 --untie-embeddings-and-output-weights, --qk-layernorm, --use-rope-scaling
---rope-scaling-factor, --kv-channels).
+--rope-scaling-factor, --kv-channels), and --fp32-residual-connection (with --fp16/--bf16;
+without them it changes nothing and is only recorded).
 With RoPE the layers of a stage share one cos/sin table (``RotaryEmbedding``'s cache):
 the block count leaves it out (it would otherwise be charged once per chained layer)
 and ``rotary_table_bytes`` records it, charged once per stage (the executor counts it
@@ -34,12 +39,25 @@ once per microbatch, as every tensor its layers save).  The causal mask of
 ``--attention-backend unfused/local`` (one [s, s] bool tensor per stage, shared by its
 microbatches) is left out of the block count the same way and not recorded.
 
+``--reset-attention-mask`` (GPT's document masks): every sample is cut into documents by
+a few end-of-document ids (``EOD``, every quarter of a sample), ``pretrain_gpt.get_batch``
+builds the [b, 1, s, s] document mask of each microbatch with
+``ltor_masks_and_position_ids`` (``GPTTask`` set as the trainer sets it for the flag alone:
+positions and loss mask unchanged), and the chain runs with it in the form its kernel reads
+(``prepare_mask``: additive in the weights' dtype for the fused kernels, which on a GPU
+then cannot use flash attention, or bool for the explicit softmax), made once per
+microbatch as a stage makes it.  The mask is left out of the block count like the causal
+one and recorded as ``attention_mask_bytes``, which the planner charges once per stage.  (--reset-position-ids is not taken: it would add only the
+position ids the embedding keeps, (b - 1) s int64 values.)
+
 Then, per stage kind (``whole``: embedding and head, d = 1; ``first``; ``middle``;
 ``last``), a ``GPTModel`` stage of ``--chain-blocks`` layers is run through
 ``pretrain_gpt.forward_step`` and its loss function, as the executor runs a microbatch
-(``stages``; ``--no-stages`` skips it).  What it takes beyond the pieces it is made of
-(``Profile`` subtracts them) is the trainer's own work per microbatch: building the
-batch, the model's wrappers and transposes, the loss mask.  On this project's 2-core CPU
+(``stages``; ``--no-stages`` skips it), with the flags above (a float32 stage input and
+gradient, the document masks; ``GPTTask`` is restored afterwards).  What it takes beyond
+the pieces it is made of (``Profile`` subtracts them) is the trainer's own work per
+microbatch: building the batch (and its document mask), the model's wrappers and
+transposes, the loss mask.  On this project's 2-core CPU
 the pieces alone under-predicted a trainer's forward by about 12% at d = 1
 (bench/planner_validation.py); on a GPU at b = 1 it is the host's launch work.
 
@@ -69,9 +87,11 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
                "rotary_percent", "rope_scaling", "rope_scaling_factor", "swiglu",
                "qk_layernorm", "kv_channels", "num_query_groups", "add_bias_linear",
                "add_qkv_bias", "untie_embeddings_and_output_weights",
-               "attention_backend"},
+               "attention_backend",
+               "fp32_residual_connection", "reset_attention_mask"},
                # ModelConfig's values (older profiles: absent, meaning the defaults;
-               # kv_channels: the head size, h / a unless --kv-channels gave another)
+               # kv_channels: the head size, h / a unless --kv-channels gave another);
+               # the last two: the flags the profile ran with (older: absent, False)
      "weights": {"block_params", "block_bytes", "embedding_params", "embedding_bytes",
                  "head_params", "head_bytes",  # an untied output layer is the head's
                  "tied_embedding_params", "tied_embedding_bytes"},
@@ -82,9 +102,12 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
      "optimizer_step_calls_s": {"block", "blocks", "embedding", "head", "tied_embedding"},
          # the measured steps each piece's parameters alone ("blocks": the chain)
      "microbatches": [{"micro_batch_size": b,
-                       "stage_input_bytes": s*b*h*dtype_bytes,
+                       "stage_input_bytes": s*b*h*stream_bytes,  # 4 with a float32
+                                                                 # stream, else dtype_bytes
                        "data_bytes": b*(s+1)*8,   # int64 token ids of one microbatch
                        "rotary_table_bytes"?: 2*s*rotary_dim*dtype_bytes,  # RoPE only
+                       "attention_mask_bytes"?: b*s*s*(dtype_bytes, 1 for bool),
+                           # the document mask, with reset_attention_mask only
                        "block" | "embedding" | "head": {
                            "forward_s", "backward_s",            # wall clock
                            "forward_cpu_s", "backward_cpu_s",    # this thread's CPU time
@@ -97,6 +120,7 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -104,7 +128,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -125,6 +149,9 @@ ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotar
                "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
                "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
                "untie_embeddings_and_output_weights", "attention_backend")
+# the end-of-document id of the profiled batches with --reset-attention-mask (any id:
+# only the number of documents a sample holds could change a cost, not which id ends them)
+EOD = 0
 # stage kind -> (pre_process, post_process) of the GPTModel stage timed whole
 STAGE_KINDS = {"whole": (True, True), "first": (True, False), "middle": (False, False),
                "last": (False, True)}
@@ -189,9 +216,12 @@ class HeadPiece(nn.Module):
     def __init__(self, config: ModelConfig, seed: int = 1234) -> None:
         super().__init__()
         from megatron.model.language_model import embedding_init_key
-        from megatron.model.transformer import layer_norm
+        from megatron.model.transformer import fp32_residual, layer_norm
         from megatron.tensor_parallel import ColumnParallelLinear, TPInfo, init_method_normal
-        self.final_layernorm = layer_norm(config)
+        # the final norm reads the residual stream (in float32 with a float32 stream) and
+        # hands the output layer its output in params_dtype, as ``ParallelTransformer``
+        self.final_layernorm = layer_norm(config, stream=True)
+        self.compute_dtype = config.params_dtype if fp32_residual(config) else None
         self.fused = config.cross_entropy_loss_fusion
         self.word_embeddings: Optional[nn.Parameter] = None
         self.output_layer: Optional[nn.Module] = None
@@ -219,6 +249,8 @@ class HeadPiece(nn.Module):
         from pretrain_gpt import loss_func
         tp = TPInfo.single()
         normed = self.final_layernorm(hidden)
+        if self.compute_dtype is not None:
+            normed = normed.to(self.compute_dtype)
         if self.output_layer is not None:
             logits, _ = self.output_layer(normed)
         else:
@@ -229,13 +261,42 @@ class HeadPiece(nn.Module):
         return loss
 
 
+def sample_text(config: ModelConfig, b: int, generator: torch.Generator) -> torch.Tensor:
+    """b samples of s+1 token ids as the data loader hands them over, each cut by a few
+    end-of-document ids (``EOD``: every quarter of a sample, at a per-sample offset) into
+    documents, which only --reset-attention-mask reads."""
+    s = config.seq_length
+    text = torch.randint(0, config.padded_vocab_size, (b, s + 1), generator=generator)
+    step = max(2, (s + 1) // 4)
+    for i in range(b):
+        text[i, (step // 2 + i) % step::step] = EOD
+    return text
+
+
 def make_batch(config: ModelConfig, b: int, device: torch.device,
                generator: torch.Generator) -> Dict[str, torch.Tensor]:
-    """A microbatch as ``pretrain_gpt.get_batch`` builds it from b samples of s+1 ids."""
+    """A microbatch as ``pretrain_gpt.get_batch`` builds it from b samples of s+1 ids
+    (with ``document_task(True)`` in effect, its document mask too)."""
     from pretrain_gpt import get_batch
-    text = torch.randint(0, config.padded_vocab_size, (b, config.seq_length + 1),
-                         generator=generator)
-    return get_batch({"text": text}, device)
+    return get_batch({"text": sample_text(config, b, generator)}, device)
+
+
+@contextlib.contextmanager
+def document_task(reset_attention_mask: bool) -> Iterator[None]:
+    """``pretrain_gpt.GPTTask``'s document-boundary settings as the trainer sets them for
+    --reset-attention-mask (positions and the loss mask as without the flag), or with no
+    boundary flag; the previous settings are restored afterwards."""
+    from pretrain_gpt import GPTTask
+    keys = ("eod", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+    saved = {k: getattr(GPTTask, k) for k in keys}
+    GPTTask.eod = EOD if reset_attention_mask else None
+    GPTTask.eod_mask_loss = GPTTask.reset_position_ids = False
+    GPTTask.reset_attention_mask = reset_attention_mask
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(GPTTask, k, v)
 
 
 def trainer_grad_dtype(config: ModelConfig) -> Optional[torch.dtype]:
@@ -411,11 +472,12 @@ def _profile_stages(config: ModelConfig, rows: List[Dict[str, Any]], chain: int,
         for row in rows:
             b = row["micro_batch_size"]
             # what the data loader hands the executor: token ids on the host
-            data = {"text": torch.randint(0, config.padded_vocab_size, (b, s + 1),
-                                          generator=gen)}
-            x = torch.randn(s, b, h, dtype=config.params_dtype, device=device,
+            data = {"text": sample_text(config, b, gen)}
+            # what the previous stage sends, and the gradient the next one returns: the
+            # residual stream (float32 with --fp32-residual-connection)
+            x = torch.randn(s, b, h, dtype=config.residual_dtype, device=device,
                             requires_grad=True)
-            grad = torch.randn(s, b, h, dtype=config.params_dtype, device=device)
+            grad = torch.randn(s, b, h, dtype=config.residual_dtype, device=device)
 
             def run(model=model, data=data, x=x, pre=pre, post=post) -> torch.Tensor:
                 if not pre:
@@ -447,19 +509,89 @@ def default_chain_blocks(config: ModelConfig, device: torch.device,
     return chain
 
 
+def _profile_pieces(config: ModelConfig, blocks: nn.ModuleList, embedding: nn.Module,
+                    head: HeadPiece, micro_batch_sizes: Sequence[int], device: torch.device,
+                    warmup: int, repeat: int, per_sync: int, seed: int) -> List[Dict[str, Any]]:
+    """One row per microbatch size: the chain of ``blocks`` (per block), the embedding
+    and the head measured on batches of ``make_batch`` (the document settings in effect:
+    ``document_task``)."""
+    from megatron.model.transformer import RotaryEmbedding
+    dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
+    # the residual stream: the blocks' input and output, the embedding's output and the
+    # head's input (float32 with --fp32-residual-connection), and their gradients
+    stream = config.residual_dtype
+    stream_bytes = torch.empty((), dtype=stream).element_size()
+    # RoPE's cos/sin tables, made once as a stage makes them for all its layers (in
+    # params_dtype, whatever the stream's): left out of the block count (as weights are)
+    # and recorded once per stage instead
+    rotary = (RotaryEmbedding(config)(s, device, dtype)
+              if config.position_embedding_type == "rope" else None)
+    rotary_ptrs = {t.untyped_storage().data_ptr() for t in rotary} if rotary else set()
+    rotary_bytes = sum(t.untyped_storage().nbytes() for t in rotary) if rotary else 0
+    core = blocks[0].self_attention.core_attention
+
+    def run_blocks(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        for layer in blocks:
+            x = layer(x, mask, rotary)
+        return x
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in sorted(set(int(x) for x in micro_batch_sizes)):
+        batch = make_batch(config, b, device, gen)
+        # the attention mask as a stage makes it from the batch's for all its layers:
+        # causal, the explicit softmax's one [s, s] bool tensor shared by every
+        # microbatch (none for the fused kernels); with --reset-attention-mask the
+        # microbatch's document mask, [b, 1, s, s] (bool for the explicit softmax,
+        # additive in params_dtype for the fused kernels).  Left out of the block count
+        # like the tables: the planner charges a document mask once per stage
+        # (``ModelSpec.stage_mask_bytes``); the profile records what it measured
+        mask = core.prepare_mask(batch["attention_mask"], dtype, s, device)
+        mask_ptrs = {mask.untyped_storage().data_ptr()} if mask is not None else set()
+        x = torch.randn(s, b, h, dtype=stream, device=device, requires_grad=True)
+        grad = torch.randn(s, b, h, dtype=stream, device=device)
+
+        def push(out: torch.Tensor) -> None:
+            torch.autograd.backward(out, grad_tensors=grad)
+
+        def push_loss(out: torch.Tensor) -> None:
+            torch.autograd.backward(out)
+
+        row: Dict[str, Any] = {"micro_batch_size": b,
+                               "stage_input_bytes": s * b * h * stream_bytes,
+                               "data_bytes": b * (s + 1) * 8}
+        if rotary:
+            row["rotary_table_bytes"] = rotary_bytes
+        if batch["attention_mask"] is not None:
+            row["attention_mask_bytes"] = mask.untyped_storage().nbytes()
+        row["block"] = _measure(lambda: run_blocks(x, mask), push, blocks,
+                                weight_storage_ptrs(blocks) | rotary_ptrs | mask_ptrs,
+                                device, warmup, repeat, per_sync, units=len(blocks))
+        row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
+                                    weight_storage_ptrs(embedding), device, warmup, repeat,
+                                    per_sync)
+        row["head"] = _measure(lambda: head(x, batch), push_loss, head,
+                               weight_storage_ptrs(head), device, warmup, repeat, per_sync)
+        rows.append(row)
+    return rows
+
+
 def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   device: Optional[torch.device] = None, warmup: int = 2, repeat: int = 5,
                   seed: int = 1234, optimizer: str = "adam",
                   runs_per_sync: Optional[int] = None,
-                  chain_blocks: Optional[int] = None, stages: bool = True) -> Dict[str, Any]:
+                  chain_blocks: Optional[int] = None, stages: bool = True,
+                  reset_attention_mask: bool = False) -> Dict[str, Any]:
     """The profile (schema in the module docstring) of ``config`` on ``device``.
 
     ``runs_per_sync``: forwards (then backwards) queued per synchronisation in a timed
     sample (default 8 on CUDA, where the host runs ahead of the GPU, 1 on the CPU).
     ``chain_blocks``: distinct transformer layers timed back to back for the per-block
     cost (default min(num_layers, 4)).  ``stages``: also time whole stages of that many
-    layers (the trainer's per-microbatch work beyond the pieces)."""
-    from megatron.model.transformer import ParallelTransformerLayer, RotaryEmbedding
+    layers (the trainer's per-microbatch work beyond the pieces).
+    ``reset_attention_mask``: run the blocks and stages with the trainer's document
+    mask (--reset-attention-mask) instead of causal attention."""
+    from megatron.model.transformer import ParallelTransformerLayer
     from megatron.tensor_parallel import TPInfo, model_parallel_seed
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -486,53 +618,13 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     for m in (blocks, embedding, head):
         m.train()
         _widen_grads(m, trainer_grad_dtype(config))
+    with document_task(reset_attention_mask):
+        rows = _profile_pieces(config, blocks, embedding, head, micro_batch_sizes, device,
+                               warmup, repeat, per_sync, seed)
+        if stages:
+            _profile_stages(config, rows, chain, device, warmup, repeat, per_sync, seed)
     dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    # RoPE's cos/sin tables, made once as a stage makes them for all its layers: left out
-    # of the block count (as weights are) and recorded once per stage instead
-    rotary = (RotaryEmbedding(config)(s, device, dtype)
-              if config.position_embedding_type == "rope" else None)
-    rotary_ptrs = {t.untyped_storage().data_ptr() for t in rotary} if rotary else set()
-    rotary_bytes = sum(t.untyped_storage().nbytes() for t in rotary) if rotary else 0
-    # the causal mask as a stage makes it for all its layers (the explicit softmax's one
-    # [s, s] tensor, shared by every microbatch; none for the fused kernels): left out of
-    # the block count like the tables
-    mask = block.self_attention.core_attention.prepare_mask(None, dtype, s, device)
-    mask_ptrs = {mask.untyped_storage().data_ptr()} if mask is not None else set()
-
-    def run_blocks(x: torch.Tensor) -> torch.Tensor:
-        for layer in blocks:
-            x = layer(x, mask, rotary)
-        return x
-
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for b in sorted(set(int(x) for x in micro_batch_sizes)):
-        batch = make_batch(config, b, device, gen)
-        x = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)
-        grad = torch.randn(s, b, h, dtype=dtype, device=device)
-
-        def push(out: torch.Tensor) -> None:
-            torch.autograd.backward(out, grad_tensors=grad)
-
-        def push_loss(out: torch.Tensor) -> None:
-            torch.autograd.backward(out)
-
-        row: Dict[str, Any] = {"micro_batch_size": b, "stage_input_bytes": s * b * h * dtype_bytes,
-                               "data_bytes": b * (s + 1) * 8}
-        if rotary:
-            row["rotary_table_bytes"] = rotary_bytes
-        row["block"] = _measure(lambda: run_blocks(x), push, blocks,
-                                weight_storage_ptrs(blocks) | rotary_ptrs | mask_ptrs,
-                                device, warmup, repeat, per_sync, units=chain)
-        row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
-                                    weight_storage_ptrs(embedding), device, warmup, repeat,
-                                    per_sync)
-        row["head"] = _measure(lambda: head(x, batch), push_loss, head,
-                               weight_storage_ptrs(head), device, warmup, repeat, per_sync)
-        rows.append(row)
-    if stages:
-        _profile_stages(config, rows, chain, device, warmup, repeat, per_sync, seed)
     bp, bb = param_count(block)
     ep, eb = param_count(embedding)
     head_own = head.own_parameters()
@@ -566,7 +658,9 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
                   "attention_dropout": config.attention_dropout, "optimizer": optimizer,
                   "grad_bytes": (trainer_grad_dtype(config) or dtype).itemsize,
                   "cross_entropy_loss_fusion": config.cross_entropy_loss_fusion,
-                  **{k: getattr(config, k) for k in ARCH_FIELDS}},
+                  **{k: getattr(config, k) for k in ARCH_FIELDS},
+                  "fp32_residual_connection": config.fp32_residual_connection,
+                  "reset_attention_mask": reset_attention_mask},
         "weights": {"block_params": bp, "block_bytes": bb, "embedding_params": ep,
                     "embedding_bytes": eb, "head_params": hp, "head_bytes": hp * dtype_bytes,
                     "tied_embedding_params": word.numel() if tied else 0,
@@ -632,6 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="profile the head with the fused loss, as the trainer's flag runs it "
                         "(recorded; tools/plan.py's command then passes the flag)")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="the trainer's flag: with --fp16/--bf16 the residual stream (the "
+                        "blocks' inputs and outputs, the stage input, the final norm's "
+                        "input) in float32 (recorded; plans then take it)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="the trainer's flag: attention inside each document, a mask per "
+                        "microbatch built from a few end-of-document ids (recorded; plans "
+                        "then take it)")
     m = p.add_argument_group("measurement")
     m.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     m.add_argument("--warmup", type=int, default=2)
@@ -676,6 +778,7 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         params_dtype=DTYPES[args.dtype or "fp32"],
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        fp32_residual_connection=args.fp32_residual_connection,
         normalization=args.normalization, position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
         rope_scaling=args.rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
@@ -720,6 +823,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        if config.fp32_residual_connection and config.residual_dtype == config.params_dtype:
+            print("note: --fp32-residual-connection changes nothing without --fp16/--bf16 "
+                  "(the stream is in the weights' dtype already); recorded", file=sys.stderr)
         if args.threads is not None:
             if args.threads < 1:
                 raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -729,7 +835,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 warmup=args.warmup, repeat=args.repeat,
                                 runs_per_sync=args.runs_per_sync, seed=args.seed,
                                 optimizer=args.optimizer, chain_blocks=args.chain_blocks,
-                                stages=args.stages)
+                                stages=args.stages,
+                                reset_attention_mask=args.reset_attention_mask)
     except ValueError as exc:
         print(f"profile_model.py: error: {exc}", file=sys.stderr)
         return 2

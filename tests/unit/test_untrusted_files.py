@@ -274,10 +274,10 @@ def test_resume_with_another_optimizer_or_rng_state_is_one_error(monkeypatch, tm
     import megatron.training as training
     from megatron.arguments import parse_and_validate
 
-    _, cfg = parse_and_validate(
-        ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
-         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3",
-         "--mock-data", "--vocab-size", "128", "--load", str(tmp_path)], world_size=1)
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
+            "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "4", "--lr",
+            "1e-3", "--mock-data", "--vocab-size", "128", "--load", str(tmp_path)]
+    _, cfg = parse_and_validate(argv, world_size=1)
     module = torch.nn.Linear(2, 2)
     payload = {"iteration": 2, "consumed_train_samples": 4, "consumed_valid_samples": 0,
                "model": dict(module.state_dict()), "optimizer": {"meta": None},
@@ -300,6 +300,10 @@ def test_resume_with_another_optimizer_or_rng_state_is_one_error(monkeypatch, tm
         training.maybe_load(cfg, ParallelGroups.single(), engine, Optimizer(), None)
     payload.update(optimizer=None, rng_state={"cpu": "garbage"})
     engine.weights.params = lambda b: []
+    # no optimizer state at iteration 2 (--no-save-optim): only with --no-load-optim
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        training.maybe_load(cfg, ParallelGroups.single(), engine, Optimizer(), None)
+    _, cfg = parse_and_validate(argv + ["--no-load-optim"], world_size=1)
     with pytest.raises(CheckpointError, match="cannot restore the random number generator"):
         training.maybe_load(cfg, ParallelGroups.single(), engine, Optimizer(), None)
     payload.update(rng_state=None, model={"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})

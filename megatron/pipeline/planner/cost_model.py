@@ -396,8 +396,14 @@ class CostModel:
             # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
             stash_one = float(ps.recompute_stash_bytes)
             act_stage = float(ps.stash_bytes) - stash_one
-            if mdl.kind == "gpt":  # profiles run GPT causal: add a document mask's bytes
-                act_stage += mdl.stage_mask_bytes(b)
+            if mdl.kind == "gpt":  # a stage's document mask, left out of the pieces
+                # as measured by a --reset-attention-mask profile; for a causal profile the
+                # closed form, in the profile's dtype (the fused kernels' additive mask)
+                mask = float(self.profile.attention_mask_bytes(b))
+                if not mask:
+                    mask = mdl.stage_mask_bytes(b) * (
+                        1.0 if mdl.keeps_scores else self.profile.model.get("dtype_bytes", 2) / 2.0)
+                act_stage += mask
             block = self.profile.piece("block", b)
             layer_f, layer_act = block.forward_s / t, float(block.stash_bytes) / t
         else:

@@ -11,7 +11,11 @@ and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
   (``megatron.pipeline.memory.StashTracker``): without recomputation the tensors autograd
   saves (layers x block + embedding + head, plus, with RoPE, the cos/sin table the
   stage's layers share, once); with recomputation the stage input (s b h values, none
-  on the first stage) plus the microbatch's token ids;
+  on the first stage) plus the microbatch's token ids.  A document mask
+  (--reset-attention-mask), made once per stage and microbatch, is not in these
+  counts: the cost model adds it per stage, as measured by a profile taken with the
+  mask (``attention_mask_bytes``), or for a causal profile ``ModelSpec.stage_mask_bytes``
+  in the profile's dtype;
 * optimizer step seconds of the stage's parameters (the last stage of a pipeline also
   updates its copy of the tied word embedding; an untied output layer is part of the
   head);
@@ -26,13 +30,20 @@ Sizes the profile did not measure are interpolated linearly between the two near
 measured sizes and extrapolated linearly from the two nearest ends.  Byte counts are
 affine in b (the causal mask does not grow with b), so this is exact for them between
 and beyond measured sizes >= 2; at b = 1 the token slice shares its sample's storage
-([1, s+1] instead of [1, s]), 8 bytes off the affine line.  Profiles are taken with one tensor rank; for
-t > 1 compute time and non-input activations are divided by t (an approximation: the
-elementwise work and LayerNorms are not split by Megatron's tensor parallelism).  With
+([1, s+1] instead of [1, s]), 8 bytes off the affine line.  Profiles are taken with one
+tensor rank; for t > 1 compute time and non-input activations are divided by t (an
+approximation: the elementwise work and LayerNorms are not split by Megatron's tensor
+parallelism).  With
 sequence parallelism they are, and the stage input is split too: every activation is
 divided by t (BERT's heads, which run on the whole sequence, and its padding mask still
 approximately).  A profile at t = 1 is the same with or without --sequence-parallel, so
 profiles do not record it and a plan with it needs no other profile.
+
+Profiles record the two run options that change costs beyond the block's shape
+(``check_model``): --fp32-residual-connection (a half-precision profile prices only
+plans with its own value; in fp32 it changes nothing) and --reset-attention-mask (a
+masked profile prices only masked plans; a causal one prices masked plans with the
+causal kernel's times, which ``notes`` says).
 
     profile = Profile.load("profile.json")
     cm = CostModel(profile.model_spec(num_layers=24), get_hardware("cpu"), profile=profile)
@@ -76,6 +87,10 @@ _ARCH_TYPES: Dict[str, tuple] = {
 # changes a cost (RoPE's base, rotated share and frequency scaling change none: left out)
 _NO_COST = ("rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor")
 _SHAPE_FIELDS = _SIZE_FIELDS + tuple(k for k in _ARCH_DEFAULTS if k not in _NO_COST)
+# Options the profile ran with that are not the block's shape (``ModelSpec``'s names;
+# older profiles: absent, meaning False).  ``check_model`` has a rule for each.
+_RUN_OPTIONS = ("fp32_residual_connection", "reset_attention_mask")
+HALF_DTYPES = ("fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,10 @@ class Profile:
                                                     and bool not in types):
                     raise ValueError(f"--profile {source}: model.{key} must be "
                                      f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
+            for key in _RUN_OPTIONS:
+                if not isinstance(self.model.setdefault(key, False), bool):
+                    raise ValueError(f"--profile {source}: model.{key} must be bool, got "
+                                     f"{self.model[key]!r}")
             if self.model["num_query_groups"] is None:  # ModelConfig's meaning of None
                 self.model["num_query_groups"] = self.model["num_attention_heads"]
             heads = self.model["num_attention_heads"]
@@ -198,6 +217,8 @@ class Profile:
                     num(r[key], f"{where}.{key}")
                 # RoPE's table, once per stage (profiles without RoPE, or older: none)
                 num(r.get("rotary_table_bytes", 0), f"{where}.rotary_table_bytes")
+                # the document mask, once per stage (causal profiles: none)
+                num(r.get("attention_mask_bytes", 0), f"{where}.attention_mask_bytes")
                 stages = r.get("stages", {})
                 if not isinstance(stages, dict):
                     raise TypeError("stages")
@@ -217,6 +238,7 @@ class Profile:
             self._data = [r["data_bytes"] for r in rows]
             # s x rotary dims, whatever b is
             self._rotary = int(max((r.get("rotary_table_bytes", 0) for r in rows), default=0))
+            self._mask = [r.get("attention_mask_bytes", 0) for r in rows]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"--profile {source}: malformed profile, missing or not an "
                              f"object: {exc}") from None
@@ -318,12 +340,21 @@ class Profile:
         """Token ids of one microbatch ([b, s+1] int64), stashed under recomputation."""
         return max(round(interpolate(self.micro_batch_sizes, self._data, b)), 0)
 
+    def attention_mask_bytes(self, b: int) -> int:
+        """The document mask a stage of a --reset-attention-mask profile made per
+        microbatch, as measured (0 for a causal profile).  Not in ``stage``: the cost
+        model charges it once per stage (for a causal profile the closed form,
+        ``ModelSpec.stage_mask_bytes``)."""
+        return max(round(interpolate(self.micro_batch_sizes, self._mask, b)), 0)
+
     # -- per stage --------------------------------------------------------------------
     def stage(self, layers: int, first: bool, last: bool, b: int, d: int = 1,
               t: int = 1, sequence_parallel: bool = False) -> ProfiledStage:
         """Costs of a stage of ``layers`` blocks (plus embedding/head where it has them).
         ``sequence_parallel`` (with t > 1): the stage input is each rank's s / t
-        positions too, so the whole stash is divided by t, not only what follows it."""
+        positions too, so the whole stash is divided by t, not only what follows it.
+        The stash leaves a document mask out (the pieces were counted without it): the
+        cost model adds it per stage (``attention_mask_bytes``)."""
         parts: List[Tuple[PieceCost, int]] = [(self.piece("block", b), layers)]
         if first:
             parts.append((self.piece("embedding", b), 1))
@@ -353,9 +384,13 @@ class Profile:
 
     def stage_stash_bytes(self, layers: int, first: bool, last: bool, b: int,
                           recompute: bool = False) -> int:
-        """Bytes the executor counts per in-flight microbatch on such a stage."""
+        """Bytes the executor counts per in-flight microbatch on such a stage (with a
+        --reset-attention-mask profile, its measured mask too, except under
+        recomputation, where the forward keeps nothing but the input and the ids)."""
         st = self.stage(layers, first, last, b)
-        return st.recompute_stash_bytes if recompute else st.stash_bytes
+        if recompute:
+            return st.recompute_stash_bytes
+        return st.stash_bytes + (self.attention_mask_bytes(b) if layers > 0 else 0)
 
     # -- the model it was taken of ------------------------------------------------------
     def grad_bytes(self) -> float:
@@ -382,10 +417,15 @@ class Profile:
                          seq_length=m["seq_length"], vocab_size=m["vocab_size"],
                          ffn_hidden_size=m["ffn_hidden_size"], kind=m.get("kind", "gpt"),
                          name=name or f"profiled {m.get('kind', 'gpt')}",
-                         **{k: m[k] for k in _ARCH_DEFAULTS})
+                         **{k: m[k] for k in (*_ARCH_DEFAULTS, *_RUN_OPTIONS)})
 
     def check_model(self, model: ModelSpec) -> None:
-        """Raise ValueError when ``model`` does not have the profiled block shape."""
+        """Raise ValueError when ``model`` does not have the profiled block shape, or
+        runs with options whose costs the profile did not measure: a half-precision
+        profile's --fp32-residual-connection must be the plan's (an fp32 profile's
+        stream is float32 either way), and a --reset-attention-mask profile (timed with
+        the masked kernel) prices only plans with the mask.  A causal profile prices a
+        masked plan with the causal kernel's times (``notes``)."""
         if model.kind != self.model.get("kind", "gpt"):
             raise ValueError(f"--profile {self.source}: profiled a {self.model.get('kind')} "
                              f"model, planning a {model.kind} model")
@@ -396,16 +436,33 @@ class Profile:
         if wrong:
             raise ValueError(f"--profile {self.source} was taken for another model shape: "
                              + ", ".join(wrong))
-        profiled = bool(self.model.get("fp32_residual_connection", False))
-        if self.model.get("dtype") in ("fp16", "bf16") \
-                and model.fp32_residual_connection != profiled:
-            # a float32 stream doubles the stage inputs and the norms' inputs that the
-            # profile measured in half precision (and tools/profile_model.py does not
-            # take the flag): plan it with the closed forms
-            raise ValueError(f"--profile {self.source} was taken in {self.model['dtype']} "
-                             f"{'with' if profiled else 'without'} --fp32-residual-connection, "
-                             f"planning {'with' if model.fp32_residual_connection else 'without'}"
-                             f" it: plan without --profile (the closed forms count it)")
+        dtype = self.model.get("dtype")
+        profiled, planned = (self.model["fp32_residual_connection"],
+                             model.fp32_residual_connection)
+        if dtype in HALF_DTYPES and planned != profiled:
+            # a float32 stream doubles the stage inputs and the norms' inputs, which a
+            # half-precision profile measured in its own width (or the other way round);
+            # in an fp32 profile the stream is float32 either way
+            word = {True: "with", False: "without"}
+            raise ValueError(f"--profile {self.source} was taken in {dtype} {word[profiled]} "
+                             f"--fp32-residual-connection, planning {word[planned]} it: "
+                             f"profile {word[planned]} the flag (tools/profile_model.py), or "
+                             f"plan without --profile (the closed forms count it)")
+        if self.model["reset_attention_mask"] and not model.reset_attention_mask:
+            raise ValueError(f"--profile {self.source} was taken with --reset-attention-mask "
+                             f"(its attention times are the masked kernel's), planning causal "
+                             f"attention: profile without the flag, or plan with it")
+
+    def notes(self, model: ModelSpec) -> List[str]:
+        """What a plan of ``model`` (accepted by ``check_model``) should know about this
+        profile's costs, one line each."""
+        out = []
+        if model.reset_attention_mask and not self.model["reset_attention_mask"]:
+            out.append(f"--profile {self.source} was taken with causal attention: the "
+                       f"--reset-attention-mask plan counts the mask's memory but times the "
+                       f"causal kernel (on a GPU the masked one is slower; profile with "
+                       f"--reset-attention-mask to time it)")
+        return out
 
     def _same_attention(self, model: ModelSpec) -> bool:
         """auto, flash and fused run the same kernels (torch picks), as unfused and
@@ -425,4 +482,6 @@ class Profile:
         return (f"profile {self.source}: {d.get('name')} ({d.get('type')}, "
                 f"{d.get('threads')} threads, torch {d.get('torch')}), {m.get('dtype')}, "
                 f"b in {list(self.micro_batch_sizes)}, {self.clock} clock"
+                + (", fp32 residual stream" if m["fp32_residual_connection"] else "")
+                + (", document attention mask" if m["reset_attention_mask"] else "")
                 + ("" if self.has_overhead else ", no stage overhead"))
