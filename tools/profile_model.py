@@ -544,8 +544,8 @@ def _profile_pieces(config: ModelConfig, blocks: nn.ModuleList, embedding: nn.Mo
         # microbatch (none for the fused kernels); with --reset-attention-mask the
         # microbatch's document mask, [b, 1, s, s] (bool for the explicit softmax,
         # additive in params_dtype for the fused kernels).  Left out of the block count
-        # like the tables: the planner charges a document mask once per stage
-        # (``ModelSpec.stage_mask_bytes``); the profile records what it measured
+        # like the tables: the profile records what it measured, and the planner
+        # charges that once per stage
         mask = core.prepare_mask(batch["attention_mask"], dtype, s, device)
         mask_ptrs = {mask.untyped_storage().data_ptr()} if mask is not None else set()
         x = torch.randn(s, b, h, dtype=stream, device=device, requires_grad=True)

@@ -24,6 +24,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.optimizer.staleness import use_foreach
+
 BUCKET_BYTES = 32 * 2 ** 20
 """Gradient bytes per bucket (the reducer's default for plain data parallelism too)."""
 
@@ -240,7 +242,7 @@ class WeightGather:
 def copy_all(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for all i (casting): one multi-tensor copy on an accelerator
     (a copy per parameter was hundreds of launches per step), a loop on the CPU."""
-    if dst and dst[0].device.type != "cpu":
+    if use_foreach(dst):
         torch._foreach_copy_(list(dst), list(src))
     else:
         for s, d in zip(src, dst):
