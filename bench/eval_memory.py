@@ -116,14 +116,14 @@ def print_rows(rows: List[Dict[str, Any]]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, 60 batches (tests)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 20 batches (tests)")
     p.add_argument("--eval-iters", type=int, default=None,
-                   help="validation batches of the evaluation (default 400, quick 60)")
+                   help="validation batches of the evaluation (default 400, quick 20)")
     p.add_argument("--out-dir", default=None, help="where to write eval_memory.json")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     model = QUICK_MODEL if args.quick else FULL_MODEL
-    eval_iters = args.eval_iters or (60 if args.quick else 400)
+    eval_iters = args.eval_iters or (20 if args.quick else 400)
     rows = measure(model, eval_iters, timeout=900)
     print_rows(rows)
     command = "PYTHONPATH=. python bench/eval_memory.py " + " ".join(

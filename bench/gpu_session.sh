@@ -72,9 +72,9 @@ case "$part" in
             --rounds 1 --out-dir "$out"
         step planner_validation 300 python3 bench/planner_validation.py --cuda --dry-run \
             --out-dir "$out"
-        step gpu_profile 300 python3 bench/gpu_profile.py --dry-run --out-dir "$out"
-        step grad_accumulation 300 python3 bench/grad_accumulation.py --quick --rounds 1 \
+        step gpu_profile 300 python3 bench/gpu_profile.py --dry-run --wait 1 --active 1 \
             --out-dir "$out"
+        step grad_accumulation 300 python3 bench/grad_accumulation.py --quick --out-dir "$out"
     fi
     ;;
 2)

@@ -204,7 +204,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer microbatch counts and rounds")
     p.add_argument("--cuda", action="store_true", help="(b) with GPT-345M on the GPU")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per way")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating rounds per way (default 3, quick 1)")
     p.add_argument("--out-dir", default=None, help="where the JSON goes")
     args = p.parse_args(argv)
     import torch
@@ -218,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print("grad_accumulation: skipped (--cuda without a CUDA device)")
         return {"status": "skipped"}
     t0 = time.perf_counter()
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 3)
     ms = [4, 16] if args.quick else [4, 16, 64]
     error_model = QUICK_MODEL if args.quick else MODEL
     errors = accumulation_error(ms, model=error_model)

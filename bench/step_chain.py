@@ -63,7 +63,7 @@ def chain_samples(events: Sequence[Any], first_batch: int) -> Dict[str, List[flo
     return out
 
 
-def _worker(rank: int, world: int, reps: int, iters: int, trace_dir: str
+def _worker(rank: int, world: int, reps: int, iters: int, trace_dir: str, quick: bool
             ) -> Optional[Dict[str, Dict[str, List[float]]]]:
     import pretrain_gpt
     from bench.pipeline_schedules import gpt_argv, sums_by_all_reduce
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, reps: int, iters: int, trace_dir: str
     for r in range(reps):
         for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
             trace = Path(trace_dir) / f"{way}.json"
-            argv = gpt_argv("flush", False, iters) + ["--timeline-file", str(trace)]
+            argv = gpt_argv("flush", quick, iters) + ["--timeline-file", str(trace)]
             with contextlib.redirect_stdout(io.StringIO()), \
                     sums_by_all_reduce(way == "all_reduce"):
                 pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
@@ -88,13 +88,15 @@ def _worker(rank: int, world: int, reps: int, iters: int, trace_dir: str
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 reps of 8 batches (tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="2 reps of 8 batches of pipeline_schedules.py's quick GPT (tests)")
     p.add_argument("--reps", type=int, default=None, help="interleaved runs per way (default 6)")
     p.add_argument("--iters", type=int, default=None, help="batches per run (default 30)")
     p.add_argument("--out-dir", default=None, help="where to write step_chain.json")
     args = p.parse_args(argv)
     import torch
 
+    from bench.pipeline_schedules import _microbatches, gpt_argv
     from tests.dist_utils import run_distributed
 
     torch.set_num_threads(1)  # as each rank runs (tests.dist_utils); recorded in the JSON
@@ -103,7 +105,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     iters = args.iters or (8 if args.quick else 30)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        samples = run_distributed(_worker, 2, args=(reps, iters, tmp), timeout=1800)[0]
+        samples = run_distributed(_worker, 2, args=(reps, iters, tmp, args.quick),
+                                  timeout=1800)[0]
     rows = []
     for way in WAYS:
         s = samples[way]
@@ -120,8 +123,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
           f"{r['reduce_wall_ms']:.2f}/{r['reduce_cpu_ms']:.2f}",
           f"{r['step_wall_ms']:.2f}/{r['step_cpu_ms']:.2f}", r["period_ms"],
           r["chain_saved_ms"], r["period_over_all_reduce"]] for r in rows],
-        title=f"stage 0 under flush, small GPT d=2 m=8, {reps} interleaved runs of {iters} "
-              "batches per way (medians over steady batches)"))
+        title=f"stage 0 under flush, small GPT d=2 m="
+              f"{_microbatches(gpt_argv('flush', args.quick, iters))}, {reps} interleaved "
+              f"runs of {iters} batches per way (medians over steady batches)"))
     payload = {"command": "PYTHONPATH=. python bench/step_chain.py " + " ".join(
                    argv if argv is not None else sys.argv[1:]),
                "quick": args.quick, "reps": reps, "iters": iters, "rows": rows,

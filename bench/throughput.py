@@ -176,7 +176,10 @@ def _peak_flops(name: str) -> Optional[float]:
 
 
 GPT_345M = {"layers": 24, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 50257}
-DRY_RUN_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "seq": 64, "vocab": 512}
+DRY_RUN_MODEL = {"layers": 2, "hidden": 32, "heads": 4, "seq": 16, "vocab": 512}
+"""The GPT of the dry runs (--gpu-dry-run here, --dry-run of bench/cross_entropy_fusion.py
+and bench/gpu_profile.py), which check on a CPU that the code runs: in bf16, whose
+matrix products a CPU without AVX-512 BF16 emulates at ~20x float32's time, hence tiny."""
 # (name, precision, micro batch, global batch, extra trainer flags or None for the plain
 # PyTorch GPT-2 under torch.compile): MFU at b=8, and the trainer against the plain
 # model at b=1 (what pipelines run), side by side in one process.  The rows the goals

@@ -8,10 +8,14 @@ list ``results`` indexed by rank.  An exception on any rank fails the test with 
 rank's traceback; a rank that does not finish within ``timeout`` seconds fails it too,
 so a deadlock never hangs the suite, and a rank process that dies without reporting
 (killed, or unable to start) fails it within seconds.
+
+Inside ``with forked_ranks():`` the ranks fork from a server process instead (see there).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import os
 import pickle
 import queue as queue_mod
@@ -54,9 +58,31 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
                 pass
 
 
+_start = {"context": mp.get_context("spawn"), "timeout_cap": math.inf}
+
+
+@contextlib.contextmanager
+def forked_ranks(timeout_cap: float = 300.0):
+    """Inside, the ranks of ``run_distributed`` fork from a server process that has imported
+    torch and its compiler (torch.optim imports it) instead of each starting a fresh
+    interpreter, which spends ~4 s of CPU on those imports: most of a bench's quick or
+    smoke run, which calls this module from its own process.  Each rank is still a new
+    process of its own.  ``timeout_cap`` bounds every call's timeout, so a run that hangs
+    fails in minutes, not at the limit a bench sets for its full runs (hours)."""
+    forkserver = mp.get_context("forkserver")
+    forkserver.set_forkserver_preload(["torch", "torch._dynamo"])
+    saved = dict(_start)
+    _start.update(context=forkserver, timeout_cap=timeout_cap)
+    try:
+        yield
+    finally:
+        _start.update(saved)
+
+
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (),
                     timeout: float = 120.0) -> List[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _start["context"]
+    timeout = min(timeout, _start["timeout_cap"])
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue, timeout))

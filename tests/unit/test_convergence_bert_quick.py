@@ -9,8 +9,6 @@ files, and the page renders the Table 1 rows from the JSON.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data"
 sys.path.insert(0, str(REPO))
+from tests.dist_utils import forked_ranks  # noqa: E402  (after the path)
 
 pytestmark = pytest.mark.skipif(
     not ((DATA / "bert" / "vocab.txt").is_file() and (DATA / "glue" / "MNLI").is_dir()),
@@ -27,13 +26,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> Path:
+    """bench/convergence_bert.py --smoke, its ``main`` called here: its ranks fork
+    (``forked_ranks``), and no process of the bench's imports torch again."""
+    from bench.convergence_bert import main
+
     out = tmp_path_factory.mktemp("bert_results")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(REPO / "bench" / "convergence_bert.py"), "--smoke",
-           "--out-dir", str(out), "--figure", str(out / "convergence_bert.png"),
-           "--work-dir", str(out / "work")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with forked_ranks():
+        main(["--smoke", "--out-dir", str(out), "--figure", str(out / "convergence_bert.png"),
+              "--work-dir", str(out / "work")])
     return out
 
 

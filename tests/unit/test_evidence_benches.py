@@ -7,18 +7,19 @@ seeds), weight-version and in-flight counts, the paper's memory formula, and the
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from tests.dist_utils import forked_ranks  # noqa: E402  (after the path)
 
 
 BENCHES = {"convergence": ["--work-dir", "work"], "memory": [], "throughput": ["--skip-cuda"]}
@@ -37,24 +38,20 @@ def _check(name: str, out_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
-    """One smoke run of each bench into one results folder, the three side by side
-    (they mostly wait on process start-up and sleeping stages, so they overlap well)."""
+    """One smoke run of each bench into one results folder, each bench's ``main`` called
+    here, one after another: its ranks fork (``forked_ranks``), and no process of the
+    bench's imports torch again."""
     out = tmp_path_factory.mktemp("results")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    procs = {}
+    threads = torch.get_num_threads()
     for name, extra in BENCHES.items():
         extra = [str(out / a) if a == "work" else a for a in extra]
-        cmd = [sys.executable, str(REPO / "bench" / f"{name}.py"), "--quick", "--smoke",
-               "--out-dir", str(out), "--figure", str(out / f"{name}.png"), *extra]
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-    for name, proc in procs.items():
         try:
-            log, _ = proc.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-        assert proc.returncode == 0, f"bench/{name}.py --quick --smoke failed:\n{log[-4000:]}"
+            with forked_ranks():
+                importlib.import_module(f"bench.{name}").main(
+                    ["--quick", "--smoke", "--out-dir", str(out), "--figure",
+                     str(out / f"{name}.png"), *extra])
+        finally:
+            torch.set_num_threads(threads)  # bench/throughput.py pins it to 1
         _check(name, out)
     return out
 

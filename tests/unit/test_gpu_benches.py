@@ -6,14 +6,21 @@ behind docs/pipeline.md's explanation of 2BW's gap holds its closed forms.
 * bench/gpu_session.sh part 1 runs every GPU bench's dry run (throughput, the fused loss,
   the planner's CUDA mode, the profile, gradient accumulation) and each writes its JSON; bench/convergence_gpu.py builds its corpus and trains Flush and 2BW in
   --smoke mode; tools/make_results.py renders all of it without falling back.
+
+The script runs its benches one process at a time, for about a minute, which leaves one
+of a 2-core machine's cores idle: the fixture runs the file's other commands on it
+meanwhile, and each test checks its own command's result.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict
 
 import pytest
 import torch
@@ -42,36 +49,77 @@ def test_delay_stability_closed_forms(beta):
         assert not abs(outside) < 1e3  # outside: grows (inf or nan once it overflows)
 
 
-def _run(args, tmp_path: Path, timeout: int = 240) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+SESSION = ["bash", str(REPO / "bench" / "gpu_session.sh")]
+SESSION_ENV = dict(os.environ, GPU_SESSION_DRY="1", OMP_NUM_THREADS="1")
+
+
+def _run(args, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+
+
+def _session(*args: str, env: Dict[str, str] = SESSION_ENV) -> subprocess.CompletedProcess:
+    return subprocess.run([*SESSION, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@dataclass
+class Results:
+    root: Path  # holds gpu/ (the script's OUT, the layout the page reads) and the rest
+    runs: Dict[str, subprocess.CompletedProcess]  # what ran beside the script, by name
 
 
 @pytest.fixture(scope="module")
-def gpu_results(tmp_path_factory) -> Path:
+def gpu_results(tmp_path_factory) -> Results:
     """bench/gpu_session.sh part 1 on the CPU (GPU_SESSION_DRY=1: every GPU bench's dry run)
-    into results/gpu/, the layout the page reads, and the delay-stability bench beside it.
-    One run serves the script's test and each bench's."""
+    into results/gpu/, and beside it, one after another: the delay-stability bench (its
+    JSON into results/gpu/ too), bench/convergence_gpu.py's corpus and smoke run (where
+    ../shared/data/gpt2 is), and the script's one-step and bad-argument runs.  One run
+    serves every test of the file."""
     root = tmp_path_factory.mktemp("results")
     out = root / "gpu"
-    env = dict(os.environ, GPU_SESSION_DRY="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "1", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (root / "session.stdout").write_text(proc.stdout)
-    _run(["bench/delay_stability.py", "--out-dir", str(out), "--figure",
-          str(root / "stability.png")], root)
-    return root
+    with open(root / "session.stdout", "w") as log, open(root / "session.stderr", "w") as err:
+        session = subprocess.Popen([*SESSION, "1", str(out)], cwd=REPO, env=SESSION_ENV,
+                                   stdout=log, stderr=err, start_new_session=True)
+        try:
+            runs = {"stability": _run(["bench/delay_stability.py", "--out-dir", str(out),
+                                       "--figure", str(root / "stability.png")])}
+            if (GPT2 / "encoder.json").is_file():
+                runs["corpus"] = _run(["bench/convergence_gpu.py", "--prepare-data",
+                                       str(root / "data"), "--target-tokens", "40000"])
+                if runs["corpus"].returncode == 0:
+                    # fp32 on a CPU: without AVX-512 BF16 the bf16 matrix products are
+                    # emulated (7x slower)
+                    precision = "bf16" if torch.cuda.is_available() else "fp32"
+                    runs["smoke"] = _run(
+                        ["bench/convergence_gpu.py", "--data-dir", str(root / "data"),
+                         "--smoke", "--variants", "flush", "2bw", "--precision", precision,
+                         "--out-dir", str(out), "--figure", str(root / "c.png")])
+            runs["one"] = _session("1", str(root / "one"),
+                                   env=dict(SESSION_ENV, GPU_SESSION_STEPS="planner_validation"))
+            runs["bad"] = _session("3", str(root / "x"))
+            runs["nodata"] = _session("2", str(root / "y"))
+            session.wait(timeout=600)
+        finally:
+            if session.poll() is None:  # a timeout above: stop the script and its bench
+                os.killpg(session.pid, signal.SIGKILL)
+                session.wait()
+    assert session.returncode == 0, ((root / "session.stdout").read_text()[-2000:]
+                                     + (root / "session.stderr").read_text()[-2000:])
+    _ok(runs["stability"])
+    return Results(root, runs)
 
 
-def test_cross_entropy_fusion_dry_run(gpu_results: Path):
+def test_cross_entropy_fusion_dry_run(gpu_results: Results):
     """Both ways of the loss give the same loss; the trainer ran both ways at b=8 and 1."""
-    data = json.loads((gpu_results / "gpu" / "cross_entropy_fusion.json").read_text())
-    assert data["status"] == "dry run" and data["command"].endswith("--out-dir " + str(
-        gpu_results / "gpu"))
+    out = gpu_results.root / "gpu"
+    data = json.loads((out / "cross_entropy_fusion.json").read_text())
+    assert data["status"] == "dry run" and data["command"].endswith("--out-dir " + str(out))
     assert [r["micro_batch_size"] for r in data["loss_alone"]] == [1, 8]
     for r in data["loss_alone"]:
         assert r["mean_loss_fused"] == pytest.approx(r["mean_loss_chunked"], rel=1e-5)
@@ -80,8 +128,8 @@ def test_cross_entropy_fusion_dry_run(gpu_results: Path):
     assert all(r["default_s"] > 0 and r["fused_s"] > 0 for r in data["trainer"])
 
 
-def test_throughput_cuda_only_dry_run(gpu_results: Path):
-    data = json.loads((gpu_results / "gpu" / "throughput_cuda.json").read_text())
+def test_throughput_cuda_only_dry_run(gpu_results: Results):
+    data = json.loads((gpu_results.root / "gpu" / "throughput_cuda.json").read_text())
     cuda = data["cuda_gpt_345m"]
     assert cuda["status"] == "dry run" and cuda["dropout"] == 0.1
     assert {r["micro_batch_size"] for r in cuda["rows"]} == {8, 1}
@@ -91,8 +139,8 @@ def test_throughput_cuda_only_dry_run(gpu_results: Path):
     assert all(r["seconds_per_iteration"] > 0 for r in cuda["rows"])
 
 
-def test_gpu_profile_dry_run(gpu_results: Path):
-    data = json.loads((gpu_results / "gpu" / "gpu_profile.json").read_text())
+def test_gpu_profile_dry_run(gpu_results: Results):
+    data = json.loads((gpu_results.root / "gpu" / "gpu_profile.json").read_text())
     assert [run["micro_batch_size"] for run in data["runs"]] == [8, 1]
     for run in data["runs"]:
         assert run["active_iterations"] >= 1
@@ -102,58 +150,66 @@ def test_gpu_profile_dry_run(gpu_results: Path):
         assert (run["device_ms_total"] is None) == (not torch.cuda.is_available())
 
 
+def test_grad_accumulation_quick(gpu_results: Results):
+    """The script's dry run of bench/grad_accumulation.py is its --quick mode."""
+    from megatron.config import GRAD_DTYPE_SUPPORTED
+    if not GRAD_DTYPE_SUPPORTED:
+        pytest.skip("Tensor.grad_dtype needs torch >= 2.10")
+    data = json.loads((gpu_results.root / "gpu" / "grad_accumulation.json").read_text())
+    assert data["bench"] == "grad_accumulation" and data["quick"] is True
+    for key in ("platform", "cpu_count", "torch", "date"):
+        assert data["machine"][key], key
+    assert [r["microbatches"] for r in data["errors"]] == [4, 16]
+    for r in data["errors"]:
+        # float32 sums of bf16 gradients: rounding far below bf16's 2^-8
+        assert r["fp32_rel_error"] < 1e-6 < 1e-4 < r["bf16_rel_error"]
+    assert data["step_cost"][0]["fp32_s"] > 0 and data["step_cost"][0]["bf16_s"] > 0
+    probe = data["fusion_probe"]
+    assert probe["device"] == "cpu" and "supported" in probe
+
+
 @pytest.mark.skipif(not (GPT2 / "encoder.json").is_file(), reason="needs ../shared/data/gpt2")
-def test_convergence_gpu_smoke_and_page(gpu_results: Path, tmp_path: Path):
-    data_dir = tmp_path / "data"
-    _run(["bench/convergence_gpu.py", "--prepare-data", str(data_dir), "--target-tokens",
-          "40000"], tmp_path)
-    info = json.loads((data_dir / "corpus_info.json").read_text())
+def test_convergence_gpu_smoke_and_page(gpu_results: Results, tmp_path: Path):
+    root = gpu_results.root
+    _ok(gpu_results.runs["corpus"])
+    info = json.loads((root / "data" / "corpus_info.json").read_text())
     assert info["tokens"] >= 20000 and info["documents"] > 0  # "about" the target
-    assert not (data_dir / "corpus.jsonl").exists()  # only the indexed dataset travels
-    out = gpu_results / "gpu"
-    # fp32 on a CPU: without AVX-512 BF16 the bf16 matrix products are emulated (7x slower)
-    precision = "bf16" if torch.cuda.is_available() else "fp32"
-    _run(["bench/convergence_gpu.py", "--data-dir", str(data_dir), "--smoke", "--variants",
-          "flush", "2bw", "--precision", precision, "--out-dir", str(out), "--figure",
-          str(tmp_path / "c.png")], tmp_path)
-    data = json.loads((out / "convergence_gpu.json").read_text())
+    assert not (root / "data" / "corpus.jsonl").exists()  # only the indexed dataset travels
+    _ok(gpu_results.runs["smoke"])
+    data = json.loads((root / "gpu" / "convergence_gpu.json").read_text())
     assert set(data["summary"]) == {"flush", "2bw"}
     flush = data["summary"]["flush"]
     assert flush["relative_to_flush"] == 0 and flush["reaches_flush_final_at"] is not None
     first = {n: data["runs"][n]["train"]["1"] for n in ("flush", "2bw")}
     assert first["flush"] == pytest.approx(first["2bw"], rel=1e-5)  # batch 1 on W(0) in both
-    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert (root / "c.png").read_bytes()[:4] == b"\x89PNG"
 
     from tools.make_results import build_page
 
-    page = build_page(gpu_results, tmp_path / "RESULTS.md")
+    page = build_page(root, tmp_path / "RESULTS.md")
     for section in ("gpu_convergence_gpu", "gpu_throughput_cuda", "gpu_gpu_profile",
                     "gpu_cross_entropy_fusion"):
         assert f"## {section}" in page, section
     assert "does not have the fields" not in page
 
 
-def test_gpu_session_script_dry_run_and_bad_arguments(gpu_results: Path, tmp_path: Path):
+def test_gpu_session_script_dry_run_and_bad_arguments(gpu_results: Results):
     """bench/gpu_session.sh: part 1 on a CPU (GPU_SESSION_DRY=1) runs the GPU benches'
     dry runs into OUT, at most 8 files (what the device tool returns); GPU_SESSION_STEPS
     picks steps; bad arguments stop with one line and exit 2."""
-    files = sorted(p.name for p in (gpu_results / "gpu").iterdir()
-                   if p.name != "convergence_gpu.json")  # written by the convergence test
+    root = gpu_results.root
+    files = sorted(p.name for p in (root / "gpu").iterdir()
+                   if p.name != "convergence_gpu.json")  # the convergence smoke run's
     assert files == ["cross_entropy_fusion.json", "delay_stability.json", "gpu_profile.json",
                      "grad_accumulation.json", "planner_validation_cuda.json", "session.log",
                      "throughput_cuda.json"]  # delay_stability.json: the fixture's own
-    assert (gpu_results / "session.stdout").read_text().count(": exit 0 after") == 5
+    assert (root / "session.stdout").read_text().count(": exit 0 after") == 5
 
-    env = dict(os.environ, GPU_SESSION_DRY="1", OMP_NUM_THREADS="1")
-    run = lambda *a: subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), *a],  # noqa: E731
-                                    cwd=REPO, env=env, capture_output=True, text=True,
-                                    timeout=600)
-    env["GPU_SESSION_STEPS"] = "planner_validation"  # one step alone
-    one = run("1", str(tmp_path / "one"))
+    one = gpu_results.runs["one"]  # GPU_SESSION_STEPS=planner_validation: one step alone
     assert one.returncode == 0 and one.stdout.count(": exit 0 after") == 1, one.stdout
-    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+    assert sorted(p.name for p in (root / "one").iterdir()) == [
         "planner_validation_cuda.json", "session.log"]
-    bad = run("3", str(tmp_path / "x"))
+    bad = gpu_results.runs["bad"]
     assert bad.returncode == 2 and "part must be 1 or 2, got '3'" in bad.stderr
-    nodata = run("2", str(tmp_path / "y"))
+    nodata = gpu_results.runs["nodata"]
     assert nodata.returncode == 2 and "--prepare-data wrote" in nodata.stderr
