@@ -26,7 +26,10 @@ trainer's flags (--normalization, --position-embedding-type, --swiglu,
 --rope-scaling-factor, --kv-channels); the planned command passes them on.
 ``--tensor-parallel --sequence-parallel`` plans every t > 1 with the trainer's sequence
 parallelism (the activations tensor parallelism replicates split along the sequence)
-and passes --sequence-parallel on.
+and passes --sequence-parallel on.  ``--ddp-bucket-size N`` (the trainer's flag) prices
+the data-parallel buckets the executor builds of that size and passes it on.  With
+``--json`` the file holds every row, the best plan, its command and the profile's
+notes (``profile_notes``: what its costs leave out for the planned model).
 
     python tools/plan.py --model qwen3-0.6b --cluster h100-sxm --num-gpus 8 --max-batch-size 64
 """
@@ -47,6 +50,7 @@ from megatron.pipeline.planner.hardware import GB, GiB, describe_links, links_fo
 from megatron.pipeline.planner.model_spec import (ATTENTION_BACKENDS, NORMALIZATIONS,  # noqa: E402
                                                   POSITION_EMBEDDING_TYPES)
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
+from megatron.arguments import OneLineParser  # noqa: E402
 from megatron.pipeline.planner.profile import Profile  # noqa: E402
 from megatron.pipeline.planner.search import planned_precision  # noqa: E402
 from megatron.pipeline.planner.search import RECOMMENDED_2BW_MITIGATION  # noqa: E402
@@ -105,7 +109,7 @@ def choose_for_run(rows, model: ModelSpec, hw: HardwareSpec, options: CostOption
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (a preset, or Megatron's flags)")
     g.add_argument("--model", choices=sorted(MODEL_PRESETS), help="named model")
@@ -199,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan (and print) the trainer's distributed optimizer: the master "
                         "weights and moments split over each stage's data-parallel "
                         "replicas; 'auto': try each configuration with and without it")
+    s.add_argument("--ddp-bucket-size", type=int, metavar="N",
+                   help="the trainer's --ddp-bucket-size: parameters per data-parallel "
+                        "gradient bucket, and with --use-distributed-optimizer per weight "
+                        "all-gather bucket of --overlap-param-gather (default: 32 MiB of "
+                        "gradients).  The cost model counts the buckets the executor builds "
+                        "of each stage (more buckets hide more of the all-reduce behind the "
+                        "last backward and of the gather behind the next forward); the "
+                        "command passes it on")
     s.add_argument("--c-extra", type=float, default=4.0 / 3.0,
                    help="compute multiplier of activation recomputation (Appendix A)")
     s.add_argument("--profile", metavar="PATH",
@@ -246,8 +258,8 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
     --reset-attention-mask and --fp32-residual-connection are set here whatever the
     source: presets do not carry them, nor profiles --sequence-parallel (taken at t =
     1); a profile taken with --reset-attention-mask or --fp32-residual-connection gives
-    its flag to a model from its shape.  What the profile's costs leave out for this
-    model (``Profile.notes``) is printed as a note."""
+    its flag to a model from its shape.  A profile whose costs cannot price the model is
+    refused here (``Profile.check_model``)."""
     model = _model_from_args(args, profile)
     if args.rope_scaling_factor is not None and not model.rope_scaling:
         raise PlanningError(f"--rope-scaling-factor {args.rope_scaling_factor:g} needs "
@@ -265,8 +277,6 @@ def model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None)
         model = replace(model, fp32_residual_connection=True)
     if profile is not None:
         profile.check_model(model)  # a refusal before the notes of a plan it makes
-        for note in profile.notes(model):
-            print(f"note:    {note}")
     return model
 
 
@@ -349,10 +359,16 @@ def run(argv: Optional[List[str]] = None) -> int:
     try:
         profile = Profile.load(args.profile, args.profile_clock) if args.profile else None
         model = model_from_args(args, profile)
+        # what the profile's costs leave out for this model: printed, and in --json
+        notes = profile.notes(model) if profile is not None else []
+        for note in notes:
+            print(f"note:    {note}")
         hw = hardware_from_args(args)
         check_gpus(args.num_gpus, hw)
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-        base_options = CostOptions(c_extra=args.c_extra)
+        # (a size below 1 is refused there, in the trainer's words)
+        base_options = CostOptions(c_extra=args.c_extra,
+                                   grad_bucket_elements=args.ddp_bucket_size)
         recompute = {"auto": (False, True), "on": (True,), "off": (False,),
                      "layer": ("uniform",), "selective": ("selective",),
                      "all": (False, True, "uniform", "selective")}[args.recompute]
@@ -367,8 +383,10 @@ def run(argv: Optional[List[str]] = None) -> int:
         best, warmup, passed = choose_for_run(rows, model, hw, kwargs["options"], profile)
         # a profile of the fused loss was timed with it: the command must run it too
         fused = bool(profile and profile.model.get("cross_entropy_loss_fusion"))
-        cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server,
-                           extra_args=["--cross-entropy-loss-fusion"] if fused else [],
+        extra = ["--cross-entropy-loss-fusion"] if fused else []
+        if args.ddp_bucket_size is not None:  # the buckets the plan was priced with
+            extra += ["--ddp-bucket-size", str(args.ddp_bucket_size)]
+        cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server, extra_args=extra,
                            precision=planned_precision(
                                hw.name, profile.model.get("dtype") if profile else None))
     except (PlanningError, ValueError) as exc:
@@ -411,7 +429,8 @@ def run(argv: Optional[List[str]] = None) -> int:
         out = {"model": model.__dict__, "hardware": hw.__dict__, "num_gpus": args.num_gpus,
                "max_batch_size": args.max_batch_size, "best": best.to_dict(),
                "command": cmd, "rows": [r.to_dict() for r in rows],
-               "profile": args.profile, "warmup": warmup,
+               "profile": args.profile, "profile_notes": notes,
+               "ddp_bucket_size": args.ddp_bucket_size, "warmup": warmup,
                "fastest_steady_state": fastest.to_dict(),
                "passed_over_2bw": passed[0].to_dict() if passed is not None else None}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,9 @@ the block count leaves it out (it would otherwise be charged once per chained la
 and ``rotary_table_bytes`` records it, charged once per stage (the executor counts it
 once per microbatch, as every tensor its layers save).  The causal mask of
 ``--attention-backend unfused/local`` (one [s, s] bool tensor per stage, shared by its
-microbatches) is left out of the block count the same way and not recorded.
+microbatches) is left out of the block count the same way and not recorded: the planner
+charges its s^2 bytes once per stage (``ModelSpec.causal_mask_bytes``), and each timed
+stage below counts it once.
 
 ``--reset-attention-mask`` (GPT's document masks): every sample is cut into documents by
 a few end-of-document ids (``EOD``, every quarter of a sample), ``pretrain_gpt.get_batch``
@@ -138,6 +140,7 @@ from torch import nn  # noqa: E402
 from megatron.config import ModelConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
 from megatron.pipeline.memory import StashTracker  # noqa: E402
 from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402
+from megatron.arguments import OneLineParser  # noqa: E402
 
 SCHEMA = "megatron-pipedream-profile/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -679,7 +682,7 @@ def device_name(device: torch.device) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (Megatron's flags)")
     g.add_argument("--num-layers", type=int, required=True,

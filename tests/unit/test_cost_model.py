@@ -75,7 +75,8 @@ def test_memory_of_a_middle_stage(schedule, recompute):
         acts = a_stage + n * act_input(b)
     else:
         acts = n * (a_stage + act_input(b))
-    expected = versions * 2 * w_stage + 14 * w_stage + acts
+    # the explicit softmax's [s, s] bool causal mask: one per stage, whatever is in flight
+    expected = versions * 2 * w_stage + 14 * w_stage + acts + S * S
     assert stage.in_flight == n
     assert stage.memory_bytes == pytest.approx(expected)
 
@@ -88,13 +89,39 @@ def test_memory_2bw_and_gpipe_worst_stage_match_paper_formulas():
     cm = CostModel(TOY, PLAIN)
     w0 = (L // d) * PER_LAYER + EMB                      # stage 0 also holds the embedding
     a0 = (L // d) * act_layer(b)
+    mask = S * S                                         # the shared causal mask, once
     two = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=True, schedule="2bw"))[0]
-    assert two.memory_bytes == pytest.approx(2 * 2 * w0 + a0 + d * act_input(b) + 14 * w0)
+    assert two.memory_bytes == pytest.approx(
+        2 * 2 * w0 + a0 + d * act_input(b) + 14 * w0 + mask)
     gp = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=True, schedule="gpipe"))[0]
-    assert gp.memory_bytes == pytest.approx(2 * w0 + a0 + m * act_input(b) + 14 * w0)
+    assert gp.memory_bytes == pytest.approx(2 * w0 + a0 + m * act_input(b) + 14 * w0 + mask)
     # Without recomputation 2bw keeps d full stashes: 2|W|/d + d|A_total|/d + d|A_input|.
     two_nr = cm.stage_costs(Config(w=1, d=d, b=b, m=m, recompute=False, schedule="2bw"))[0]
-    assert two_nr.memory_bytes == pytest.approx(4 * w0 + d * a0 + d * act_input(b) + 14 * w0)
+    assert two_nr.memory_bytes == pytest.approx(
+        4 * w0 + d * a0 + d * act_input(b) + 14 * w0 + mask)
+
+
+@pytest.mark.parametrize("schedule", ["none", "gpipe", "flush", "2bw"])
+def test_the_causal_mask_is_charged_once_per_stage(schedule):
+    """--attention-backend local/unfused reads one [s, s] bool causal mask that a stage
+    makes once and shares between its layers and microbatches: s^2 bytes per stage, the
+    same with 1 or m microbatches in flight and under recomputation, on every tensor
+    rank.  The fused kernels, BERT's padding mask and a document mask keep none."""
+    cm = CostModel(TOY, PLAIN)
+    for recompute in (False, True):
+        for cfg in (Config(w=1, d=4, b=2, m=8, recompute=recompute, schedule=schedule),
+                    Config(w=1, d=4, t=2, b=2, m=8, recompute=recompute, schedule=schedule)):
+            for st in cm.stage_costs(cfg):
+                assert st.shared_bytes == S * S
+                assert st.memory_bytes == pytest.approx(
+                    st.weights_bytes + st.optimizer_bytes + st.activation_bytes
+                    + st.stash_bytes + S * S)
+    cfg = Config(w=1, d=2, b=2, m=4, schedule=schedule)
+    for other in (dataclasses.replace(TOY, attention_backend="auto"),
+                  dataclasses.replace(TOY, reset_attention_mask=True),
+                  dataclasses.replace(TOY, kind="bert")):
+        assert other.causal_mask_bytes() == 0
+        assert all(st.shared_bytes == 0 for st in CostModel(other, PLAIN).stage_costs(cfg))
 
 
 def test_last_stage_holds_tied_embedding_and_logits():
@@ -270,8 +297,10 @@ def test_flush_data_parallel_reduce_overlaps_the_last_backward():
     assert one.batch_time_s == pytest.approx(off.batch_time_s)
     st = on.stages[0]
     assert st.dp_allreduce_s > 0
-    buckets = math.ceil(st.params * 2 / bucket)
-    assert buckets > 1
+    # the executor's buckets, whole parameters each (tests/unit/test_planner_buckets.py):
+    # more than the gradient bytes' share of 64 KiB ones
+    buckets = st.dp_buckets
+    assert buckets >= math.ceil(st.params * 2 / bucket) > 1
     assert st.dp_exposed_s == pytest.approx(max(st.dp_allreduce_s / buckets,
                                                 st.dp_allreduce_s - st.backward_s))
     assert off.stages[0].dp_exposed_s == pytest.approx(st.dp_allreduce_s)
@@ -315,7 +344,9 @@ def test_distributed_optimizer_splits_the_state_and_gathers_the_weights():
     of first and last stage is still all-reduced in full (its other half)."""
     cfg = Config(w=4, d=2, b=2, m=4, schedule="flush")
     plain = CostModel(TOY, PLAIN).stage_costs(cfg)
-    sharded = CostModel(TOY, PLAIN).stage_costs(
+    # the whole gather in the step (the overlap: the next test)
+    waited = CostOptions(overlap_param_gather=False)
+    sharded = CostModel(TOY, PLAIN, waited).stage_costs(
         dataclasses.replace(cfg, distributed_optimizer=True))
     for p, s in zip(plain, sharded):
         assert p.optimizer_bytes == pytest.approx(14 * p.params)
@@ -336,23 +367,30 @@ def test_distributed_optimizer_splits_the_state_and_gathers_the_weights():
         one, distributed_optimizer=True)) == CostModel(TOY, PLAIN).stage_costs(one)
 
 
-@pytest.mark.parametrize("bucket_bytes", [1e12, 4096.0])
-def test_overlapped_weight_gather_hides_behind_one_forward(bucket_bytes):
+@pytest.mark.parametrize("tied,bucket_bytes", [(False, 1e12), (True, 1e12), (True, 4096.0)])
+def test_overlapped_weight_gather_hides_behind_one_forward(tied, bucket_bytes):
     """--overlap-param-gather (the planner's command passes it): the weights' all-gather
     runs into the next forward pass, each layer waiting for its own buckets, so what
     shows is the larger of one bucket's share and what a microbatch's forward cannot
     cover; waited for at the step it shows whole.  On a slow data-parallel link (1e6
-    bytes/s) the gather outlasts the forward.  With one bucket nothing hides."""
+    bytes/s) the gather outlasts the forward.  With one bucket nothing hides: an untied
+    model's stage in buckets larger than it; a tied word embedding is a bucket of its
+    own (the executor's buckets: tests/unit/test_planner_buckets.py)."""
+    model = TOY if tied else dataclasses.replace(TOY, untie_embeddings_and_output_weights=True)
     slow = dataclasses.replace(PLAIN, intra_server_bandwidth=1e6)
     cfg = Config(w=4, d=2, b=2, m=4, schedule="flush", distributed_optimizer=True)
-    on = CostModel(TOY, slow, CostOptions(grad_bucket_bytes=bucket_bytes)).stage_costs(cfg)
-    off = CostModel(TOY, slow, CostOptions(grad_bucket_bytes=bucket_bytes,
-                                           overlap_param_gather=False)).stage_costs(cfg)
-    links = CostModel(TOY, slow).estimate(cfg).links
+    on = CostModel(model, slow, CostOptions(grad_bucket_bytes=bucket_bytes)).stage_costs(cfg)
+    off = CostModel(model, slow, CostOptions(grad_bucket_bytes=bucket_bytes,
+                                             overlap_param_gather=False)).stage_costs(cfg)
+    links = CostModel(model, slow).estimate(cfg).links
     for a, b in zip(on, off):
         gather = 0.5 * ring_allreduce_time(2 * a.params, 4, links.data)
         assert gather > a.forward_s
-        buckets = max(1, -(-(2 * a.params) // bucket_bytes))
+        buckets = a.gather_buckets
+        if bucket_bytes > 1e6:  # larger than a stage: one, and the tied embedding's own
+            assert buckets == (2 if tied else 1)
+        else:
+            assert buckets > 2
         assert b.step_s - a.step_s == pytest.approx(
             gather - max(gather / buckets, gather - a.forward_s))
         # one bucket: the first layer waits for all of it, nothing hides

@@ -35,7 +35,8 @@ def test_explicit_softmax_keeps_what_the_formula_says(options):
     kernel keeps, its probabilities instead of the log-sum-exp (no dropout here: the
     formula's mask (1) and dropout output (2) of the 5 bytes per score are absent; the
     probabilities are 2 fp16 bytes = 4 fp32 bytes).  The shared [s, s] causal mask (one
-    per stage, no b factor) is the one thing the formula leaves out."""
+    per stage, no b factor) is the one thing the layer's formula leaves out: the cost
+    model charges it once per stage (``ModelSpec.causal_mask_bytes``)."""
     s, b, a, f = 16, 2, 4, 40
     options = {"hidden_size": 32, **options}
     stash, formula = {}, {}
@@ -49,6 +50,7 @@ def test_explicit_softmax_keeps_what_the_formula_says(options):
         stash[backend], formula[backend] = _layer_stash(config, b), spec.layer_activation_bytes(b)
     assert formula["local"] - formula["auto"] == 5 * a * s * s * b - 4 * a * s * b
     causal_mask = s * s
+    assert spec.causal_mask_bytes() == causal_mask
     assert stash["local"] - stash["auto"] == 4 * a * s * s * b - 4 * a * s * b + causal_mask
 
 

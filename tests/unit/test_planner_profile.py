@@ -145,11 +145,13 @@ def test_stage_overhead_is_the_timed_stage_minus_its_pieces():
     assert prof.has_overhead and "no stage overhead" in plain.describe()
     for kind, first, last in (("whole", True, True), ("first", True, False),
                               ("middle", False, False), ("last", False, True)):
-        assert prof.overhead(first, last, 3) == pytest.approx((3 * f[kind], 3 * bw[kind]))
+        # a negative overhead (the middle stage's backward) counts as none
+        want = (max(3 * f[kind], 0.0), max(3 * bw[kind], 0.0))
+        assert prof.overhead(first, last, 3) == pytest.approx(want)
         for layers in (1, 5):
             base, st = plain.stage(layers, first, last, 3), prof.stage(layers, first, last, 3)
-            assert st.forward_s == pytest.approx(base.forward_s + 3 * f[kind])
-            assert st.backward_s == pytest.approx(base.backward_s + 3 * bw[kind])
+            assert st.forward_s == pytest.approx(base.forward_s + want[0])
+            assert st.backward_s == pytest.approx(base.backward_s + want[1])
             assert st.recompute_s == st.forward_s
             assert st.stash_bytes == base.stash_bytes and st.step_s == base.step_s
     cpu = Profile(with_stages(make_profile((2, 4)), f, bw), clock="cpu")
@@ -159,6 +161,26 @@ def test_stage_overhead_is_the_timed_stage_minus_its_pieces():
     # tensor parallelism divides the pieces, not the trainer's own work
     assert prof.stage(2, False, False, 4, t=2).forward_s == pytest.approx(
         plain.stage(2, False, False, 4, t=2).forward_s + 4 * f["middle"])
+
+
+def test_stage_overhead_is_not_extrapolated_past_the_profiled_sizes():
+    """Outside the profiled micro-batch sizes the overhead holds its nearest measured value:
+    a line through two noisy differences, extended, once went negative enough at b=16 to
+    cancel the stage's compute (the planner then predicted 18x the measured rate)."""
+    f = {"whole": 3e-4, "first": 2e-4, "middle": 5e-5, "last": 1.5e-4}
+    bw = {"whole": 1e-4, "first": 5e-5, "middle": 2e-5, "last": 8e-5}
+    data = with_stages(make_profile((2, 4)), f, bw)
+    for row in data["microbatches"]:  # the stage at b=4 ran faster than at b=2: noise
+        if row["micro_batch_size"] == 4:
+            row["stages"]["middle"]["forward_s"] -= 9e-4
+    prof, plain = Profile(data), Profile(make_profile((2, 4)))
+    at2, at4 = prof.overhead(False, False, 2), prof.overhead(False, False, 4)
+    assert at4[0] == 0.0 < at2[0]  # floored at zero where measured below it
+    assert prof.overhead(False, False, 32) == at4 and prof.overhead(False, False, 1) == at2
+    assert prof.overhead(True, True, 64) == pytest.approx((4 * f["whole"], 4 * bw["whole"]))
+    assert prof.stage(4, False, False, 32).forward_s == pytest.approx(
+        plain.stage(4, False, False, 32).forward_s)  # not below the pieces' own time
+    assert prof.stage(4, False, False, 32).forward_s > 0
 
 
 def test_bad_profiles_are_rejected_with_the_flag_named(tmp_path):

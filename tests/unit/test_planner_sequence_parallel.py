@@ -129,13 +129,14 @@ def test_stage_memory_with_sequence_parallelism():
     layers = L // d
     middle = layers * PER_LAYER / t
     assert stages[1].in_flight == 3
+    # plus the explicit softmax's [s, s] bool causal mask: the whole sequence's, once
     assert stages[1].memory_bytes == pytest.approx(
-        16 * middle + 3 * (layers * korthikanti_sp(b, t) + 2 * S * b * H / t))
+        16 * middle + 3 * (layers * korthikanti_sp(b, t) + 2 * S * b * H / t) + S * S)
     last = (layers * PER_LAYER + 2 * H + V * H) / t    # final LayerNorm, tied embedding copy
     assert stages[-1].in_flight == 1
     assert stages[-1].memory_bytes == pytest.approx(
         16 * last + layers * korthikanti_sp(b, t) + 4 * S * b * H / t + 2 * S * b * V / t
-        + 2 * S * b * H / t)
+        + 2 * S * b * H / t + S * S)
     # and with stage-level recomputation: one microbatch's activations, n stage inputs
     rc = CostModel(TOY_SP, PLAIN).stage_costs(dataclasses.replace(cfg, recompute=True))[1]
     assert rc.activation_bytes + rc.stash_bytes == pytest.approx(

@@ -43,6 +43,7 @@ def _profile(dtype=torch.bfloat16, reset=False, **kw) -> dict:
 def profiles():
     torch.set_num_threads(1)
     return {"causal": _profile(), "fp32_residual": _profile(fp32_residual_connection=True),
+            "causal_unfused": _profile(attention_backend="unfused"),
             "masked": _profile(reset=True),
             "masked_unfused": _profile(torch.float32, reset=True, attention_backend="unfused"),
             "masked_fp32": _profile(torch.float32, reset=True)}
@@ -198,6 +199,102 @@ def test_the_planner_stash_of_a_masked_stage_is_the_executors(profiles, name):
                 assert prof.stage_stash_bytes(chain, first, last, b) == measured
 
 
+def test_the_planner_charges_the_causal_mask_of_the_explicit_softmax(profiles):
+    """A causal profile with --attention-backend unfused: the stage's [s, s] bool causal
+    mask is in no piece (the profile leaves it out of the block, as RoPE's table), and
+    the timed stage of each kind, counted by the executor's counter for one microbatch,
+    holds it once beyond its pieces.  The cost model charges it once per stage
+    (``StageCost.shared_bytes``), so per microbatch the planner's count is the
+    executor's to the byte."""
+    data = profiles["causal_unfused"]
+    prof = Profile(data)
+    assert prof.model_spec().keeps_scores and not prof.model_spec().reset_attention_mask
+    chain = data["settings"]["chain_blocks"]
+    kinds = {1: ["whole"], 3: ["first", "middle", "last"]}
+    for b, row in _rows(data).items():
+        assert "attention_mask_bytes" not in row
+        for d, names in kinds.items():
+            cm = CostModel(prof.model_spec(num_layers=d * chain), FAST, profile=prof)
+            stages = cm.stage_costs(Config(w=1, d=d, b=b, m=4, schedule="flush"))
+            for stage, kind in zip(stages, names):
+                st = row["stages"][kind]
+                pre, post = kind in ("whole", "first"), kind in ("whole", "last")
+                pieces = (chain * row["block"]["stash_bytes"]
+                          + pre * row["embedding"]["stash_bytes"]
+                          + post * row["head"]["stash_bytes"])
+                assert st["stash_bytes"] == pieces + S * S, kind
+                assert stage.shared_bytes == S * S
+                assert stage.activation_per_microbatch_bytes + stage.input_bytes + \
+                    stage.shared_bytes == st["stash_bytes"], (b, kind)
+                assert prof.stage_stash_bytes(chain, pre, post, b) == st["stash_bytes"]
+    # the fused kernels keep no mask: nothing to charge
+    fused = Profile(profiles["causal"])
+    cm = CostModel(fused.model_spec(), FAST, profile=fused)
+    assert all(st.shared_bytes == 0 for st in cm.stage_costs(Config(w=1, d=1, b=2, m=4)))
+
+
+@pytest.mark.parametrize("kind", ["whole", "middle"])
+def test_the_causal_mask_is_one_tensor_for_every_microbatch_in_flight(profiles, kind):
+    """n microbatches in flight on a GPTModel stage with --attention-backend unfused, run
+    as the executor runs them (``pretrain_gpt.forward_step``, outputs kept until their
+    backward): the distinct storages they keep are n times a microbatch's own bytes plus
+    ONE causal mask (the stage's cached tensor, which every microbatch's layers save),
+    which is what the planner charges a stage with n in flight: n (|A_i| + |A_input|) +
+    the mask once.  The executor's counter, which starts afresh for each microbatch,
+    charges the mask n times: (n - 1) s^2 bytes more than the stage holds."""
+    from megatron.model import GPTModel
+    from megatron.pipeline.memory import StashTracker
+    from megatron.tensor_parallel import TPInfo
+    from pretrain_gpt import forward_step
+    from tools.profile_model import sample_text, weight_storage_ptrs
+
+    data = profiles["causal_unfused"]
+    prof = Profile(data)
+    chain, b, n = data["settings"]["chain_blocks"], 2, 3
+    d, stage = (1, 0) if kind == "whole" else (3, 1)
+    config = dataclasses.replace(_config(attention_backend="unfused"), num_layers=d * chain)
+    model = GPTModel(config, TPInfo.single(), pre_process=stage == 0,
+                     post_process=stage == d - 1,
+                     layer_numbers=range(stage * chain, (stage + 1) * chain)).train()
+    weights = weight_storage_ptrs(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"text": sample_text(config, b, gen)} for _ in range(n)]
+    inputs = [torch.randn(S, b, H, dtype=config.residual_dtype, requires_grad=True)
+              for _ in range(n)]
+
+    def run(i: int) -> torch.Tensor:
+        if stage > 0:
+            model.set_input_tensor(inputs[i])
+        out, loss_fn = forward_step(iter([batches[i]]), model)
+        return loss_fn(out)[0] if stage == d - 1 else out
+
+    tracker = StashTracker(weights)       # the executor's count, microbatch by microbatch
+    kept = []
+    for i in range(n):
+        with tracker.counting(i):
+            kept.append(run(i))
+    held: dict = {}                       # what the n in flight hold: distinct storages
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kept += [run(i) for i in range(n)]
+    mask = model.encoder.layers[0].self_attention.core_attention._causal
+    assert mask.dtype == torch.bool and mask.untyped_storage().nbytes() == S * S
+    assert mask.untyped_storage().data_ptr() in held
+
+    cm = CostModel(prof.model_spec(num_layers=d * chain), FAST, profile=prof)
+    st = cm.stage_costs(Config(w=1, d=d, b=b, m=n, schedule="gpipe"))[stage]
+    assert st.in_flight == n
+    planned = st.activation_bytes + st.stash_bytes + st.shared_bytes
+    assert sum(held.values()) == planned
+    assert tracker.stats.peak_stashed_bytes == planned + (n - 1) * S * S
+
+
 def _dict_profile(dtype="bf16", **flags) -> Profile:
     data = make_profile()
     data["model"].update(dtype=dtype, **flags)
@@ -261,6 +358,28 @@ def test_plan_cli_takes_the_flags_from_the_profile_and_notes(tmp_path, capsys):
     assert run(plan + ["--fp32-residual-connection"]) == 2
     err = capsys.readouterr().err
     assert "without --fp32-residual-connection" in err and "profile with the flag" in err
+
+
+def test_plan_json_holds_the_profile_notes(tmp_path, capsys):
+    """The notes tools/plan.py prints about what a profile's costs leave out (here: a
+    causal profile timing a --reset-attention-mask plan) are in its --json output too,
+    one string each under ``profile_notes``; none, an empty list."""
+    from tools.plan import run
+
+    path, out = tmp_path / "p.json", tmp_path / "plan.json"
+    data = make_profile()
+    data["model"]["dtype"] = "bf16"
+    path.write_text(json.dumps(data))
+    plan = ["--profile", str(path), "--cluster", "cpu", "--num-gpus", "2",
+            "--max-batch-size", "8", "--top", "1", "--json", str(out)]
+    assert run(plan + ["--reset-attention-mask"]) == 0
+    printed = [line[len("note:    "):] for line in capsys.readouterr().out.splitlines()
+               if line.startswith("note:    --profile")]
+    notes = json.loads(out.read_text())["profile_notes"]
+    assert len(printed) == 1 and notes == printed and "causal kernel" in notes[0]
+    assert run(plan) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["profile_notes"] == []
 
 
 def test_an_old_profile_without_the_fields_loads_as_causal_without_the_flag():

@@ -185,7 +185,7 @@ def test_whole_stages_are_timed_and_their_stash_is_the_sum_of_the_pieces(profile
     pieces = (chain * row["block"]["forward_s"] + row["embedding"]["forward_s"]
               + row["head"]["forward_s"])
     assert loaded.overhead(True, True, row["micro_batch_size"])[0] == pytest.approx(
-        row["stages"]["whole"]["forward_s"] - pieces)
+        max(row["stages"]["whole"]["forward_s"] - pieces, 0.0))  # noise can make it < 0
 
 
 def test_no_stages_skips_the_stage_timing():

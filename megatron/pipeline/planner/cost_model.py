@@ -18,9 +18,11 @@ microbatch b, m microbatches per pipeline per batch):
   sequence parallelism each tensor rank sends its s / t positions: s b h / t values;
   float32 values with ``ModelSpec.fp32_residual_connection``).
 * data parallelism: ring all-reduce of the stage's fp16 gradients among its w replicas,
-  2 (w - 1) / w x bytes / bwdth_width(w); plus, for d > 1, the tied word-embedding
-  gradient between first and last stage (none with an untied output layer: the first
-  stage then holds the only word embedding and the last stage its own output layer).
+  2 (w - 1) / w x bytes / bwdth_width(w), in the executor's buckets
+  (``CostModel.bucket_counts``; --ddp-bucket-size sets their size); plus, for d > 1,
+  the tied word-embedding gradient between first and last stage (none with an untied
+  output layer: the first stage then holds the only word embedding and the last stage
+  its own output layer).
   With the distributed optimizer the gradient buckets are reduce-scattered (half of
   that) and the new weights all-gathered after the step (the other half, in the step).
 
@@ -38,7 +40,8 @@ time of stage i (compute + tensor-parallel + inter-stage communication), T = max
          Appendix A's "without pipelining" expression).
 
 MEMORY(.) per GPU (Appendix A, "memory(.) cost function"), maximised over stages:
-    versions x |W_i| + |O_i| + activations
+    versions x |W_i| + |O_i| + activations (+ the explicit softmax's [s, s] causal mask,
+    one per stage whatever is in flight: ``StageCost.shared_bytes``)
 where |W_i| is one fp16 copy of stage i's weights (2 versions for 2bw, 1 otherwise),
 |O_i| the optimizer state the paper folds into |W| (fp16 grads + fp32 master + Adam
 moments = 14 bytes/param by default: one version costs 16 bytes/param in all), and
@@ -58,7 +61,10 @@ to the batch time.  Without a profile ``step_s`` is 0, as in the paper's closed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+from megatron.optimizer.sharding import plan_buckets
 
 from .hardware import HardwareSpec, Links, links_for, ring_allreduce_time
 from .model_spec import ModelSpec
@@ -186,12 +192,39 @@ class CostOptions:
     batch's last backward pass has finished its gradients (post-accumulate-grad hooks),
     so under flush/gpipe/none most of it hides behind that backward pass."""
     grad_bucket_bytes: float = 32 * 2 ** 20
-    """Bucket size of the executor's gradient all-reduce (``GradientReduction``)."""
+    """Bucket size of the executor's gradient all-reduce (``GradientReduction``) without
+    ``grad_bucket_elements``: gradient bytes."""
+    grad_bucket_elements: Optional[int] = None
+    """--ddp-bucket-size N: parameters per bucket instead (the gradient reduction's and
+    the distributed optimizer's, whose buckets the weight all-gathers follow).  Either
+    way the buckets are counted as the executor builds them (``CostModel.bucket_counts``)."""
     overlap_param_gather: bool = True
     """With the distributed optimizer, the printed command passes --overlap-param-gather:
     the new weights' all-gathers run into the next forward pass, each layer waiting for
     its own buckets, so all but about one bucket's gather hides behind a microbatch's
     forward on the stage."""
+
+    def __post_init__(self) -> None:
+        if self.grad_bucket_elements is not None and self.grad_bucket_elements < 1:
+            raise ValueError(f"--ddp-bucket-size must be a positive number of parameters, "
+                             f"got {self.grad_bucket_elements}")
+
+
+@lru_cache(maxsize=4096)
+def _bucket_counts(model: ModelSpec, layers: int, first: bool, last: bool, t: int,
+                   tied_apart: bool, limit: float, itemsize: float,
+                   distributed: bool) -> Tuple[int, int]:
+    """``CostModel.bucket_counts`` of one kind of stage (cached: the search prices the
+    same kinds of stage over and over, and a deep model has thousands of parameters)."""
+    params = model.stage_parameters(layers, first, last, t)
+    if not distributed:
+        kept = [n for n, tied in params if not (tied and tied_apart)]
+        return len(plan_buckets(kept, [None] * len(kept), 1, limit, [itemsize] * len(kept))), 0
+    numels = [n for n, _ in params]
+    tied = [flag for _, flag in params]
+    buckets = plan_buckets(numels, [None] * len(numels), 1, limit, [itemsize] * len(numels),
+                           alone=tied)
+    return len(buckets) - (sum(tied) if tied_apart else 0), len(buckets)
 
 
 def in_flight(schedule: str, stage: int, d: int, m: int) -> int:
@@ -235,6 +268,13 @@ class StageCost:
     dp_exposed_s: float = 0.0
     """What of ``dp_allreduce_s`` is left after the stage's last backward pass: the last
     bucket can only start when the backward ends, the rest overlaps it."""
+    shared_bytes: float = 0.0
+    """What the stage makes once and keeps for all its microbatches, however many are in
+    flight: the explicit softmax's causal mask (``ModelSpec.causal_mask_bytes``)."""
+    dp_buckets: int = 1
+    """Buckets of the stage's data-parallel gradient reduction (with w > 1)."""
+    gather_buckets: int = 0
+    """Buckets of the distributed optimizer's weight all-gather (with w > 1; 0 without)."""
 
     def with_in_flight(self, n: int, recompute: bool) -> "StageCost":
         """The same stage holding n microbatches (memory changes, times do not)."""
@@ -249,7 +289,8 @@ class StageCost:
 
     @property
     def memory_bytes(self) -> float:
-        return self.weights_bytes + self.optimizer_bytes + self.activation_bytes + self.stash_bytes
+        return (self.weights_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.stash_bytes + self.shared_bytes)
 
 
 @dataclass(frozen=True)
@@ -453,9 +494,9 @@ class CostModel:
                 emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
                 allreduce += 0.5 * ring_allreduce_time(emb, c.w, links.data)
         dp_allreduce = allreduce
+        dp_buckets, gather_buckets = self.bucket_counts(c, i) if c.w > 1 else (1, 0)
         if opt.overlap_grad_reduce and c.w > 1:
-            buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
-            dp_exposed = max(dp_allreduce / buckets, dp_allreduce - backward)
+            dp_exposed = max(dp_allreduce / dp_buckets, dp_allreduce - backward)
         else:
             dp_exposed = dp_allreduce
         if d > 1 and (first or last) and mdl.tied_output:
@@ -474,8 +515,7 @@ class CostModel:
             gather = 0.5 * ring_allreduce_time(params * opt.weight_bytes_per_param, c.w,
                                                links.data)
             if opt.overlap_param_gather:
-                buckets = max(1, -(-grad_bytes // opt.grad_bucket_bytes))
-                gather = max(gather / buckets, gather - forward)
+                gather = max(gather / gather_buckets, gather - forward)
             step = step / c.w + gather
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
@@ -484,7 +524,29 @@ class CostModel:
             optimizer_bytes=optimizer_bytes,
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
             activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
-            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient)
+            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient,
+            shared_bytes=mdl.causal_mask_bytes(), dp_buckets=dp_buckets,
+            gather_buckets=gather_buckets)
+
+    def bucket_counts(self, config: Config, stage: int) -> Tuple[int, int]:
+        """(buckets of the stage's data-parallel gradient reduction, buckets of its weight
+        all-gather: 0 without the distributed optimizer) for w > 1, as the executor
+        builds them: whole parameters in reverse order (``ModelSpec.stage_parameters``),
+        a bucket closing before the parameter that would take it past
+        ``grad_bucket_bytes`` of gradients, or ``grad_bucket_elements`` parameters with
+        --ddp-bucket-size (``megatron.optimizer.sharding.plan_buckets``, the rule of
+        ``GradientReduction`` too).  The distributed optimizer gives the tied word
+        embedding a bucket of its own, which all-gathers with the others; a pipeline of
+        d > 1 averages that embedding apart, after its sum between first and last stage,
+        so it is in none of the reduction's buckets."""
+        opt = self.options
+        if opt.grad_bucket_elements is not None:
+            limit, itemsize = float(opt.grad_bucket_elements), 1.0
+        else:
+            limit, itemsize = opt.grad_bucket_bytes, opt.grad_bytes_per_param
+        layers = config.layer_counts(self.model.num_layers)[stage]
+        return _bucket_counts(self.model, layers, stage == 0, stage == config.d - 1, config.t,
+                              config.d > 1, limit, itemsize, config.distributed_optimizer)
 
     def estimate(self, config: Config, keep_stages: bool = True) -> Estimate:
         """Throughput, memory per GPU and bubble fraction of one configuration

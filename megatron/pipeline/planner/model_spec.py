@@ -165,8 +165,13 @@ Counting conventions (all per microbatch):
 * BERT's padding mask, made once per stage forward and kept by its layers
   (``stage_mask_bytes``): [b, s, s] additive fp16 values for the fused kernels
   (2 b s^2) or bools for the explicit softmax (b s^2).  GPT's causal mask is the
-  kernels' own, or for the explicit softmax one [s, s] bool tensor shared by every
-  layer and microbatch (no b factor: left out, like RoPE's tables).
+  fused kernels' own (nothing kept); the explicit softmax reads one [s, s] bool tensor
+  (``causal_mask_bytes``, s^2 bytes: the whole sequence on every tensor rank, with or
+  without sequence parallelism), which a stage makes at its first forward pass and
+  caches (``CoreAttention.prepare_mask``): every layer and microbatch shares it, and it
+  lives as long as the stage, so it is charged once per stage, not per microbatch, and
+  whatever the recomputation.  (The executor's saved-tensor counter, which starts
+  afresh for each microbatch, sees it in each of them.)
 * A float32 residual stream (``fp32_residual_connection``, --fp32-residual-connection,
   Megatron-LM's flag; the counts stay those of fp16/bf16 training).  The tensors of the
   stream are 4 bytes a value instead of 2: what crosses a stage boundary and what a
@@ -198,7 +203,7 @@ Named presets (the paper's model sizes, two Llama shapes and Qwen3-0.6B) live in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 MODEL_KINDS = ("gpt", "bert")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -508,6 +513,56 @@ class ModelSpec:
         """Logical parameter count (a tied output embedding counted once)."""
         return self.num_layers * self.params_per_layer + self.embedding_params + self.head_params
 
+    def stage_parameters(self, layers: int, first: bool, last: bool,
+                         t: int = 1) -> Tuple[Tuple[int, bool], ...]:
+        """A pipeline stage's parameters on one of t tensor ranks, in the order the
+        trainer's stage module holds them (``GPTModel`` / ``BertModel.parameters()``), each
+        as (elements, whether it is the tied word embedding): what the executor lays into
+        its gradient buckets, whole parameter by whole parameter
+        (``CostModel.bucket_counts``).  The column-parallel matrices and their biases and
+        the vocabulary's rows are split over the t ranks; the norms, the position and
+        token-type tables, the row-parallel biases and BERT's pooler and binary head are
+        whole on each.  The last stage of a cut pipeline (not also ``first``) holds a
+        copy of a tied word embedding (BERT's always)."""
+        h, f, d = self.hidden_size, self.ffn, self.head_dim
+
+        def split(n: int) -> int:
+            return -(-n // t)
+
+        norm = [(h, False)] * (2 if self.normalization == "LayerNorm" else 1)
+        head_norm = [(d, False)] * (2 if self.normalization == "LayerNorm" else 1)
+        qkv, mlp_out = split(self.q_size + 2 * self.kv_size), split(2 * f if self.swiglu else f)
+        layer = norm + [(qkv * h, False)]
+        if self.add_bias_linear or self.add_qkv_bias:
+            layer.append((qkv, False))
+        if self.qk_layernorm:
+            layer += head_norm + head_norm                     # the query's, the key's
+        layer.append((h * split(self.q_size), False))
+        layer += [(h, False)] if self.add_bias_linear else []
+        layer += norm + [(mlp_out * h, False)]
+        layer += [(mlp_out, False)] if self.add_bias_linear else []
+        layer.append((h * split(f), False))
+        layer += [(h, False)] if self.add_bias_linear else []
+        word = split(self.vocab_size) * h
+        bert = self.kind == "bert"
+        out: List[Tuple[int, bool]] = []
+        if first:
+            out.append((word, self.tied_output))
+            out += [] if self.rope else [(self.seq_length * h, False)]
+            out += [(2 * h, False)] if bert else []            # token types
+        out += layer * layers
+        if last:
+            out += norm                                        # the final norm
+            if bert:  # pooler; LM head: output bias, dense, LayerNorm; binary head
+                out += [(h * h, False), (h, False), (split(self.vocab_size), False),
+                        (h * h, False), (h, False), (h, False), (h, False),
+                        (2 * h, False), (2, False)]
+            elif not self.tied_output:
+                out.append((word, False))                      # the output layer
+            if self.tied_output and not first:
+                out.append((word, True))
+        return tuple(out)
+
     # ---------------------------------------------------------------- FLOPs
     def layer_forward_flops(self, b: int) -> float:
         """The four matrices and the two attention matmuls (megatron/model/flops.py's
@@ -565,6 +620,15 @@ class ModelSpec:
             return 0.0
         s = self.seq_length
         return (1.0 if self.keeps_scores else 2.0) * b * s * s
+
+    def causal_mask_bytes(self) -> float:
+        """The [s, s] bool causal mask the explicit softmax of a causal GPT reads (module
+        docstring): s^2 bytes, made once per stage and shared by its layers and
+        microbatches; none for the fused kernels (their own causal kernel), BERT, or
+        ``reset_attention_mask`` (the document mask of ``stage_mask_bytes`` replaces it)."""
+        if self.kind != "gpt" or self.reset_attention_mask or not self.keeps_scores:
+            return 0.0
+        return float(self.seq_length) ** 2
 
     def input_activation_bytes(self, b: int, t: int = 1) -> float:
         """Bytes of a stage's input (and output) activation on one of t tensor ranks: s b

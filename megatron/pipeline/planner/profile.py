@@ -15,7 +15,9 @@ and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
   (--reset-attention-mask), made once per stage and microbatch, is not in these
   counts: the cost model adds it per stage, as measured by a profile taken with the
   mask (``attention_mask_bytes``), or for a causal profile ``ModelSpec.stage_mask_bytes``
-  in the profile's dtype;
+  in the profile's dtype.  Nor is the explicit softmax's causal mask, one [s, s] bool
+  tensor a stage makes once for all its microbatches: the cost model adds
+  ``ModelSpec.causal_mask_bytes`` once per stage (``StageCost.shared_bytes``);
 * optimizer step seconds of the stage's parameters (the last stage of a pipeline also
   updates its copy of the tied word embedding; an untied output layer is part of the
   head);
@@ -319,14 +321,22 @@ class Profile:
 
     def overhead(self, first: bool, last: bool, b: int) -> Tuple[float, float]:
         """(forward, backward) seconds per microbatch the trainer spends on a stage of
-        this kind beyond its pieces (zero for a profile without ``stages``)."""
+        this kind beyond its pieces (zero for a profile without ``stages``).
+
+        Interpolated inside the profiled micro-batch sizes, held at the nearest end
+        outside them, and never below zero: the overhead is a difference of two timings
+        (the stage minus its pieces), mostly per-call Python, so its slope is noise, and
+        a line through two noisy points extrapolated to a larger b once went so negative
+        that it cancelled the stage's compute and the planner predicted 18x the measured
+        throughput."""
         if self._overhead is None:
             return 0.0, 0.0
         kind = ("whole" if last else "first") if first else ("last" if last else "middle")
         rows = self._overhead[kind]
         xs = self.micro_batch_sizes
-        return (interpolate(xs, [r[0] for r in rows], b),
-                interpolate(xs, [r[1] for r in rows], b))
+        b = min(max(b, xs[0]), xs[-1])
+        return (max(interpolate(xs, [r[0] for r in rows], b), 0.0),
+                max(interpolate(xs, [r[1] for r in rows], b), 0.0))
 
     @property
     def has_overhead(self) -> bool:
@@ -384,13 +394,17 @@ class Profile:
 
     def stage_stash_bytes(self, layers: int, first: bool, last: bool, b: int,
                           recompute: bool = False) -> int:
-        """Bytes the executor counts per in-flight microbatch on such a stage (with a
-        --reset-attention-mask profile, its measured mask too, except under
-        recomputation, where the forward keeps nothing but the input and the ids)."""
+        """Bytes the executor's counter charges each in-flight microbatch on such a stage:
+        with a --reset-attention-mask profile its measured mask too, and with a causal
+        profile of the explicit softmax its [s, s] causal mask, which the counter sees
+        in every microbatch although the stage holds one for all of them (the cost model
+        charges it once: ``StageCost.shared_bytes``); under recomputation, where the
+        forward keeps nothing but the input and the ids, neither."""
         st = self.stage(layers, first, last, b)
         if recompute:
             return st.recompute_stash_bytes
-        return st.stash_bytes + (self.attention_mask_bytes(b) if layers > 0 else 0)
+        masks = self.attention_mask_bytes(b) + int(self.model_spec().causal_mask_bytes())
+        return st.stash_bytes + (masks if layers > 0 else 0)
 
     # -- the model it was taken of ------------------------------------------------------
     def grad_bytes(self) -> float:
