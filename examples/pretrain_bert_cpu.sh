@@ -12,7 +12,11 @@
 # The checkpoint goes to $SAVE (default checkpoints/bert_cpu), which
 # examples/finetune_mnli.sh and examples/finetune_race.sh read.  As in Megatron's
 # scripts, --load names the same directory: a rerun resumes from its latest
-# checkpoint (and says "nothing to train" once TRAIN_ITERS are done).
+# checkpoint (and says "nothing to train" once TRAIN_ITERS are done).  A rerun with a
+# larger TRAIN_ITERS stops with an error, as Megatron's does: the checkpoint's LR
+# schedule decays over the old TRAIN_ITERS (run pretrain_bert.py with the same flags
+# plus --override-opt_param-scheduler to take the new length).  INPUT is preprocessed
+# again when it (or VOCAB) is not what $OUT/corpus.source says the dataset came from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,12 +33,20 @@ DATA_ARGS=(--mock-data)
 if [ -n "${DATA:-}" ]; then
   DATA_ARGS=(--data-path "$DATA" --split 949,50,1)
 elif [ -n "${INPUT:-}" ]; then
+  [ -f "$INPUT" ] || { echo "INPUT=$INPUT: no such file (JSON lines {\"text\": ...})" >&2; exit 1; }
   mkdir -p "$OUT"
-  if [ ! -s "$OUT/corpus_text_sentence.idx" ]; then
+  # $OUT/corpus.source names what the dataset was made from (INPUT's path, size and
+  # modification time, and VOCAB): another INPUT or VOCAB, or an edited INPUT, is
+  # preprocessed again instead of training on the previous corpus
+  SOURCE="$(cd "$(dirname "$INPUT")" && pwd)/$(basename "$INPUT")"
+  SOURCE="$SOURCE $(stat -c '%s %Y' "$INPUT" 2>/dev/null || stat -f '%z %m' "$INPUT") $VOCAB"
+  if [ ! -s "$OUT/corpus_text_sentence.idx" ] || \
+     [ "$(cat "$OUT/corpus.source" 2>/dev/null)" != "$SOURCE" ]; then
     echo "[bert] splitting $INPUT into sentences and tokenizing"
     $PY tools/preprocess_data.py --input "$INPUT" --json-keys text --split-sentences \
         --tokenizer-type BertWordPieceLowerCase --vocab-file "$VOCAB" --workers 2 \
         --output-prefix "$OUT/corpus"
+    echo "$SOURCE" > "$OUT/corpus.source"
   fi
   DATA_ARGS=(--data-path "$OUT/corpus_text_sentence" --split 949,50,1)
 fi

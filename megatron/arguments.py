@@ -24,6 +24,7 @@ import torch
 
 from megatron import megatron_lm_flags
 from megatron.errors import UserError, prints_for_its_node
+from megatron.data.dataset_utils import is_number  # what --data-path reads as a weight
 from megatron.config import (
     GRAD_DTYPE_SUPPORTED,
     PIPELINE_SCHEDULES,
@@ -641,8 +642,12 @@ def _check_parallel(args: argparse.Namespace, world_size: int) -> None:
     _require(args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
              f"--tensor-model-parallel-size ({tp})")
-    if tp == 1:
-        args.sequence_parallel = False  # nothing to split (Megatron-LM does the same)
+    if tp == 1 and args.sequence_parallel:
+        # nothing to split; Megatron-LM disables it too, with a warning
+        args.sequence_parallel = False
+        args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+            "note: --sequence-parallel changes nothing with --tensor-model-parallel-size 1 "
+            "(it splits sequences over the tensor-parallel ranks)"]
     if args.sequence_parallel:
         _require(args.seq_length % tp == 0,
                  f"--sequence-parallel splits each sequence over the {tp} tensor ranks: "
@@ -902,27 +907,23 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         v = getattr(args, dest)
         _require(0.0 <= v < 1.0, f"{_flag(dest)} must be in [0, 1), got {v}")
     _require(args.adam_eps > 0, f"--adam-eps must be positive, got {args.adam_eps}")
+    # the GPT and BERT datasets shuffle with numpy's RandomState(--seed), which takes
+    # [0, 2^32 - 1]; outside it the run failed with a traceback while building them
+    _require(0 <= args.seed < 2 ** 32,
+             f"--seed must be between 0 and 2^32 - 1 = {2 ** 32 - 1}, got {args.seed}")
     _check_lr_schedule(args)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _data_prefixes(data_path: Sequence[str]) -> List[str]:
     """Prefixes named by --data-path, checking the weighted 'w1 p1 w2 p2' form."""
-    if not any(_is_number(item) for item in data_path):
+    if not any(is_number(item) for item in data_path):
         return list(data_path)
     _require(len(data_path) % 2 == 0,
              f"--data-path in weighted form must alternate weight and prefix "
              f"('0.3 a 0.7 b'), got {len(data_path)} entries: {' '.join(data_path)}")
     prefixes = []
     for weight, prefix in zip(data_path[0::2], data_path[1::2]):
-        _require(_is_number(weight) and not _is_number(prefix),
+        _require(is_number(weight) and not is_number(prefix),
                  f"--data-path in weighted form must alternate weight and prefix "
                  f"('0.3 a 0.7 b'), got '{weight} {prefix}'")
         _require(float(weight) > 0 and math.isfinite(float(weight)),
@@ -933,7 +934,7 @@ def _data_prefixes(data_path: Sequence[str]) -> List[str]:
 
 def _parse_split(split: str) -> List[float]:
     parts = [p.strip() for p in split.replace("/", ",").split(",")]
-    _require(1 <= len(parts) <= 3 and all(_is_number(p) for p in parts),
+    _require(1 <= len(parts) <= 3 and all(is_number(p) for p in parts),
              f"--split must be up to three numbers 'train, valid, test' (e.g. '969, 30, 1'), "
              f"got '{split}'")
     values = [float(p) for p in parts]

@@ -338,7 +338,9 @@ def _fit_rows(tensor: torch.Tensor, rows: int, real: Optional[int]) -> torch.Ten
     an input and only ever pushed down as outputs, so a copy keeps the new logits as
     unlikely as the old padding ones (a zero row would give logit 0, which can be a
     likely token).  Its optimizer moments are copied alike.  Without padding rows in the
-    source, new rows are zero."""
+    source, new rows are the mean row: its logit is the mean of the real ones, so each
+    new row adds at most 1/have of the softmax mass (Jensen), where a zero row's logit 0
+    can outweigh every real token of a model whose logits are negative (GPT-2's)."""
     have = tensor.shape[0]
     if have >= rows:
         return tensor if have == rows else tensor[:rows].clone()
@@ -346,7 +348,7 @@ def _fit_rows(tensor: torch.Tensor, rows: int, real: Optional[int]) -> torch.Ten
     if real is not None and real < have:
         extra = tensor[-1:].expand(shape).clone()
     else:
-        extra = torch.zeros(shape, dtype=tensor.dtype)
+        extra = tensor.double().mean(0, keepdim=True).to(tensor.dtype).expand(shape)
     return torch.cat([tensor, extra], 0)
 
 

@@ -856,7 +856,8 @@ def _read_hf_config(hf_dir: str) -> Tuple[Dict[str, Any], str]:
 def _tensor_getter(weights: Dict[str, torch.Tensor], hf_dir: str, kind: str, sizes: str):
     """``get(name, *shape)``: the weight, checked to be a floating-point tensor of that
     shape.  ``kind`` names the state dict expected, ``sizes`` the config.json values the
-    shapes come from, so a file of another model is one error naming both."""
+    shapes come from, so a file of another model is one error naming both.  The names
+    taken are collected in ``get.used`` for ``_refuse_unused``."""
     def get(name: str, *shape: int) -> torch.Tensor:
         if name not in weights:
             raise CheckpointError(f"--from-hf {hf_dir}: weight {name!r} missing; expected "
@@ -866,15 +867,42 @@ def _tensor_getter(weights: Dict[str, torch.Tensor], hf_dir: str, kind: str, siz
             raise CheckpointError(
                 f"--from-hf {hf_dir}: weight {name!r} is {str(t.dtype).removeprefix('torch.')} "
                 f"{tuple(t.shape)}; {sizes} expects floating point {shape}")
+        get.used.add(name)
         return t
+    get.used = set()
+    get.sizes = sizes
     return get
 
 
+def _refuse_unused(weights: Dict[str, torch.Tensor], get, hf_dir: str,
+                   ignorable: Tuple[str, ...]) -> None:
+    """A weight the config does not account for means the config and the weights are of
+    two models (config.json says 3 layers, the file holds 4): importing would drop it
+    silently, so it is one error naming it.  ``ignorable``: name suffixes that are
+    buffers or tied copies, not parameters (GPT-2's causal-mask ``attn.bias``, Llama's
+    ``rotary_emb.inv_freq``, the ``lm_head.weight`` of a tied model)."""
+    unused = sorted(n for n in weights if n not in get.used
+                    and not any(n == s or n.endswith("." + s) for s in ignorable))
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4
+                                         else "")
+        raise CheckpointError(f"--from-hf {hf_dir}: {len(unused)} weight(s) that {get.sizes} "
+                              f"does not account for ({shown}); the config and the weights "
+                              f"describe different models")
+
+
 def _pad_rows(t: torch.Tensor, padded: int) -> torch.Tensor:
-    """Vocabulary rows zero-padded to Megatron's padded size (as the trainer's padding
-    rows: never an input; their logits enter the softmax until training pushes them down)."""
-    extra = torch.zeros((padded - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
-    return torch.cat([t, extra], 0)
+    """Vocabulary rows padded to Megatron's padded size with the mean of the real rows.
+
+    Padding rows are never an input, but their logits enter the softmax (ours, as
+    Megatron-LM's).  A zero row gives logit 0, and a trained GPT-2's logits are far
+    below 0 (tens of units): 47 zero rows would take most of the probability and the
+    imported model's loss would be wrong by nats.  The mean row's logit is the mean of
+    the real logits, so by Jensen each padding row adds at most 1/vocab of the real
+    rows' softmax mass, for every input: the loss moves by at most
+    log(1 + padding / vocab) (0.0009 for GPT-2's 47 of 50257)."""
+    mean = t.double().mean(0, keepdim=True).to(t.dtype)
+    return torch.cat([t, mean.expand((padded - t.shape[0],) + tuple(t.shape[1:]))], 0)
 
 
 def _strip_prefix(weights: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
@@ -923,8 +951,8 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
     weights = _strip_prefix(_read_hf_weights(hf_dir, allow_unsafe), "transformer.")
     padded = vocab_size_with_padding(vocab, divisible_by, tp)
     get = _tensor_getter(weights, hf_dir, "GPT2LMHeadModel / GPT2Model",
-                         f"{cfg_path} (n_embd {hidden}, n_inner {ffn}, vocab_size {vocab}, "
-                         f"n_positions {positions})")
+                         f"{cfg_path} (n_layer {layers}, n_embd {hidden}, n_inner {ffn}, "
+                         f"vocab_size {vocab}, n_positions {positions})")
 
     full = {WORD_EMBEDDING: _pad_rows(get("wte.weight", vocab, hidden), padded),
             "embedding.position_embeddings.weight": get("wpe.weight", positions, hidden)}
@@ -949,6 +977,8 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
     full["encoder.final_layernorm.bias"] = get("ln_f.bias", hidden)
     if not tied:  # an lm_head of its own: --untie-embeddings-and-output-weights
         full["output_layer.weight"] = _pad_rows(get("lm_head.weight", vocab, hidden), padded)
+    _refuse_unused(weights, get, hf_dir, ("attn.bias", "attn.masked_bias")
+                   + (("lm_head.weight",) if tied else ()))
     full = {k: v.contiguous().clone() for k, v in full.items()}
     model_cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
                  "ffn_hidden_size": ffn, "seq_length": positions,
@@ -1151,9 +1181,9 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
     weights = _strip_prefix(_read_hf_weights(hf_dir, allow_unsafe), "model.")
     padded = vocab_size_with_padding(vocab, divisible_by, tp)
     get = _tensor_getter(weights, hf_dir, f"{_LLAMA_FAMILY[family]} / {family} base model",
-                         f"{cfg_path} (hidden_size {hidden}, intermediate_size {ffn}, "
-                         f"num_attention_heads {heads}, num_key_value_heads {groups}, "
-                         f"head_dim {d}, vocab_size {vocab})")
+                         f"{cfg_path} (num_hidden_layers {layers}, hidden_size {hidden}, "
+                         f"intermediate_size {ffn}, num_attention_heads {heads}, "
+                         f"num_key_value_heads {groups}, head_dim {d}, vocab_size {vocab})")
 
     full = {WORD_EMBEDDING: _pad_rows(get("embed_tokens.weight", vocab, hidden), padded)}
     parts = ("weight", "bias") if bias else ("weight",)
@@ -1186,6 +1216,8 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
     full["encoder.final_layernorm.weight"] = get("norm.weight", hidden)
     if not tied:
         full["output_layer.weight"] = _pad_rows(get("lm_head.weight", vocab, hidden), padded)
+    _refuse_unused(weights, get, hf_dir, ("rotary_emb.inv_freq",)
+                   + (("lm_head.weight",) if tied else ()))
     full = {k: v.contiguous().clone() for k, v in full.items()}
     model_cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
                  "ffn_hidden_size": ffn, "seq_length": positions,

@@ -501,7 +501,10 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
                                           lambda n, unit: batch_sizes.samples_after(n)
                                           if unit == "samples" else batch_sizes.iterations(n))))
         except ValueError as exc:
-            raise CheckpointError(f"--load {tr.load}: {exc}") from None
+            err = CheckpointError(f"--load {tr.load}: {exc}")
+            # every rank holds the same schedule and the same flags: one line per node
+            err.every_rank_alike = True
+            raise err from None
     if not tr.no_load_rng and payload.get("rng_state") is not None:
         try:
             set_rng_state(payload["rng_state"])
@@ -696,13 +699,18 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
                                ", no checkpoint saved"))
             result.exited_early = True
             break
+        # evaluation and saves are not training time: the log line after them would
+        # count them in its time per iteration (Megatron-LM leaves them out too)
         if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
-            losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation", it, logger)
+            with logger.paused():
+                losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
+                                            it, logger)
             state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size
             if losses:
                 result.eval_losses[it] = losses
         if tr.save and tr.save_interval and it % tr.save_interval == 0:
-            _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
+            with logger.paused():
+                _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
         if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
             if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
                 _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
@@ -810,11 +818,13 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
     train_iter, valid_iter, test_iter = build_data_iterators(cfg, groups, tokenizer,
                                                              datasets_provider, state)
     check_train_data(cfg, train_iter)
+    check_eval_data(cfg, valid_iter)
     flops = flops_per_iteration(cfg) if flops_per_iteration else None
     logger = TrainingLogger(cfg, groups, flops_per_iteration=flops)
     logger.banner(engine, model)
     result = TrainingResult()
-    barrier_with_message("start of training")
+    with logger.paused():  # waiting for the slowest rank's set-up is no iteration's time
+        barrier_with_message("start of training")
     engine.clock_origin = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
     if not cfg.training.skip_train:
         exits = ExitRequests(cfg)
@@ -912,6 +922,26 @@ def check_train_data(cfg: MegatronConfig, train_iter) -> None:
         raise DataError(f"nothing to train on: the training split is empty (--split "
                         f"'{cfg.data.split}', --data-path {' '.join(cfg.data.data_path) or '-'}); "
                         "give the training part a share of the data")
+
+
+def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
+    """Evaluation only (--skip-train) was asked for: there must be something to
+    evaluate, or the run would do nothing and exit 0 (every rank builds the same
+    datasets, so every rank raises)."""
+    from megatron.arguments import ArgumentError  # a verdict on flags: one line a node
+
+    tr = cfg.training
+    if not tr.skip_train:
+        return
+    if not tr.eval_iters:
+        raise ArgumentError("nothing to do: --skip-train only evaluates, and --eval-iters 0 "
+                            "evaluates nothing; give --eval-iters a positive number of "
+                            "batches")
+    if valid_iter is None:
+        raise DataError(f"nothing to evaluate: --skip-train only evaluates, and the "
+                        f"validation split is empty (--split '{cfg.data.split}', --data-path "
+                        f"{' '.join(cfg.data.data_path) or '-'}); give the validation part a "
+                        "share of the data")
 
 
 def _shared_embedding_copy(engine: PipelineEngine) -> Optional[torch.Tensor]:

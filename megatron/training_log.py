@@ -1,6 +1,7 @@
 """Megatron-style log lines, printed by the last rank (it holds the losses)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Dict, Optional
@@ -97,6 +98,18 @@ class TrainingLogger:
             + (f" | receives posted {'ahead' if engine.p2p.prepost_receives else 'when needed'}"
                if self.groups.pp_size > 1 else "")
             + f" | parameters on the last stage: {n_params:,}")
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent inside (evaluation, checkpoint saves, the start-up barrier)
+        out of the next log line's time per iteration, samples/s and TFLOP/s, as
+        Megatron-LM stops its 'interval-time' timer around them: otherwise the first line
+        after an evaluation reports the evaluation as training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t_last += time.perf_counter() - start
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.writer is not None:

@@ -8,6 +8,25 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron.errors import DataError, prints_for_its_node
+
+
+class TaskDataError(DataError):
+    """A --train-data/--valid-data file that cannot be used.  Every rank reads the same
+    files from the same flags, so each would print the same line: only local rank 0 of
+    each node does (``every_rank_alike``), as for a bad flag."""
+
+    every_rank_alike = True
+
+
+def fail(message: str) -> None:
+    """``error: message`` on stderr and exit 2, for a problem every rank finds alike (the
+    flags, the task files): one line per node, as ``megatron.entry`` prints an error
+    ``every_rank_alike``, not one per rank in torchrun's output."""
+    if prints_for_its_node():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
 
 @dataclass
 class ReadReport:

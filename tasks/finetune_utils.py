@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.arguments import add_task_args
-from tasks.data_utils import ReadReport
+from tasks.data_utils import ReadReport, TaskDataError, fail
 
 
 @dataclass
@@ -38,7 +38,9 @@ class FinetuneTask:
 @dataclass
 class FinetuneResult:
     accuracy: Dict[int, Dict[str, float]] = field(default_factory=dict)
-    """epoch (1-based; 0 = before training) -> {validation set: accuracy} (last stage)."""
+    """epoch (1-based; 0 = before training) -> {validation set: accuracy} (last stage).
+    An evaluation-only run without --train-data does not know how many iterations an
+    epoch had: it keys (and prints) the checkpoint's iteration instead."""
     reports: Dict[str, ReadReport] = field(default_factory=dict)
     training: Any = None
     iteration: int = 0
@@ -56,8 +58,7 @@ def _is_rank0() -> bool:
 
 
 def _fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    fail(message)
 
 
 # ------------------------------------------------------------------------ forward step
@@ -129,13 +130,11 @@ def evaluate_accuracy(engine, dataset, cfg, groups) -> Optional[Dict[str, float]
 # ------------------------------------------------------------------------- set-up
 def _read_all(task: FinetuneTask, raw) -> Tuple[List[Any], List[Tuple[str, List[Any]]],
                                                 Dict[str, ReadReport]]:
-    from megatron.errors import DataError
-
     def read(flag: str, paths: Sequence[str]) -> Tuple[List[Any], ReadReport]:
         try:
             return task.read(paths)
         except (ValueError, OSError) as exc:  # the reader names the file and what it expected
-            raise DataError(f"{flag}: {exc}") from None
+            raise TaskDataError(f"{flag}: {exc}") from None
 
     reports: Dict[str, ReadReport] = {}
     train: List[Any] = []
@@ -259,20 +258,31 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
     logger = TrainingLogger(cfg, groups)
     logger.banner(engine, model)
     result = FinetuneResult(reports=reports, training=TrainingResult())
-    barrier_with_message(f"start of {task.name} finetuning")
+    with logger.paused():  # waiting for the slowest rank's set-up is no iteration's time
+        barrier_with_message(f"start of {task.name} finetuning")
 
-    def score(epoch: int) -> None:
+    def score(epoch: int, when: str = "") -> None:
+        when = when or f"epoch {epoch}"
+        with logger.paused():  # scoring between epochs is not training time
+            _score(epoch, when)
+
+    def _score(epoch: int, when: str) -> None:
         for name, ds in valid_ds:
             out = evaluate_accuracy(engine, ds, cfg, groups)
             if out is not None:
                 result.accuracy.setdefault(epoch, {})[name] = out["accuracy"]
-                print_rank_last(f" {task.name} epoch {epoch} | validation {name} | accuracy "
+                print_rank_last(f" {task.name} {when} | validation {name} | accuracy "
                                 f"{out['accuracy']:.4f} ({out['correct']}/{out['count']}) | "
                                 f"loss {out['loss']:.6E}")
 
     total = tr.train_iters or 0
     if tr.skip_train or train_ds is None or total == 0:
-        score(state.iteration // per_epoch)
+        if train_ds is None and state.iteration > 0:
+            # without --train-data the epoch length is unknown: iteration // 1 would be
+            # printed as the epoch ('epoch 98' for a one-epoch RACE checkpoint)
+            score(state.iteration, f"iteration {state.iteration}")
+        else:
+            score(state.iteration // per_epoch)
     else:
         epochs = math.ceil(total / per_epoch)
         gbs = tr.global_batch_size

@@ -30,7 +30,10 @@ def main(argv: Optional[List[str]] = None):
     pre.add_argument("--task", choices=TASKS, default=None)
     task = pre.parse_known_args(argv)[0].task
     if task is None:
-        print(f"error: --task is required (one of {', '.join(TASKS)})", file=sys.stderr)
+        from megatron.errors import prints_for_its_node
+
+        if prints_for_its_node():  # every rank has the same command line: one line per node
+            print(f"error: --task is required (one of {', '.join(TASKS)})", file=sys.stderr)
         sys.exit(2)
     if task == "MNLI":
         from tasks.glue.mnli import main as run

@@ -48,6 +48,7 @@ from megatron.checkpoint_merge import (CheckpointShards, LoadReport,  # noqa: E4
                                        read_checkpoint, split_for_stage, to_global, to_local)
 from megatron.entry import exit_with_user_error  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
+from megatron.arguments import OneLineParser  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the script
@@ -62,7 +63,7 @@ _EPILOG = """workflows:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="checkpoint_util.py", description=__doc__.split("\n\n")[0],
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", help="checkpoint directory written by --save (reshard, export)")

@@ -26,6 +26,7 @@ from megatron.pipeline.schedules import SCHEDULES, STEP_PLACEMENTS, build_schedu
 from megatron.pipeline.simulator import simulate, unit_cost  # noqa: E402
 from megatron.pipeline.timeline_plot import image_path_problem, plot_timeline  # noqa: E402
 from megatron.errors import UserError, check_parents_are_directories  # noqa: E402
+from megatron.arguments import OneLineParser  # noqa: E402
 from megatron.pipeline.trace import load_traces, save_chrome_trace, window_events  # noqa: E402
 
 
@@ -33,7 +34,7 @@ _RANK_IN_NAME = re.compile(r"rank(\d+)\D*$")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--schedule", choices=SCHEDULES, help="simulate this schedule")
     src.add_argument("--trace", help="glob (quote it) or comma-separated list of "

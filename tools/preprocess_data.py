@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype  # noqa: E402
 from megatron.entry import exit_with_user_error  # noqa: E402
 from megatron.errors import DataError, UserError  # noqa: E402
+from megatron.arguments import OneLineParser  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
 # Per-worker state, set by _init_worker in each pool process.
@@ -44,7 +45,7 @@ Encoded = Tuple[np.ndarray, List[int], List[int]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSON-lines file, one document per line")
@@ -59,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", required=True,
                    help="GPT2BPETokenizer, SentencePieceTokenizer, BertWordPieceLowerCase, "
                         "BertWordPieceCase, HuggingFaceTokenizer, NullTokenizer, CharTokenizer, ...")
-    g.add_argument("--vocab-file", default=None, help="vocabulary (BPE / WordPiece)")
+    # --vocab: Megatron-LM's 2020-21 README and scripts wrote it, which its parser took
+    # as --vocab-file; here it would be an ambiguous prefix (--vocab-file, --vocab-size)
+    g.add_argument("--vocab-file", "--vocab", default=None,
+                   help="vocabulary (BPE / WordPiece)")
     g.add_argument("--merge-file", default=None, help="BPE merge file")
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model; HuggingFaceTokenizer: a tokenizer directory "
@@ -82,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "'tokenizers' package is installed (ids are identical either way)")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="print progress every this many documents")
+    g = p.add_argument_group("Megatron-LM flags accepted so its commands run unchanged")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="Megatron-LM splits the input into this many files and merges "
+                        "their outputs; here --workers parallelises one pass and the "
+                        "files are the same")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="Megatron-LM's guarantee of input order with --partitions; the "
+                        "output here is always in input order")
+    g.add_argument("--lang", default="english",
+                   help="Megatron-LM's NLTK punkt language for --split-sentences; the "
+                        "splitter here is rule-based English")
     return p
 
 
@@ -94,6 +109,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.partitions < 1:
+        parser.error(f"--partitions must be >= 1, got {args.partitions}")
+    if args.partitions > 1:
+        print(f"note: --partitions {args.partitions}: one pass over --input with --workers "
+              f"{args.workers} writes the same files as Megatron-LM's partitions merged",
+              file=sys.stderr)
+    if args.split_sentences and args.lang.lower() != "english":
+        print(f"note: --lang {args.lang}: the sentence splitter here is rule-based English "
+              f"(Megatron-LM uses NLTK's punkt model for the language); sentences of other "
+              f"languages may be cut differently", file=sys.stderr)
     return args
 
 

@@ -93,13 +93,21 @@ def train_sentencepiece(args: argparse.Namespace) -> List[str]:
     import sentencepiece as spm
 
     for path in args.input:
+        if os.path.isdir(path):
+            raise FileNotFoundError(f"--input {path!r} is a directory; expected a text or "
+                                    f"JSON-lines file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--input: no such file: {path!r}")
     # Line sampling is random; a fixed seed makes the trained model reproducible.
     if hasattr(spm, "set_random_generator_seed"):
         spm.set_random_generator_seed(args.seed)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:  # a file where a directory of the prefix should be, no rights
+        raise OSError(f"--output-prefix {args.output_prefix}: cannot create the directory "
+                      f"{out_dir} ({exc.strerror or exc}); expected a writable "
+                      f"directory path") from None
     try:
         _train(spm, args)
     except RuntimeError as exc:  # SentencePiece's own checks, e.g. a corpus too small

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.dataset_utils import (cache_key, check_token_ids, empty_split_error,
-                                         index_cache_dir, load_cached_arrays, open_prefix,
-                                         parse_data_path, save_npy_atomic, split_boundaries,
-                                         write_text_atomic)
+from megatron.data.dataset_utils import (alike_on_every_rank, cache_key, check_token_ids,
+                                         empty_split_error, index_cache_dir,
+                                         load_cached_arrays, open_prefix, parse_data_path,
+                                         save_npy_atomic, split_boundaries, write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
@@ -371,6 +371,7 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
     return mapping, False
 
 
+@alike_on_every_rank
 def build_train_valid_test_datasets(data_prefix: List[str], split: str,
                                     train_valid_test_num_samples: Sequence[int],
                                     max_seq_length: int, seed: int, info: BertVocabInfo,
@@ -383,8 +384,17 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
     from megatron.data.blendable_dataset import BlendableDataset
 
     prefixes, weights = parse_data_path(data_prefix)
+    # A valid/test split that no prefix has documents for is skipped, as with one
+    # prefix: Megatron-LM's blends skip a split whose --split share is 0 (--split
+    # 100,0,0).  One that only some prefixes lack is still an error (naming the prefix).
+    num_samples = list(train_valid_test_num_samples)
+    if len(prefixes) > 1:
+        bounds = [split_boundaries(split, len(open_prefix(p).doc_idx) - 1) for p in prefixes]
+        for s in (1, 2):
+            if all(b[s] == b[s + 1] for b in bounds):
+                num_samples[s] = 0
     counts = np.zeros((len(prefixes), 3), dtype=np.int64)
-    for s, n in enumerate(train_valid_test_num_samples):
+    for s, n in enumerate(num_samples):
         if n > 0:
             if len(prefixes) == 1:
                 counts[0, s] = n
@@ -411,4 +421,4 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
     if len(prefixes) == 1:
         return tuple(per_prefix[0])
     return tuple(BlendableDataset([d[s] for d in per_prefix], weights, int(n)) if n > 0 else None
-                 for s, n in enumerate(train_valid_test_num_samples))
+                 for s, n in enumerate(num_samples))

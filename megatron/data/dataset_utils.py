@@ -5,6 +5,7 @@ in ``helpers.cpp`` compute; tests compare the two on random inputs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -16,6 +17,23 @@ import numpy as np
 
 from megatron.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 from megatron.errors import DataError
+
+
+def alike_on_every_rank(build: Callable) -> Callable:
+    """``build``'s DataErrors come from the flags and files every rank reads alike (each
+    rank builds its datasets at start-up): they are marked ``every_rank_alike``, so local
+    rank 0 of each node prints the one line, not every rank in torchrun's output.  A
+    problem in one sample (a token id outside the vocabulary), which only the rank that
+    reads it meets, is raised by ``__getitem__``, outside ``build``, and still prints on
+    that rank."""
+    @functools.wraps(build)
+    def wrapper(*args, **kwargs):
+        try:
+            return build(*args, **kwargs)
+        except DataError as exc:
+            exc.every_rank_alike = True
+            raise
+    return wrapper
 
 
 def parse_split(split: str) -> List[float]:
@@ -50,13 +68,28 @@ def split_boundaries(split: str, size: int) -> List[int]:
     return [min(max(b, 0), size) for b in bounds]
 
 
+def is_number(text: str) -> bool:
+    """True for a --data-path weight (or a --split share): what float() reads."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
-    """``--data-path`` ("p" or "w1 p1 w2 p2 ...") -> (prefixes, normalised weights)."""
+    """``--data-path`` ("p", "w1 p1 w2 p2 ..." or "p1 p2 ...") -> (prefixes, normalised
+    weights).  Prefixes without weights (no item is a number) are weighted by their
+    token counts, as Megatron-LM blends such a list: it uses each dataset whole, so each
+    one's share is its size (``size_weights``; the files are opened here)."""
     items = [str(p) for p in data_path]
     if not items:
         raise DataError("--data-path: no dataset prefix given")
     if len(items) == 1:
         return items, [1.0]
+    if not any(is_number(p) for p in items):
+        prefixes = [p.strip() for p in items]
+        return prefixes, size_weights(prefixes)
     if len(items) % 2:
         raise DataError(f"--data-path {' '.join(items)}: expected a single prefix or "
                          f"'weight prefix' pairs such as '0.3 a 0.7 b'")
@@ -75,6 +108,16 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
     if total <= 0:
         raise DataError("--data-path: the weights must not all be zero")
     return prefixes, [w / total for w in weights]
+
+
+def size_weights(prefixes: Sequence[str]) -> List[float]:
+    """Each prefix's share of the tokens of all of them: the weights of an unweighted
+    ``--data-path`` list."""
+    tokens = [int(open_prefix(p).sizes.sum(dtype=np.int64)) for p in prefixes]
+    total = sum(tokens)
+    if total <= 0:
+        raise DataError(f"--data-path {' '.join(prefixes)}: the datasets hold no tokens")
+    return [t / total for t in tokens]
 
 
 def open_prefix(prefix: str) -> IndexedDataset:

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.dataset_utils import (cache_key, check_token_ids, empty_split_error,
-                                         index_cache_dir, load_cached_arrays, open_prefix,
-                                         parse_data_path, save_npy_atomic, split_boundaries,
-                                         write_text_atomic)
+from megatron.data.dataset_utils import (alike_on_every_rank, cache_key, check_token_ids,
+                                         empty_split_error, index_cache_dir,
+                                         load_cached_arrays, open_prefix, parse_data_path,
+                                         save_npy_atomic, split_boundaries, write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
@@ -212,6 +212,12 @@ def _build_shuffle_idx(first: int, total: int, rng: np.random.RandomState) -> np
     return np.concatenate([head, tail])
 
 
+def _split_tokens(ds: IndexedDataset, split: str, s: int) -> int:
+    """Tokens in split ``s`` (0 train, 1 valid, 2 test) of ``ds`` under ``--split``."""
+    bounds = split_boundaries(split, len(ds))
+    return int(ds.sizes[bounds[s]:bounds[s + 1]].sum(dtype=np.int64))
+
+
 def _build_split_datasets(prefix: str, split: str, num_samples: Sequence[int],
                           seq_length: int, seed: int, data_cache_path: Optional[str],
                           require: bool, vocab_size: Optional[int] = None
@@ -238,6 +244,7 @@ def _build_split_datasets(prefix: str, split: str, num_samples: Sequence[int],
     return out
 
 
+@alike_on_every_rank
 def build_train_valid_test_datasets(data_prefix: List[str], split: str,
                                     train_valid_test_num_samples: Tuple[int, int, int],
                                     seq_length: int, seed: int,
@@ -245,9 +252,9 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
                                     vocab_size: Optional[int] = None):
     """(train, valid, test) datasets from ``--data-path``, ``--split`` and sample counts.
 
-    A split gets None when it needs no samples or, for a single prefix, is a valid or
-    test split without documents; a train split that needs samples but has no tokens
-    is a ``DataError``.  ``vocab_size`` enables the per-sample token-id check.
+    A split gets None when it needs no samples or is a valid or test split without
+    documents (for a blend: in no prefix); a train split that needs samples but has no
+    tokens is a ``DataError``.  ``vocab_size`` enables the per-sample token-id check.
     Several weighted prefixes give ``BlendableDataset``s whose components hold exactly
     the samples the blend draws from them.
     """
@@ -260,10 +267,18 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
         return tuple(_build_split_datasets(prefixes[0], split, train_valid_test_num_samples,
                                            seq_length, seed, data_cache_path, require=False,
                                            vocab_size=vocab_size))
+    # A valid/test split that no prefix has tokens for is skipped, as with one prefix:
+    # Megatron-LM's blends skip a split whose --split share is 0 (--split 100,0,0).
+    # One that only some prefixes lack is still an error (naming the prefix) below.
+    num_samples = list(train_valid_test_num_samples)
+    for s in (1, 2):
+        if num_samples[s] > 0 and not any(_split_tokens(open_prefix(p), split, s)
+                                          for p in prefixes):
+            num_samples[s] = 0
     # Count how many samples the blend takes from each prefix in each split, so every
     # component is built at exactly that size.
     counts = np.zeros((len(prefixes), 3), dtype=np.int64)
-    for s, n in enumerate(train_valid_test_num_samples):
+    for s, n in enumerate(num_samples):
         if n > 0:
             index, _ = helpers.build_blending_indices(np.asarray(weights), int(n))
             counts[:, s] = np.bincount(index, minlength=len(prefixes))
@@ -271,7 +286,7 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
                                         data_cache_path, require=True, vocab_size=vocab_size)
                   for j, p in enumerate(prefixes)]
     blends = []
-    for s, n in enumerate(train_valid_test_num_samples):
+    for s, n in enumerate(num_samples):
         if n <= 0:
             blends.append(None)
         else:

@@ -53,7 +53,8 @@ def _question_problem(question, options, answer) -> Optional[str]:
     if (not isinstance(options, list) or len(options) != NUM_CHOICES
             or not all(isinstance(o, str) for o in options)):
         return f"options must be a list of {NUM_CHOICES} strings"
-    if not isinstance(answer, str) or answer.strip() not in ANSWERS or not answer.strip():
+    # one letter: a substring test ('AB' in 'ABCD') would read 'AB' as A, 'BCD' as B
+    if not isinstance(answer, str) or answer.strip() not in tuple(ANSWERS):
         return f"answer {answer!r} is not one of A, B, C, D"
     return None
 

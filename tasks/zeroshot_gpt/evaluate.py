@@ -10,8 +10,9 @@ layout.  Reported, as Megatron does:
 
 * token perplexity  ``exp(L / (T - 1))``: L = summed loss over all T - 1 targets;
 * adjusted (word-level) perplexity ``exp(L / (W - 1))`` = ``exp(avg loss * ratio)`` with
-  ratio = (T - 1) / (W - 1), W the whitespace-separated words of the original file, so
-  models with different tokenizers are comparable.
+  ratio = (T - 1) / (W - 1), W the words of the original file as Megatron counts them
+  (its space-separated pieces, line ends included: ``count_words``), so models with
+  different tokenizers are comparable, with each other and with Megatron-LM's numbers.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
-from megatron.errors import DataError
 from tasks.arguments import add_task_args
+from tasks.data_utils import TaskDataError, fail
 from tasks.zeroshot_gpt.datasets import (LMWindowDataset, PaddingWindows, count_words,
                                          read_wikitext, wikitext_detokenize)
 
@@ -75,13 +76,10 @@ def _setup(argv: List[str]):
 
     raw = parse_args(argv, extra_args_provider=add_task_args)
     if not raw.valid_data:
-        print("error: --task WIKITEXT103 needs --valid-data (the WikiText test file)",
-              file=sys.stderr)
-        sys.exit(2)
+        fail("--task WIKITEXT103 needs --valid-data (the WikiText test file)")
     if not (raw.load or raw.pretrained_checkpoint):
-        print("error: --task WIKITEXT103 needs --load (or --pretrained-checkpoint): the GPT "
-              "checkpoint to evaluate", file=sys.stderr)
-        sys.exit(2)
+        fail("--task WIKITEXT103 needs --load (or --pretrained-checkpoint): the GPT "
+             "checkpoint to evaluate")
     if not raw.skip_train:
         argv = argv + ["--skip-train"]  # evaluation only: no data corpus, lr or iterations
     if raw.train_iters is None and raw.lr_decay_iters is None and raw.lr_decay_samples is None:
@@ -90,8 +88,7 @@ def _setup(argv: List[str]):
     args, cfg = parse_and_validate(argv, extra_args_provider=add_task_args)
     problem = overlapping_eval_error(args.overlapping_eval, cfg.model.seq_length)
     if problem:  # now, not after the model and checkpoint are loaded
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        fail(problem)
     return args, cfg
 
 
@@ -128,8 +125,8 @@ def _evaluate(args, cfg, original: str, tokenizer, groups, device):
 
     tokens = tokenizer.tokenize(wikitext_detokenize(original))
     if len(tokens) < 2:
-        raise DataError(f"--valid-data {' '.join(args.valid_data)}: {len(tokens)} tokens; "
-                        f"expected text with at least two tokens to score")
+        raise TaskDataError(f"--valid-data {' '.join(args.valid_data)}: {len(tokens)} tokens; "
+                            f"expected text with at least two tokens to score")
     _, optimizer, _, engine = setup_model_and_optimizer(
         cfg, groups, device, pretrain_gpt.model_provider, forward_step)
     load_pretrained(engine, optimizer, args.load or args.pretrained_checkpoint, groups, (),

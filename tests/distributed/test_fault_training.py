@@ -677,8 +677,9 @@ def test_resume_with_another_lr_schedule_needs_megatrons_flag(tmp_path):
     _train(_argv("--save", ckpt, *linear, iters=2), pretrain_gpt.forward_step)
     with pytest.raises(CheckpointError, match=r"--load .*decay_steps=2 but this run has "
                                               r"decay_steps=4 \(iterations\); pass --override-opt_param-"
-                                              r"scheduler .* --use-checkpoint-opt_param-scheduler"):
+                                              r"scheduler .* --use-checkpoint-opt_param-scheduler") as info:
         _train(_argv("--load", ckpt, *linear, iters=4), pretrain_gpt.forward_step)
+    assert info.value.every_rank_alike  # the same schedule on every rank: one line a node
     kept = _train(_argv("--load", ckpt, *linear, "--override-opt_param-scheduler", iters=4),
                   pretrain_gpt.forward_step)
     taken = _train(_argv("--load", ckpt, *linear, "--use-checkpoint-opt_param-scheduler",

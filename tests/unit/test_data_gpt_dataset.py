@@ -65,6 +65,51 @@ def test_parse_data_path():
             parse_data_path(bad)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_prefixes_without_weights_are_weighted_by_their_tokens(tmp_path, kind):
+    """Megatron-LM blends an unweighted --data-path list using each dataset whole: here
+    each prefix's weight is its share of the tokens, the same blend as those weights
+    given explicitly; a missing prefix of such a list is named."""
+    from megatron.data.dataset_utils import open_prefix
+    from megatron.data.indexed_dataset import IndexedDatasetBuilder
+    from tests.unit.test_bert_dataset import _info
+    from tests.unit.test_qa30_blend_splits import _corpus
+
+    def sentences(prefix, n_docs):  # documents of four 10-token sentences
+        rng = np.random.default_rng(n_docs)
+        b = IndexedDatasetBuilder(f"{prefix}.bin", np.int32)
+        for _ in range(n_docs):
+            for _ in range(4):
+                b.add_item(rng.integers(4, 90, 10))
+            b.end_document()
+        b.finalize(f"{prefix}.idx")
+        return str(prefix)
+
+    if kind == "gpt":
+        pa, pb = _corpus(tmp_path / "a", 40, 1), _corpus(tmp_path / "b", 12, 2)
+        args = ("1,0,0", (30, 0, 0), 8, 3, str(tmp_path / "cache"))
+    else:
+        from megatron.data.bert_dataset import MaskingConfig
+        from megatron.data.bert_dataset import build_train_valid_test_datasets as build
+        pa, pb = sentences(tmp_path / "a", 24), sentences(tmp_path / "b", 8)
+        args = ("1,0,0", (30, 0, 0), 32, 1, _info(100), MaskingConfig(),
+                str(tmp_path / "cache"))
+    build = build_train_valid_test_datasets if kind == "gpt" else build
+    tokens = [int(open_prefix(p).sizes.sum()) for p in (pa, pb)]
+    prefixes, weights = parse_data_path([pa, pb])
+    assert prefixes == [pa, pb] and weights == pytest.approx(
+        [tokens[0] / sum(tokens), tokens[1] / sum(tokens)])
+    assert 0.55 < weights[0] < 0.95  # the datasets differ in size: not an even split
+    plain = build([pa, pb], *args)[0]
+    weighted = build([str(tokens[0]), pa, str(tokens[1]), pb], *args)[0]
+    assert len(plain) == len(weighted) == 30
+    for i in range(30):
+        for key, value in plain[i].items():
+            assert np.array_equal(value, weighted[i][key]), (i, key)
+    with pytest.raises(DataError, match="--data-path: dataset prefix .*nope.* not found"):
+        build([pa, str(tmp_path / "nope")], *args)
+
+
 def test_missing_prefix_names_flag_and_files(tmp_path):
     with pytest.raises(DataError) as info:
         build_train_valid_test_datasets([str(tmp_path / "nope")], "1,0,0", (4, 0, 0), 8, 1)

@@ -53,18 +53,6 @@ def test_float_token_file_is_refused_not_cast(tmp_path):
         open_prefix(prefix)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "bert"])
-def test_several_prefixes_without_weights_is_a_data_error(tmp_path, kind):
-    if kind == "gpt":
-        from megatron.data.gpt_dataset import build_train_valid_test_datasets as build
-        args = ("1,0,0", (4, 0, 0), 8, 1)
-    else:
-        from megatron.data.bert_dataset import build_train_valid_test_datasets as build
-        args = ("1,0,0", (4, 0, 0), 16, 1, None, None)
-    with pytest.raises(DataError, match="--data-path: .* should be a weight before prefix"):
-        build([str(tmp_path / "a"), str(tmp_path / "b")], *args)
-
-
 def test_corrupt_gpt_index_cache_is_rebuilt(tmp_path, capsys):
     from megatron.data.gpt_dataset import GPTDataset
     from megatron.data.indexed_dataset import IndexedDataset
