@@ -388,7 +388,8 @@ def run(argv: Optional[List[str]] = None) -> int:
             extra += ["--ddp-bucket-size", str(args.ddp_bucket_size)]
         cmd = command_line(best, model, gpus_per_server=hw.gpus_per_server, extra_args=extra,
                            precision=planned_precision(
-                               hw.name, profile.model.get("dtype") if profile else None))
+                               hw.name, profile.model.get("dtype") if profile else None,
+                               bf16=hw.bf16))
     except (PlanningError, ValueError) as exc:
         print(f"plan.py: error: {exc}", file=sys.stderr)
         return 2

@@ -129,3 +129,8 @@ def test_cpu_plans_run_in_fp32_and_2bw_must_pay_for_its_staleness(tmp_path):
     gpu = _plan("--model", "gpt-2.2b", "--cluster", "p3.16xlarge", "--num-gpus", "16",
                 "--max-batch-size", "128")
     assert gpu.returncode == 0 and "--fp16" in gpu.stdout.strip().splitlines()[-1]
+    # an H100 computes bf16 at its half-precision rate: no loss scale to tune
+    h100 = _plan("--model", "gpt-1.3b", "--cluster", "h100-sxm", "--num-gpus", "8",
+                 "--max-batch-size", "64")
+    cmd = h100.stdout.strip().splitlines()[-1]
+    assert h100.returncode == 0 and "--bf16" in cmd and "--fp16" not in cmd, h100.stdout

@@ -57,6 +57,9 @@ class HardwareSpec:
     achieved_flops * n / (n + half_efficiency_tokens).  0 disables the curve."""
     note: str = ""
     """Where the numbers come from."""
+    bf16: bool = False
+    """The accelerator computes bfloat16 at its half-precision rate (Ampere and later):
+    planned commands then train in --bf16, which needs no loss scaling, not --fp16."""
 
     def __post_init__(self) -> None:
         if self.gpus_per_server < 1:
@@ -102,6 +105,7 @@ P3_16XLARGE = HardwareSpec(
 
 DGX_A100 = HardwareSpec(
     name="dgx-a100",
+    bf16=True,
     gpus_per_server=8,
     gpu_memory_bytes=80 * GiB,
     peak_flops=312e12,
@@ -118,6 +122,7 @@ DGX_A100 = HardwareSpec(
 
 H100_SXM = HardwareSpec(
     name="h100-sxm",
+    bf16=True,
     gpus_per_server=8,
     gpu_memory_bytes=80 * GiB,
     peak_flops=989e12,

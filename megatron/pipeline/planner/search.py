@@ -373,13 +373,18 @@ def command_line(plan: Union[PlanRow, Config], model: ModelSpec,
 PRECISIONS = ("fp16", "bf16", "fp32", "fp64")
 
 
-def planned_precision(hardware_name: str, profile_dtype: Optional[str] = None) -> str:
+def planned_precision(hardware_name: str, profile_dtype: Optional[str] = None,
+                      bf16: bool = False) -> str:
     """The precision a planned command runs in: a profile's own dtype, else fp32 on a CPU
     (half precision is emulated there, 4.4 s against 10 ms an iteration on a small GPT:
-    bench/cpu_precision.py), else fp16 as the paper's GPU runs."""
+    bench/cpu_precision.py), else bf16 where the accelerator has it at full rate
+    (``HardwareSpec.bf16``: A100, H100; no loss scaling to tune), else fp16 as the
+    paper's V100 runs."""
     if profile_dtype:
         return profile_dtype
-    return "fp32" if hardware_name == "cpu" else "fp16"
+    if hardware_name == "cpu":
+        return "fp32"
+    return "bf16" if bf16 else "fp16"
 
 
 def _recompute_label(c: Config) -> str:
