@@ -878,6 +878,19 @@ def check_state_fits(source: str, state: Dict[str, torch.Tensor], module: torch.
     ours = module.state_dict()
     problems = [f"{k} is {tuple(v.shape)} in the checkpoint, {tuple(ours[k].shape)} here"
                 for k, v in state.items() if k in ours and tuple(v.shape) != tuple(ours[k].shape)]
+    missing = [k for k in ours if k not in state]
+    unexpected = [k for k in state if k not in ours]
+    if strict and not problems and (missing or unexpected) and all(
+            k.split(".")[0].endswith("head") for k in missing + unexpected):
+        # the body fits and only the output heads differ: a checkpoint of another task
+        # (MNLI's classification head at RACE) or of pretraining (BERT's lm_head)
+        def heads(names: Sequence[str]) -> str:
+            return ", ".join(sorted({k.split(".")[0] for k in names})) or "none"
+        raise CheckpointError(
+            f"{source}: the checkpoint's output heads ({heads(unexpected)}) are not this "
+            f"model's ({heads(missing)}): it was saved by another task or model kind; to "
+            f"start from its weights with a new head, pass it as --pretrained-checkpoint "
+            f"(finetuning) instead of resuming it")
     if strict:
         problems += [f"{k} is missing from the checkpoint" for k in ours if k not in state]
         problems += [f"{k} is in the checkpoint but not in this model" for k in state

@@ -256,6 +256,26 @@ def test_state_of_another_shape_is_one_line_before_load_state_dict():
     check_state_fits("--load ck", dict(module.state_dict()), module)
 
 
+def test_checkpoint_of_another_task_names_the_heads_and_the_way_round():
+    """--load of an MNLI checkpoint at RACE: the body fits, the heads differ; the line
+    names both heads and --pretrained-checkpoint, not the shape flags."""
+    def model(head: str, outputs: int) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.encoder = torch.nn.Linear(4, 4)
+        setattr(m, head, torch.nn.Linear(4, outputs))
+        return m
+    mnli, race = model("classification_head", 3), model("multichoice_head", 1)
+    with pytest.raises(CheckpointError) as info:
+        check_state_fits("--load ck", dict(mnli.state_dict()), race)
+    text = str(info.value)
+    assert ("output heads (classification_head) are not this model's (multichoice_head)"
+            in text and "--pretrained-checkpoint" in text and "--num-layers" not in text)
+    wider = model("classification_head", 3)
+    wider.encoder = torch.nn.Linear(4, 5)  # the body differs too: the shape message
+    with pytest.raises(CheckpointError, match="does not fit this model: encoder.weight"):
+        check_state_fits("--load ck", dict(wider.state_dict()), race)
+
+
 def test_resume_with_another_optimizer_or_rng_state_is_one_error(monkeypatch, tmp_path):
     """maybe_load turns a restore failure (here: ValueError of the optimizer, a malformed
     RNG state) into a CheckpointError naming --load, not a traceback."""
