@@ -39,6 +39,7 @@ from megatron.config import (
 
 from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402 - one list of names
 from megatron.optimizer.staleness import MITIGATIONS  # noqa: E402
+from megatron.optimizer.lr_scheduler import DECAY_STYLES, WSD_DECAY_STYLES  # noqa: E402
 from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402 - one list of names
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -284,8 +285,16 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
                         "with --overlap-param-gather their weight gathers, in finer steps.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required to train).")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decayed learning rate.")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
-                   help="Learning-rate decay after warmup.")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear",
+                   help="Learning-rate decay after warmup (inverse-square-root: max_lr * "
+                        "sqrt(warmup / step); WSD: constant, then an anneal over the last "
+                        "--lr-wsd-decay-iters of the decay).")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
+                   help="Shape of the WSD anneal to --min-lr.")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="Iterations of the WSD anneal, the last ones of the decay.")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="Samples of the WSD anneal (alternative to --lr-wsd-decay-iters).")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="Iterations over which the LR decays (default: --train-iters).")
     g.add_argument("--lr-decay-samples", type=int, default=None,
@@ -863,12 +872,40 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
     elif args.lr_warmup_iters is None:
         args.lr_warmup_iters = 0
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    _check_wsd(args)
     _sample_based_schedule(args, decay_iters_given, frac)
     if args.lr_decay_iters is not None and args.lr_decay_style != "constant":
         _require(args.lr_warmup_iters < args.lr_decay_iters,
                  f"LR warmup ({args.lr_warmup_iters} iterations, --lr-warmup-iters) must be "
                  f"shorter than the LR decay ({args.lr_decay_iters} iterations, --lr-decay-iters "
                  f"or --train-iters) for --lr-decay-style {args.lr_decay_style}")
+
+
+def _check_wsd(args: argparse.Namespace) -> None:
+    """--lr-decay-style WSD anneals over --lr-wsd-decay-iters/-samples, which must fit
+    in the decay after warmup; the anneal flags mean nothing to another style."""
+    _require(not (args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_samples is not None),
+             "--lr-wsd-decay-iters and --lr-wsd-decay-samples are mutually exclusive")
+    _require_positive(args, "lr_wsd_decay_iters", "lr_wsd_decay_samples")
+    if args.lr_wsd_decay_samples is not None:
+        args.lr_wsd_decay_iters = _samples_to_iters(args, "lr_wsd_decay_samples")
+    if args.lr_decay_style != "WSD":
+        given = [f for f in ("lr_wsd_decay_iters", "lr_wsd_decay_samples")
+                 if getattr(args, f) is not None]
+        if given:
+            args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+                f"note: {_flag(given[-1])} changes nothing with --lr-decay-style "
+                f"{args.lr_decay_style} (it is the anneal of --lr-decay-style WSD)"]
+        return
+    _require(args.lr_wsd_decay_iters is not None,
+             "--lr-decay-style WSD needs the length of its anneal: give "
+             "--lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+    if args.lr_decay_iters is not None:
+        room = args.lr_decay_iters - args.lr_warmup_iters
+        _require(args.lr_wsd_decay_iters <= room,
+                 f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) must fit in the decay "
+                 f"after warmup: {args.lr_decay_iters} iterations (--lr-decay-iters or "
+                 f"--train-iters) - {args.lr_warmup_iters} of warmup = {room}")
 
 
 def _sample_based_schedule(args: argparse.Namespace, decay_iters_given: bool,
@@ -888,6 +925,14 @@ def _sample_based_schedule(args: argparse.Namespace, decay_iters_given: bool,
         args.lr_warmup_samples = int(round(frac * args.lr_decay_samples))
     elif args.lr_warmup_samples is None:
         args.lr_warmup_samples = args.lr_warmup_iters * gbs
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_samples is None:
+        args.lr_wsd_decay_samples = args.lr_wsd_decay_iters * gbs
+    if args.lr_decay_style == "WSD":
+        room = args.lr_decay_samples - args.lr_warmup_samples
+        _require(args.lr_wsd_decay_samples <= room,
+                 f"the WSD anneal ({args.lr_wsd_decay_samples} samples, "
+                 f"--lr-wsd-decay-samples/-iters) must fit in the decay after warmup: "
+                 f"{room} samples")
     if args.lr_decay_style != "constant":
         _require(args.lr_warmup_samples < args.lr_decay_samples,
                  f"LR warmup ({args.lr_warmup_samples} samples) must be shorter than the LR "
@@ -1297,6 +1342,10 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
         lr_warmup_iters=args.lr_warmup_iters, lr_schedule_unit=args.lr_schedule_unit,
         lr_decay_samples=args.lr_decay_samples, lr_warmup_samples=args.lr_warmup_samples,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters if args.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_samples=(args.lr_wsd_decay_samples if args.lr_decay_style == "WSD"
+                              else None),
         weight_decay=args.weight_decay,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,

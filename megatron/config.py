@@ -271,7 +271,13 @@ class OptimizerConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
-    """constant, linear or cosine."""
+    """constant, linear, cosine, inverse-square-root or WSD."""
+    lr_wsd_decay_style: str = "exponential"
+    """Shape of the WSD anneal: exponential, linear, cosine or minus_sqrt."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Iterations of the WSD anneal (the last ones of the decay); WSD only."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """With lr_schedule_unit 'samples': samples of the WSD anneal."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the LR decays; defaults to train_iters."""
     lr_warmup_iters: int = 0

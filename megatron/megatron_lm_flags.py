@@ -81,9 +81,6 @@ class CompatFlag:
 
 _FUSION = "picks a fused kernel of Megatron-LM: none here, the arithmetic is the same"
 _TB = "a TensorBoard option of Megatron-LM: --tensorboard-dir writes this trainer's scalars"
-_WSD = ("warmup-stable-decay learning-rate schedules are not built (--lr-decay-style is "
-        "constant, linear or cosine; Megatron-LM's inverse-square-root and WSD styles are "
-        "not built either)")
 _DECOUPLED = ("a learning rate of its own for the input and output layers is not built (all "
               "parameters follow --lr)")
 _WD_INCR = "a weight decay that changes during training is not built (--weight-decay is constant)"
@@ -205,10 +202,7 @@ FLAGS: Tuple[CompatFlag, ...] = (
                nargs=None),
     CompatFlag("--keep-last", "refused",
                "finetuning drops the last incomplete batch of every epoch"),
-    # ---- learning-rate and weight-decay schedules not built here
-    CompatFlag("--lr-wsd-decay-style", "refused", _WSD, nargs=None),
-    CompatFlag("--lr-wsd-decay-iters", "refused", _WSD, nargs=None),
-    CompatFlag("--lr-wsd-decay-samples", "refused", _WSD, nargs=None),
+    # ---- learning-rate and weight-decay options not built here
     CompatFlag("--lr-warmup-init", "ignored", "the warm-up starts from a learning rate of 0, "
                "the default", nargs=None, ok_values=("0", "0.0"),
                refused_why="a warm-up from a non-zero learning rate is not built (it starts "

@@ -1,10 +1,18 @@
-"""Learning-rate schedule: linear warmup, then constant, linear or cosine decay.
+"""Learning-rate schedule: linear warmup, then constant, linear, cosine,
+inverse-square-root or warmup-stable-decay (WSD), Megatron-LM's five styles.
 
 Step counting follows Megatron-LM: ``decay_steps`` is counted from step 0 (it includes
 the warmup), so after warmup the decay ratio is
 ``(step - warmup_steps) / (decay_steps - warmup_steps)`` and the rate stays at
 ``min_lr`` once ``step > decay_steps``.  During warmup the rate rises linearly from 0
 (at step 0) to ``max_lr`` (at ``step == warmup_steps``).
+
+* ``inverse-square-root``: after warmup, ``max_lr * sqrt(warmup_steps / step)`` (warmup
+  counted as at least 1), never below ``min_lr``; ``decay_steps`` plays no part.
+* ``WSD``: ``max_lr`` until the last ``wsd_decay_steps`` steps before ``decay_steps``,
+  then an anneal to ``min_lr`` over them, shaped by ``wsd_decay_style``: ``linear``
+  (1 - r), ``cosine``, ``exponential`` (2 * 0.5^r - 1) or ``minus_sqrt`` (1 - sqrt r),
+  with r the fraction of the anneal done.
 
 The schedule is a pure function of the step (``get_lr(step)``), so the trainer can ask
 for the rate of any iteration; ``step()`` only advances the stored counter.
@@ -19,23 +27,50 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Optional
 
-DECAY_STYLES = ("constant", "linear", "cosine")
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 # Hyper-parameters stored in a checkpoint and compared on load.
-_HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+_HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style",
+            "wsd_decay_steps", "wsd_decay_style")
+_WSD_DEFAULTS = {"wsd_decay_steps": None, "wsd_decay_style": "exponential"}
+"""What a checkpoint saved before the WSD style holds (it had no such fields)."""
 UNITS = ("iterations", "samples")
+
+
+def _wsd_coefficient(style: str, ratio: float) -> float:
+    """Share of (max_lr - min_lr) left after the fraction ``ratio`` of a WSD anneal."""
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return 2.0 * 0.5 ** ratio - 1.0
+    return 1.0 - math.sqrt(ratio)  # minus_sqrt
 
 
 class OptimizerParamScheduler:
     """Megatron-style learning-rate schedule over optimizer steps."""
 
     def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
-                 decay_style: str, unit: str = "iterations") -> None:
+                 decay_style: str, unit: str = "iterations",
+                 wsd_decay_steps: Optional[int] = None,
+                 wsd_decay_style: str = "exponential") -> None:
         if unit not in UNITS:
             raise ValueError(f"lr scheduler unit must be one of {', '.join(UNITS)}, got {unit!r}")
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, "
                              f"got {decay_style!r}")
+        if wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style must be one of "
+                             f"{', '.join(WSD_DECAY_STYLES)}, got {wsd_decay_style!r}")
+        if decay_style == "WSD" and not (
+                wsd_decay_steps is not None
+                and 0 < wsd_decay_steps <= decay_steps - max(warmup_steps, 0)):
+            raise ValueError(f"--lr-decay-style WSD needs an anneal of 1 to "
+                             f"{decay_steps - warmup_steps} {unit} (the decay after warmup): "
+                             f"--lr-wsd-decay-iters/--lr-wsd-decay-samples, got "
+                             f"{wsd_decay_steps}")
         if max_lr < 0.0 or min_lr < 0.0 or min_lr > max_lr:
             raise ValueError(f"learning rates need 0 <= --min-lr <= --lr, got min_lr={min_lr}, "
                              f"lr={max_lr}")
@@ -49,15 +84,20 @@ class OptimizerParamScheduler:
         self.warmup_steps = int(warmup_steps)
         self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
+        self.wsd_decay_steps = None if wsd_decay_steps is None else int(wsd_decay_steps)
+        self.wsd_decay_style = wsd_decay_style
         self.unit = unit
         self.num_steps = 0
 
     @classmethod
     def from_config(cls, opt_cfg: Any, train_iters: Optional[int]) -> "OptimizerParamScheduler":
         """Build from an ``OptimizerConfig``; decay defaults to the whole run."""
+        wsd_style = getattr(opt_cfg, "lr_wsd_decay_style", "exponential")
         if getattr(opt_cfg, "lr_schedule_unit", "iterations") == "samples":
             return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_samples,
-                       opt_cfg.lr_decay_samples, opt_cfg.lr_decay_style, unit="samples")
+                       opt_cfg.lr_decay_samples, opt_cfg.lr_decay_style, unit="samples",
+                       wsd_decay_steps=getattr(opt_cfg, "lr_wsd_decay_samples", None),
+                       wsd_decay_style=wsd_style)
         decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
         if decay is None:
             if opt_cfg.lr_decay_style != "constant":
@@ -65,7 +105,9 @@ class OptimizerParamScheduler:
                                  f"--lr-decay-style {opt_cfg.lr_decay_style}")
             decay = opt_cfg.lr_warmup_iters
         return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_iters, decay,
-                   opt_cfg.lr_decay_style)
+                   opt_cfg.lr_decay_style,
+                   wsd_decay_steps=getattr(opt_cfg, "lr_wsd_decay_iters", None),
+                   wsd_decay_style=wsd_style)
 
     def get_lr(self, step: Optional[int] = None) -> float:
         """Learning rate at ``step`` (default: the current step counter)."""
@@ -74,8 +116,18 @@ class OptimizerParamScheduler:
             return self.max_lr * step / self.warmup_steps
         if self.decay_style == "constant":
             return self.max_lr
+        if self.decay_style == "inverse-square-root":
+            lr = self.max_lr * math.sqrt(max(self.warmup_steps, 1) / max(step, 1))
+            return max(self.min_lr, lr)
         if step > self.decay_steps:
             return self.min_lr
+        if self.decay_style == "WSD":
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            if step <= anneal_start:
+                return self.max_lr
+            coeff = _wsd_coefficient(self.wsd_decay_style,
+                                     (step - anneal_start) / self.wsd_decay_steps)
+            return self.min_lr + coeff * (self.max_lr - self.min_lr)
         ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
@@ -114,6 +166,7 @@ class OptimizerParamScheduler:
         """
         if override and use_checkpoint:
             raise ValueError("lr scheduler: override and use_checkpoint are mutually exclusive")
+        sd = {**_WSD_DEFAULTS, **sd}  # saved before the WSD style: it had none
         missing = [k for k in _HPARAMS + ("num_steps",) if k not in sd]
         if missing:
             raise ValueError(f"lr scheduler checkpoint state lacks {missing}")
@@ -123,13 +176,17 @@ class OptimizerParamScheduler:
                              f"expected one of {', '.join(UNITS)}")
         if theirs_unit != self.unit:
             sd = _convert_units(sd, self.unit, samples_per_iteration, convert)
-        # decay length means nothing to a constant schedule on both sides
+        # decay length means nothing to a constant schedule on both sides, nor an anneal
+        # to a schedule that is not WSD on both sides
         constant = self.decay_style == sd["decay_style"] == "constant"
+        no_wsd = self.decay_style != "WSD" and sd["decay_style"] != "WSD"
         for name in _HPARAMS:
             ours, theirs = getattr(self, name), sd[name]
+            moot = ((constant and name == "decay_steps")
+                    or (no_wsd and name.startswith("wsd_")))
             if use_checkpoint:
                 setattr(self, name, theirs)
-            elif not override and ours != theirs and not (constant and name == "decay_steps"):
+            elif not override and ours != theirs and not moot:
                 raise ValueError(
                     f"lr scheduler: checkpoint has {name}={theirs!r} but this run has "
                     f"{name}={ours!r}{f' ({self.unit})' if name in _STEP_FIELDS else ''}; "
@@ -138,7 +195,7 @@ class OptimizerParamScheduler:
         self.num_steps = int(sd["num_steps"])
 
 
-_STEP_FIELDS = ("warmup_steps", "decay_steps", "num_steps")
+_STEP_FIELDS = ("warmup_steps", "decay_steps", "wsd_decay_steps", "num_steps")
 
 
 def _convert_units(sd: Dict[str, Any], unit: str, samples_per_iteration: Optional[float],
@@ -147,7 +204,12 @@ def _convert_units(sd: Dict[str, Any], unit: str, samples_per_iteration: Optiona
     if convert is not None:
         out = {**sd, "unit": unit}
         for name in _STEP_FIELDS:
-            out[name] = int(convert(int(sd[name]), unit))
+            if sd.get(name) is not None and name != "wsd_decay_steps":
+                out[name] = int(convert(int(sd[name]), unit))
+        if sd.get("wsd_decay_steps") is not None:  # a length: the anneal ends at the decay's end
+            end = int(sd["decay_steps"])
+            out["wsd_decay_steps"] = out["decay_steps"] - int(
+                convert(end - int(sd["wsd_decay_steps"]), unit))
         return out
     if not samples_per_iteration or samples_per_iteration <= 0:
         raise ValueError(f"lr scheduler: the checkpoint counts its schedule in "
@@ -156,6 +218,7 @@ def _convert_units(sd: Dict[str, Any], unit: str, samples_per_iteration: Optiona
     factor = samples_per_iteration if unit == "samples" else 1.0 / samples_per_iteration
     out = dict(sd)
     for name in _STEP_FIELDS:
-        out[name] = int(round(sd[name] * factor))
+        if sd.get(name) is not None:
+            out[name] = int(round(sd[name] * factor))
     out["unit"] = unit
     return out

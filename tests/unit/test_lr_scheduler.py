@@ -107,3 +107,96 @@ def test_sample_based_schedule_steps_by_batches_and_converts_old_states():
         OptimizerParamScheduler(1.0, 0.0, 16, 64, "linear", unit="samples").load_state_dict(old)
     with pytest.raises(ValueError, match="unit"):
         OptimizerParamScheduler(1.0, 0.0, 2, 8, "linear", unit="epochs")
+
+
+def test_inverse_square_root_after_warmup():
+    """Megatron-LM's inverse-square-root: max_lr * sqrt(warmup / step), floored at min_lr;
+    the decay length plays no part."""
+    s = sched("inverse-square-root", warmup=16, decay=20, min_lr=0.1)
+    assert s.get_lr(8) == pytest.approx(0.5)  # warmup as the other styles
+    assert [s.get_lr(k) for k in (16, 64, 256)] == pytest.approx([1.0, 0.5, 0.25])
+    assert s.get_lr(1600) == pytest.approx(0.1) and s.get_lr(10**6) == 0.1  # the floor
+    # no warmup: counted as one step of it
+    assert OptimizerParamScheduler(1.0, 0.0, 0, 10, "inverse-square-root").get_lr(4) == 0.5
+
+
+@pytest.mark.parametrize("style,coeff", [
+    ("linear", lambda r: 1 - r), ("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1)),
+    ("exponential", lambda r: 2 * 0.5 ** r - 1), ("minus_sqrt", lambda r: 1 - math.sqrt(r))])
+def test_wsd_is_constant_then_anneals_over_its_last_steps(style, coeff):
+    """WSD with decay 110, warmup 10 and an anneal of 40: max_lr up to step 70, then the
+    style's curve from 1 to 0 of (max_lr - min_lr), min_lr after step 110."""
+    s = OptimizerParamScheduler(1.0, 0.1, 10, 110, "WSD", wsd_decay_steps=40,
+                                wsd_decay_style=style)
+    assert s.get_lr(5) == pytest.approx(0.5)
+    assert [s.get_lr(k) for k in (10, 40, 70)] == [1.0, 1.0, 1.0]
+    for k in (71, 80, 90, 109, 110):
+        assert s.get_lr(k) == pytest.approx(0.1 + 0.9 * coeff((k - 70) / 40)), k
+    assert s.get_lr(110) == pytest.approx(0.1) and s.get_lr(111) == 0.1
+    rates = [s.get_lr(k) for k in range(70, 111)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # never rises
+
+
+def test_wsd_needs_an_anneal_that_fits_and_round_trips():
+    for bad in (None, 0, 101):
+        with pytest.raises(ValueError, match="WSD needs an anneal of 1 to 100"):
+            OptimizerParamScheduler(1.0, 0.0, 10, 110, "WSD", wsd_decay_steps=bad)
+    with pytest.raises(ValueError, match="--lr-wsd-decay-style"):
+        OptimizerParamScheduler(1.0, 0.0, 10, 110, "WSD", wsd_decay_steps=5,
+                                wsd_decay_style="exp")
+    s = OptimizerParamScheduler(1.0, 0.0, 10, 110, "WSD", wsd_decay_steps=40)
+    s.step(90)
+    t = OptimizerParamScheduler(1.0, 0.0, 10, 110, "WSD", wsd_decay_steps=40)
+    t.load_state_dict(s.state_dict())
+    assert t.get_lr() == s.get_lr() < 1.0
+    with pytest.raises(ValueError, match="wsd_decay_steps=40 but this run has wsd_decay_steps=20"):
+        OptimizerParamScheduler(1.0, 0.0, 10, 110, "WSD", wsd_decay_steps=20).load_state_dict(
+            s.state_dict())
+    # a checkpoint from before WSD existed (no wsd fields) resumes a linear run as before
+    old = {k: v for k, v in sched("linear").state_dict().items() if not k.startswith("wsd_")}
+    sched("linear").load_state_dict(old)
+    # the anneal converted between units: its samples end where the decay's do
+    samples = OptimizerParamScheduler(1.0, 0.0, 80, 880, "WSD", unit="samples",
+                                      wsd_decay_steps=320)
+    samples.load_state_dict(s.state_dict(), samples_per_iteration=8.0)
+    assert samples.num_steps == 720 and samples.get_lr() == pytest.approx(s.get_lr())
+
+
+def test_wsd_and_inverse_square_root_from_megatron_lm_flags(monkeypatch):
+    """Megatron-LM's flags of the two styles reach the scheduler; bad combinations are
+    one error line each, before any rank waits."""
+    from megatron.arguments import ArgumentError, build_config, parse_args, validate_args
+
+    monkeypatch.setenv("RANK", "0")
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--lr", "1.0", "--min-lr", "0.1",
+            "--mock-data", "--vocab-size", "100", "--lr-warmup-iters", "10"]
+
+    def scheduler(*extra):
+        args = validate_args(parse_args(base + list(extra)), 1)
+        return args, OptimizerParamScheduler.from_config(build_config(args).optimizer,
+                                                         args.train_iters)
+
+    _, s = scheduler("--train-iters", "110", "--lr-decay-style", "WSD",
+                     "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", "40")
+    assert (s.decay_style, s.wsd_decay_steps, s.wsd_decay_style) == ("WSD", 40, "linear")
+    assert s.get_lr(70) == 1.0 and s.get_lr(90) == pytest.approx(0.55)
+    _, s = scheduler("--train-samples", "880", "--lr-decay-style", "WSD",
+                     "--lr-wsd-decay-iters", "40")  # counted in samples: 40 x 8
+    assert (s.unit, s.wsd_decay_steps, s.wsd_decay_style) == ("samples", 320, "exponential")
+    _, s = scheduler("--train-iters", "110", "--lr-decay-style", "inverse-square-root")
+    assert s.get_lr(40) == pytest.approx(0.5)
+    args, s = scheduler("--train-iters", "110", "--lr-wsd-decay-iters", "40")
+    assert s.decay_style == "linear" and s.wsd_decay_steps is None
+    assert any("--lr-wsd-decay-iters changes nothing" in n for n in args.megatron_lm_notes)
+    for extra, message in (
+            (["--lr-decay-style", "WSD"], "WSD needs the length of its anneal"),
+            (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "101"],
+             r"--lr-wsd-decay-iters \(101\) must fit in the decay after warmup: 110 "
+             r"iterations .* = 100"),
+            (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4",
+              "--lr-wsd-decay-samples", "32"], "mutually exclusive"),
+            (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "0"], "lr-wsd-decay-iters")):
+        with pytest.raises(ArgumentError, match=message):
+            validate_args(parse_args(base + ["--train-iters", "110"] + extra), 1)
