@@ -285,6 +285,13 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
                         "with --overlap-param-gather their weight gathers, in finer steps.")
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required to train).")
     g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decayed learning rate.")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Peak learning rate of the input and output layers (the word "
+                        "embedding and the output layer, or the tied embedding on both "
+                        "ends), on the schedule of --lr: same warmup, decay style and "
+                        "length. Other parameters follow --lr (Megatron-LM's flag).")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Floor of the decayed --decoupled-lr (default: --min-lr).")
     g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear",
                    help="Learning-rate decay after warmup (inverse-square-root: max_lr * "
                         "sqrt(warmup / step); WSD: constant, then an anneal over the last "
@@ -306,7 +313,8 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     sched = g.add_mutually_exclusive_group()
     sched.add_argument("--override-opt_param-scheduler", action="store_true",
                        help="On --load, keep this run's learning-rate schedule (--lr, --min-lr, "
-                            "warmup, decay length and style) where it differs from the "
+                            "--decoupled-lr, --decoupled-min-lr, warmup, decay length and "
+                            "style) where it differs from the "
                             "checkpoint's.  Without this or the next flag a difference is an "
                             "error (as in Megatron-LM).")
     sched.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
@@ -940,12 +948,32 @@ def _sample_based_schedule(args: argparse.Namespace, decay_iters_given: bool,
                  f"--train-samples) for --lr-decay-style {args.lr_decay_style}")
 
 
+def _check_decoupled_lr(args: argparse.Namespace) -> None:
+    """--decoupled-lr and its floor: non-negative, floor <= peak, no floor alone."""
+    peak, floor = args.decoupled_lr, args.decoupled_min_lr
+    _require(floor is None or peak is not None,
+             "--decoupled-min-lr needs --decoupled-lr (the input and output layers follow "
+             "--lr and --min-lr without it)")
+    if peak is None:
+        return
+    _require(peak >= 0, f"--decoupled-lr must be >= 0, got {peak}")
+    if floor is None:
+        _require(args.min_lr <= peak,
+                 f"--decoupled-lr ({peak}) must be >= its floor, --min-lr ({args.min_lr}) "
+                 "when --decoupled-min-lr is not given")
+        return
+    _require(floor >= 0, f"--decoupled-min-lr must be >= 0, got {floor}")
+    _require(floor <= peak,
+             f"--decoupled-min-lr ({floor}) must be <= --decoupled-lr ({peak})")
+
+
 def _check_optimizer(args: argparse.Namespace) -> None:
     if args.lr is None:  # only reachable with --skip-train: no step is ever taken
         args.lr = 0.0
     _require(args.lr >= 0, f"--lr must be >= 0, got {args.lr}")
     _require(args.min_lr >= 0, f"--min-lr must be >= 0, got {args.min_lr}")
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    _check_decoupled_lr(args)
     _require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
     _require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
     for dest in ("adam_beta1", "adam_beta2", "sgd_momentum"):
@@ -1342,6 +1370,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
         lr_warmup_iters=args.lr_warmup_iters, lr_schedule_unit=args.lr_schedule_unit,
         lr_decay_samples=args.lr_decay_samples, lr_warmup_samples=args.lr_warmup_samples,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         lr_wsd_decay_iters=args.lr_wsd_decay_iters if args.lr_decay_style == "WSD" else None,
         lr_wsd_decay_samples=(args.lr_wsd_decay_samples if args.lr_decay_style == "WSD"

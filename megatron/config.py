@@ -270,6 +270,13 @@ class OptimizerConfig:
     """'adam' (decoupled weight decay, as Megatron) or 'sgd'."""
     lr: float = 1e-4
     min_lr: float = 0.0
+    decoupled_lr: Optional[float] = None
+    """Peak learning rate of the input and output layers (Megatron-LM's --decoupled-lr):
+    the first stage's word embedding and the last stage's output weight (untied, or its
+    copy of the tied embedding) follow the schedule's shape between this and
+    ``decoupled_min_lr``; None: every parameter follows ``lr``."""
+    decoupled_min_lr: Optional[float] = None
+    """Floor of the decoupled schedule (None: ``min_lr``)."""
     lr_decay_style: str = "linear"
     """constant, linear, cosine, inverse-square-root or WSD."""
     lr_wsd_decay_style: str = "exponential"

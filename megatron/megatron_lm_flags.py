@@ -81,8 +81,6 @@ class CompatFlag:
 
 _FUSION = "picks a fused kernel of Megatron-LM: none here, the arithmetic is the same"
 _TB = "a TensorBoard option of Megatron-LM: --tensorboard-dir writes this trainer's scalars"
-_DECOUPLED = ("a learning rate of its own for the input and output layers is not built (all "
-              "parameters follow --lr)")
 _WD_INCR = "a weight decay that changes during training is not built (--weight-decay is constant)"
 _SPLIT_PATHS = ("a dataset per split is not built: give one --data-path (or a weighted blend) "
                 "and --split")
@@ -207,8 +205,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "the default", nargs=None, ok_values=("0", "0.0"),
                refused_why="a warm-up from a non-zero learning rate is not built (it starts "
                            "from 0)"),
-    CompatFlag("--decoupled-lr", "refused", _DECOUPLED, nargs=None),
-    CompatFlag("--decoupled-min-lr", "refused", _DECOUPLED, nargs=None),
     CompatFlag("--weight-decay-incr-style", "ignored",
                "a constant weight decay (--weight-decay) is the default", nargs=None,
                ok_values=("constant",), refused_why=_WD_INCR),

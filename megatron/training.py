@@ -329,6 +329,8 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         scheduler = OptimizerParamScheduler(cfg.optimizer.lr or 0.0, 0.0, 0, 1, "constant")
     else:
         scheduler = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training.train_iters)
+    # --decoupled-lr: the input and output layers' rate of the step being taken
+    optimizer.decoupled_lr_provider = scheduler.get_decoupled_lr
     engine = PipelineEngine(
         model=model, optimizer=optimizer, groups=groups,
         schedule=cfg.parallel.pipeline_schedule,

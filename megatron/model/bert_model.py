@@ -175,6 +175,12 @@ class BertModel(PipelineStage):
             self.output_word_embeddings.weight.shared_embedding = True
         if pre_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        # the input and output layers (--decoupled-lr), as Megatron-LM marks them; the
+        # last stage's copy of the tied embedding too, so both copies move alike
+        if pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.output_word_embeddings is not None:
+            self.output_word_embeddings.weight.is_embedding_or_output_parameter = True
         mark_replicated_parameters(self)
 
     # -- forward ------------------------------------------------------------------------

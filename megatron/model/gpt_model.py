@@ -92,6 +92,11 @@ class GPTModel(PipelineStage):
                 sequence_parallel=config.sequence_parallel)
         if pre_process and share_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        # the input and output layers (--decoupled-lr), marked as Megatron-LM marks them
+        for layer in (self.embedding, self.output_word_embeddings, self.output_layer):
+            if layer is not None:
+                weight = layer.word_embeddings.weight if layer is self.embedding else layer.weight
+                weight.is_embedding_or_output_parameter = True
         mark_replicated_parameters(self)
 
     def _output_logits(self, hidden: torch.Tensor) -> torch.Tensor:

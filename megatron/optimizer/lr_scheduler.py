@@ -17,6 +17,11 @@ the warmup), so after warmup the decay ratio is
 The schedule is a pure function of the step (``get_lr(step)``), so the trainer can ask
 for the rate of any iteration; ``step()`` only advances the stored counter.
 
+``--decoupled-lr`` (Megatron-LM's): the input and output layers follow a second schedule
+of the same shape (warmup, style, decay length, WSD anneal) from ``decoupled_lr`` to
+``decoupled_min_lr`` (``get_decoupled_lr``); ``get_lr`` stays the rate of every other
+parameter, the one the log line shows.
+
 A step is an iteration, or, for a ``--train-samples`` run (``unit="samples"``), a
 sample: the counter then advances by the global batch size per applied batch, as in
 Megatron-LM, and warmup and decay stay put when the batch size changes on resume.
@@ -33,8 +38,11 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 # Hyper-parameters stored in a checkpoint and compared on load.
 _HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style",
             "wsd_decay_steps", "wsd_decay_style")
-_WSD_DEFAULTS = {"wsd_decay_steps": None, "wsd_decay_style": "exponential"}
-"""What a checkpoint saved before the WSD style holds (it had no such fields)."""
+_DECOUPLED = ("decoupled_lr", "decoupled_min_lr")
+"""Saved and compared only where --decoupled-lr is given (None: no decoupled schedule)."""
+_DEFAULTS = {"wsd_decay_steps": None, "wsd_decay_style": "exponential",
+             "decoupled_lr": None, "decoupled_min_lr": None}
+"""What a checkpoint saved before the WSD style or --decoupled-lr holds (no such fields)."""
 UNITS = ("iterations", "samples")
 
 
@@ -55,7 +63,9 @@ class OptimizerParamScheduler:
     def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  decay_style: str, unit: str = "iterations",
                  wsd_decay_steps: Optional[int] = None,
-                 wsd_decay_style: str = "exponential") -> None:
+                 wsd_decay_style: str = "exponential",
+                 decoupled_lr: Optional[float] = None,
+                 decoupled_min_lr: Optional[float] = None) -> None:
         if unit not in UNITS:
             raise ValueError(f"lr scheduler unit must be one of {', '.join(UNITS)}, got {unit!r}")
         if decay_style not in DECAY_STYLES:
@@ -74,6 +84,14 @@ class OptimizerParamScheduler:
         if max_lr < 0.0 or min_lr < 0.0 or min_lr > max_lr:
             raise ValueError(f"learning rates need 0 <= --min-lr <= --lr, got min_lr={min_lr}, "
                              f"lr={max_lr}")
+        if decoupled_lr is None and decoupled_min_lr is not None:
+            raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+        if decoupled_lr is not None:
+            decoupled_min_lr = min_lr if decoupled_min_lr is None else decoupled_min_lr
+            if decoupled_lr < 0.0 or decoupled_min_lr < 0.0 or decoupled_min_lr > decoupled_lr:
+                raise ValueError(f"decoupled learning rates need 0 <= --decoupled-min-lr <= "
+                                 f"--decoupled-lr, got decoupled_min_lr={decoupled_min_lr}, "
+                                 f"decoupled_lr={decoupled_lr}")
         if warmup_steps < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {warmup_steps}")
         if decay_style != "constant" and decay_steps <= warmup_steps:
@@ -86,6 +104,10 @@ class OptimizerParamScheduler:
         self.decay_style = decay_style
         self.wsd_decay_steps = None if wsd_decay_steps is None else int(wsd_decay_steps)
         self.wsd_decay_style = wsd_decay_style
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        """Peak rate of the input and output layers (None: they follow ``max_lr``)."""
+        self.decoupled_min_lr = None if decoupled_min_lr is None else float(decoupled_min_lr)
+        """Their floor (``min_lr`` where --decoupled-min-lr is not given)."""
         self.unit = unit
         self.num_steps = 0
 
@@ -93,11 +115,13 @@ class OptimizerParamScheduler:
     def from_config(cls, opt_cfg: Any, train_iters: Optional[int]) -> "OptimizerParamScheduler":
         """Build from an ``OptimizerConfig``; decay defaults to the whole run."""
         wsd_style = getattr(opt_cfg, "lr_wsd_decay_style", "exponential")
+        decoupled = dict(decoupled_lr=getattr(opt_cfg, "decoupled_lr", None),
+                         decoupled_min_lr=getattr(opt_cfg, "decoupled_min_lr", None))
         if getattr(opt_cfg, "lr_schedule_unit", "iterations") == "samples":
             return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_samples,
                        opt_cfg.lr_decay_samples, opt_cfg.lr_decay_style, unit="samples",
                        wsd_decay_steps=getattr(opt_cfg, "lr_wsd_decay_samples", None),
-                       wsd_decay_style=wsd_style)
+                       wsd_decay_style=wsd_style, **decoupled)
         decay = opt_cfg.lr_decay_iters if opt_cfg.lr_decay_iters is not None else train_iters
         if decay is None:
             if opt_cfg.lr_decay_style != "constant":
@@ -107,33 +131,45 @@ class OptimizerParamScheduler:
         return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_iters, decay,
                    opt_cfg.lr_decay_style,
                    wsd_decay_steps=getattr(opt_cfg, "lr_wsd_decay_iters", None),
-                   wsd_decay_style=wsd_style)
+                   wsd_decay_style=wsd_style, **decoupled)
 
     def get_lr(self, step: Optional[int] = None) -> float:
         """Learning rate at ``step`` (default: the current step counter)."""
-        step = self.num_steps if step is None else step
+        return self._rate(self.num_steps if step is None else step, self.max_lr, self.min_lr)
+
+    def get_decoupled_lr(self, step: Optional[int] = None) -> float:
+        """Learning rate of the input and output layers at ``step``: the schedule's shape
+        from ``decoupled_lr`` to ``decoupled_min_lr``, or ``get_lr`` without a
+        decoupled rate."""
+        if self.decoupled_lr is None:
+            return self.get_lr(step)
+        return self._rate(self.num_steps if step is None else step, self.decoupled_lr,
+                          self.decoupled_min_lr)
+
+    def _rate(self, step: int, max_lr: float, min_lr: float) -> float:
+        """The schedule at ``step`` between ``max_lr`` and ``min_lr``."""
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
+            return max_lr * step / self.warmup_steps
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.decay_style == "inverse-square-root":
-            lr = self.max_lr * math.sqrt(max(self.warmup_steps, 1) / max(step, 1))
-            return max(self.min_lr, lr)
+            lr = max_lr * math.sqrt(max(self.warmup_steps, 1) / max(step, 1))
+            return max(min_lr, lr)
         if step > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.decay_style == "WSD":
             anneal_start = self.decay_steps - self.wsd_decay_steps
             if step <= anneal_start:
-                return self.max_lr
+                return max_lr
             coeff = _wsd_coefficient(self.wsd_decay_style,
                                      (step - anneal_start) / self.wsd_decay_steps)
-            return self.min_lr + coeff * (self.max_lr - self.min_lr)
+            return min_lr + coeff * (max_lr - min_lr)
         ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
         else:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
         """Advance the counter and return the new learning rate."""
@@ -146,6 +182,8 @@ class OptimizerParamScheduler:
 
     def state_dict(self) -> Dict[str, Any]:
         sd = {name: getattr(self, name) for name in _HPARAMS}
+        if self.decoupled_lr is not None:  # absent otherwise, as before --decoupled-lr
+            sd.update({name: getattr(self, name) for name in _DECOUPLED})
         sd["num_steps"] = self.num_steps
         sd["unit"] = self.unit
         return sd
@@ -166,7 +204,7 @@ class OptimizerParamScheduler:
         """
         if override and use_checkpoint:
             raise ValueError("lr scheduler: override and use_checkpoint are mutually exclusive")
-        sd = {**_WSD_DEFAULTS, **sd}  # saved before the WSD style: it had none
+        sd = {**_DEFAULTS, **sd}  # saved before the WSD style or --decoupled-lr
         missing = [k for k in _HPARAMS + ("num_steps",) if k not in sd]
         if missing:
             raise ValueError(f"lr scheduler checkpoint state lacks {missing}")
@@ -180,10 +218,13 @@ class OptimizerParamScheduler:
         # to a schedule that is not WSD on both sides
         constant = self.decay_style == sd["decay_style"] == "constant"
         no_wsd = self.decay_style != "WSD" and sd["decay_style"] != "WSD"
-        for name in _HPARAMS:
+        # nor a decoupled floor where neither side has a decoupled rate
+        no_decoupled = self.decoupled_lr is None and sd["decoupled_lr"] is None
+        for name in _HPARAMS + _DECOUPLED:
             ours, theirs = getattr(self, name), sd[name]
             moot = ((constant and name == "decay_steps")
-                    or (no_wsd and name.startswith("wsd_")))
+                    or (no_wsd and name.startswith("wsd_"))
+                    or (no_decoupled and name == "decoupled_min_lr"))
             if use_checkpoint:
                 setattr(self, name, theirs)
             elif not override and ours != theirs and not moot:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ from megatron.optimizer.clip_grads import (clip_coefficient, local_grad_stats,
                                            local_piece_stats, local_weight_sq, norm_mask,
                                            scale_grads_)
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megatron.optimizer.param_groups import GroupLayout
 from megatron.optimizer.sharded_state import UnshardedFormat
 from megatron.optimizer.sharding import (OptimizerShard, Piece, WeightGather, copy_all,
                                          flat_view, plan_shard)
@@ -126,7 +127,7 @@ class MegatronOptimizer:
                  tp_rank: int = 0, log_num_zeros: bool = False, grads_to_none: bool = True,
                  name: str = "adam", log_params_norm: bool = False,
                  shard: Optional[OptimizerShard] = None,
-                 full_order: Optional[List[List[int]]] = None, dp_group: Any = None) -> None:
+                 layout: Optional[GroupLayout] = None, dp_group: Any = None) -> None:
         self.optimizer = optimizer
         self.main_params = main_params
         """One per model parameter; with the distributed optimizer (``shard``) one per
@@ -137,13 +138,22 @@ class MegatronOptimizer:
         # the stage's data-parallel group (None: one replica): the replicas' own findings
         # (``extra_found_inf``, a replica's loss check) are agreed over it at each step
         self.dp_group = dp_group
-        # torch's parameter numbering without sharding: the main-parameter index of each
-        # member of each param group, in order (decay group, then no-decay)
-        full_order = full_order if full_order is not None else [
-            [next(i for i, m in enumerate(main_params) if m is p) for p in g["params"]]
-            for g in optimizer.param_groups]
+        # torch's parameter numbering without sharding: the parameter index of each
+        # member of each param group, in order (decay group, then no-decay, each cut
+        # into runs of one learning rate: ``megatron.optimizer.param_groups``)
+        self.layout = layout if layout is not None else GroupLayout.plain(
+            [[next(i for i, m in enumerate(main_params) if m is p) for p in g["params"]]
+             for g in optimizer.param_groups],
+            [g.get("weight_decay", 0.0) for g in optimizer.param_groups])
+        self.decoupled_lr_provider: Optional[Callable[[], float]] = None
+        """The input and output layers' rate for the step being taken (the trainer sets
+        ``OptimizerParamScheduler.get_decoupled_lr``); needed where ``layout`` has
+        decoupled groups and ``finish_step`` is given no ``decoupled_lr``."""
+        decoupled = {i for ids, flag in zip(self.layout.members, self.layout.decoupled)
+                     if flag for i in ids}
         # checkpoints hold the unsharded format (``megatron.optimizer.sharded_state``)
-        self._format = (UnshardedFormat(shard, full_order, [tuple(p.shape) for p in params],
+        self._format = (UnshardedFormat(shard, self.layout.members,
+                                        [tuple(p.shape) for p in params],
                                         params[0].device) if shard is not None else None)
         self._pieces: Optional[List[Piece]] = (self._format.pieces if self._format is not None
                                                else None)
@@ -164,6 +174,7 @@ class MegatronOptimizer:
         self._unit_param = ([pc.param for pc in self._pieces] if self._pieces is not None
                             else list(range(len(params))))
         self._unit_dtype = [self._dtypes[i] for i in self._unit_param]
+        self._unit_decoupled = [i in decoupled for i in self._unit_param]
         # Attributes (shared, tensor_model_parallel) are read once, from the first buffer.
         self._mask = norm_mask(params, tp_rank)
         # the last stage's copy of the tied word embedding (see ``late_grad_indices``)
@@ -185,7 +196,9 @@ class MegatronOptimizer:
                 raise ValueError("--2bw-mitigation predict needs every parameter's optimizer "
                                  "state on every rank: it cannot run with "
                                  "--use-distributed-optimizer")
-            self.prediction = WeightPrediction(self.optimizer, self.main_params)
+            self.prediction = WeightPrediction(
+                self.optimizer, self.main_params,
+                decoupled=self._unit_decoupled if any(self._unit_decoupled) else None)
         elif mitigation == "dc":
             self.dc_lambda = float(dc_lambda)
 
@@ -217,17 +230,19 @@ class MegatronOptimizer:
     # -- the update --------------------------------------------------------------------
     def step(self, grads_from: Sequence[nn.Parameter], write_to: Sequence[nn.Parameter],
              base: Sequence[nn.Parameter], lr: float, *,
-             extra_found_inf: bool = False, grad_scale: Optional[float] = None) -> StepInfo:
+             extra_found_inf: bool = False, grad_scale: Optional[float] = None,
+             decoupled_lr: Optional[float] = None) -> StepInfo:
         """Compute W(t+1) from ``base`` (= W(t)) and ``grads_from[i].grad``; write it into
         ``write_to``.  Collective over ``model_groups``: every rank of the replica must call
         it once per batch.
 
         ``grad_scale``: the loss scale the gradients were computed with, when the caller
         tracks it per batch (under 2BW a batch's backward passes may run before the
-        previous batch's step has updated the scaler); default: the current scale."""
+        previous batch's step has updated the scaler); default: the current scale.
+        ``decoupled_lr``: see ``finish_step``."""
         pending = self.begin_step(grads_from, extra_found_inf=extra_found_inf,
                                   grad_scale=grad_scale)
-        return self.finish_step(pending, write_to, base, lr)
+        return self.finish_step(pending, write_to, base, lr, decoupled_lr=decoupled_lr)
 
     @property
     def late_grad_indices(self) -> Tuple[int, ...]:
@@ -331,8 +346,13 @@ class MegatronOptimizer:
                                async_op=True)
 
     def finish_step(self, pending: "PendingStep", write_to: Sequence[nn.Parameter],
-                    base: Sequence[nn.Parameter], lr: float) -> StepInfo:
-        """Second half of ``step``: wait for the agreement, then skip or update."""
+                    base: Sequence[nn.Parameter], lr: float, *,
+                    decoupled_lr: Optional[float] = None) -> StepInfo:
+        """Second half of ``step``: wait for the agreement, then skip or update.
+
+        ``lr``: the rate of every parameter but the input and output layers under
+        --decoupled-lr, whose rate is ``decoupled_lr`` (default: ask
+        ``decoupled_lr_provider``)."""
         self.wait_gathers()  # the last step's weights are the base of this one
         self._check_buffers("write_to", write_to)
         self._check_buffers("base", base)
@@ -379,14 +399,26 @@ class MegatronOptimizer:
             scale_grads_(grads, per_token * clip_coefficient(grad_norm, self.clip_grad))
             if self.dc_lambda:
                 self._delay_compensate(grads, grads_from, base)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            lrs = (lr, self._decoupled_lr(lr, decoupled_lr))
+            for group, flag in zip(self.optimizer.param_groups, self.layout.decoupled):
+                group["lr"] = lrs[flag]
             if self.use_masters:
-                self._step_masters(grads, write_to)
+                self._step_masters(grads, write_to, lrs)
             else:
-                self._step_in_buffer(grads, write_to, base)
+                self._step_in_buffer(grads, write_to, base, lrs)
             self._release_grads(grads_from)
         return StepInfo(skipped=False, **info)
+
+    def _decoupled_lr(self, lr: float, given: Optional[float]) -> float:
+        """The input and output layers' rate for this step (``lr`` if none is decoupled)."""
+        if not self.layout.any_decoupled:
+            return lr
+        if given is not None:
+            return float(given)
+        if self.decoupled_lr_provider is None:
+            raise RuntimeError("optimizer step: the stage has --decoupled-lr parameters but "
+                               "no decoupled learning rate (set decoupled_lr_provider)")
+        return float(self.decoupled_lr_provider())
 
     def _unit_grads(self, grads_from: Sequence[nn.Parameter],
                     skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
@@ -466,7 +498,7 @@ class MegatronOptimizer:
                           self.dc_lambda)
 
     def _step_masters(self, grads: List[Optional[torch.Tensor]],
-                      write_to: Sequence[nn.Parameter]) -> None:
+                      write_to: Sequence[nn.Parameter], lrs: Tuple[float, float]) -> None:
         main = self.main_params
         for m, g in zip(main, grads):
             m.grad = g
@@ -478,11 +510,11 @@ class MegatronOptimizer:
         elif self.prediction is None:  # cast the new masters into the working buffer
             copy_all([m.data for m in main], [p.data for p in write_to])
         else:
-            self.prediction.predict_(write_to, [m.data for m in main],
-                                     self.optimizer.param_groups[0]["lr"])
+            self.prediction.predict_(write_to, [m.data for m in main], *lrs)
 
     def _step_in_buffer(self, grads: List[Optional[torch.Tensor]],
-                        write_to: Sequence[nn.Parameter], base: Sequence[nn.Parameter]) -> None:
+                        write_to: Sequence[nn.Parameter], base: Sequence[nn.Parameter],
+                        lrs: Tuple[float, float]) -> None:
         _copy_buffer(base, write_to)
         if self.prediction is not None:  # base holds P(W(t)): recover W(t)
             self.prediction.restore_(write_to)
@@ -494,8 +526,7 @@ class MegatronOptimizer:
         for m in self.main_params:
             m.grad = None
         if self.prediction is not None:
-            self.prediction.predict_(write_to, [p.data for p in write_to],
-                                     self.optimizer.param_groups[0]["lr"])
+            self.prediction.predict_(write_to, [p.data for p in write_to], *lrs)
         if self.shard is not None:
             self.gather.start(write_to, targets)
 
@@ -530,6 +561,7 @@ class MegatronOptimizer:
             [m.data for m in self.main_params] if self.use_masters else None)
         if self.shard is not None:
             torch_state, masters = self._format.gather(torch_state, masters)
+        torch_state = self.layout.to_saved(torch_state)  # the (decay, no-decay) groups
         return {
             "meta": {"optimizer": self.name, "num_params": len(self._shapes),
                      "shapes": list(self._shapes), "fp32_masters": self.use_masters},
@@ -560,8 +592,9 @@ class MegatronOptimizer:
             raise ValueError("optimizer checkpoint has no fp32 master weights (saved without "
                              "mixed precision): load with --no-load-optim, or call "
                              "reload_model_params after loading the model weights")
-        self.optimizer.load_state_dict(self._format.local(sd["optimizer"])
-                                       if self._format is not None else sd["optimizer"])
+        torch_state = self.layout.from_saved(sd["optimizer"])
+        self.optimizer.load_state_dict(self._format.local(torch_state)
+                                       if self._format is not None else torch_state)
         if self.use_masters:
             with torch.no_grad():
                 saved = sd["fp32_masters"]
@@ -644,16 +677,14 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
     else:
         main = [nn.Parameter(weights(i, pc)) for i, pc in units]
 
-    # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed.  The
-    # groups are those of the whole stage; a distributed optimizer's hold its own
-    # pieces, each in its parameter's group.
-    decay_ids = [i for i, p in enumerate(params) if p.ndim >= 2]
-    no_decay_ids = [i for i, p in enumerate(params) if p.ndim < 2]
-    kept = [(ids, wd) for ids, wd in ((decay_ids, opt_cfg.weight_decay), (no_decay_ids, 0.0))
-            if ids]
-    full_order = [ids for ids, _ in kept]
+    # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed; with
+    # --decoupled-lr the input and output layers' weights get groups of their own
+    # (``megatron.optimizer.param_groups``).  The groups are those of the whole stage;
+    # a distributed optimizer's hold its own pieces, each in its parameter's group.
+    layout = GroupLayout.build(params, opt_cfg.weight_decay,
+                               getattr(opt_cfg, "decoupled_lr", None) is not None)
     groups = []
-    for ids, wd in kept:
+    for ids, wd in zip(layout.members, layout.weight_decay):
         members = set(ids)
         groups.append({"params": [m for m, (i, _) in zip(main, units) if i in members],
                        "weight_decay": wd})
@@ -686,7 +717,7 @@ def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Para
                             model_groups=model_groups, tp_rank=tp_rank,
                             log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
                             name=opt_cfg.optimizer, log_params_norm=log_params_norm,
-                            shard=shard, full_order=full_order, dp_group=dp_group)
+                            shard=shard, layout=layout, dp_group=dp_group)
     if opt.gather is not None:
         opt.gather.overlap = bool(getattr(opt_cfg, "overlap_param_gather", False))
     return opt

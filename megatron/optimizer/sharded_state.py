@@ -27,7 +27,9 @@ class UnshardedFormat:
     """Converts one rank's per-piece optimizer state to and from the unsharded format.
 
     ``full_order``: the unsharded optimizer's numbering, the parameter index of each
-    member of each torch param group in order (decay group, then no-decay);
+    member of each torch param group in order (decay group, then no-decay, each cut into
+    runs of one learning rate under --decoupled-lr: ``megatron.optimizer.param_groups``,
+    whose ``GroupLayout`` joins them again for the checkpoint);
     ``unit_param``: the parameter each of this rank's main parameters (pieces) belongs
     to; ``shapes``: the stage's parameter shapes."""
 

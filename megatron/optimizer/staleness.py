@@ -124,12 +124,25 @@ def _groups_by_param(optimizer: torch.optim.Optimizer) -> Dict[int, dict]:
 class WeightPrediction:
     """The zero-gradient look-ahead of AdamW or SGD: P(W) = c * W - a, per parameter."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, main_params: Sequence[nn.Parameter]):
+    def __init__(self, optimizer: torch.optim.Optimizer, main_params: Sequence[nn.Parameter],
+                 decoupled: Optional[Sequence[bool]] = None):
         self.optimizer = optimizer
         self.main_params = list(main_params)
         self._group = _groups_by_param(optimizer)
+        self.decoupled = None if decoupled is None else list(decoupled)
+        """Per main parameter: it follows --decoupled-lr (None: none does)."""
         self.last_lr = 0.0
         """Learning rate the buffers' current predictions were made with."""
+        self.last_decoupled_lr = 0.0
+        """The same for the ``decoupled`` parameters."""
+
+    def _lrs(self, lr: float, decoupled_lr: Optional[float]) -> List[float]:
+        """Each main parameter's rate: ``decoupled_lr`` (default ``lr``) for the
+        decoupled ones, ``lr`` for the others."""
+        if self.decoupled is None:
+            return [lr] * len(self.main_params)
+        other = lr if decoupled_lr is None else decoupled_lr
+        return [other if flag else lr for flag in self.decoupled]
 
     def _terms(self, main: nn.Parameter, lr: float) -> Optional[_Terms]:
         """P(W) = c * W + coef * num / denom from ``main``'s optimizer state; None when the
@@ -154,9 +167,10 @@ class WeightPrediction:
 
     @torch.no_grad()
     def predict_(self, dst: Sequence[nn.Parameter], src: Sequence[torch.Tensor],
-                 lr: float) -> None:
-        """dst := P(src) with the current state and ``lr`` (dst may be low precision; src
-        may be dst's own tensor, then the prediction is made in place).
+                 lr: float, decoupled_lr: Optional[float] = None) -> None:
+        """dst := P(src) with the current state and ``lr`` (``decoupled_lr``, default
+        ``lr``, for the ``decoupled`` parameters; dst may be low precision; src may be
+        dst's own tensor, then the prediction is made in place).
 
         On an accelerator: multi-tensor (``torch._foreach_*``) passes over chunks of
         at most ``CHUNK_BYTES`` of weights, a few kernel launches per chunk instead of
@@ -169,8 +183,9 @@ class WeightPrediction:
         pending: List[Tuple[torch.Tensor, torch.Tensor, _Terms]] = []
         size = 0
         foreach = use_foreach(dst)
-        for main, d, s in zip(self.main_params, dst, src):
-            terms = self._terms(main, lr)
+        lrs = self._lrs(lr, decoupled_lr)
+        for main, d, s, lr_k in zip(self.main_params, dst, src, lrs):
+            terms = self._terms(main, lr_k)
             in_place = s.data_ptr() == d.data.data_ptr() and s.dtype == d.dtype
             if terms is None:  # no state yet: nothing to predict
                 if not in_place:
@@ -195,6 +210,7 @@ class WeightPrediction:
         if pending:
             _predict_chunk(pending)
         self.last_lr = lr
+        self.last_decoupled_lr = lr if decoupled_lr is None else decoupled_lr
 
     @torch.no_grad()
     def restore_(self, buf: Sequence[nn.Parameter]) -> None:
@@ -203,8 +219,9 @@ class WeightPrediction:
         chunk: List[Tuple[torch.Tensor, _Terms]] = []
         size = 0
         foreach = use_foreach(buf)
-        for main, p in zip(self.main_params, buf):
-            terms = self._terms(main, self.last_lr)
+        lrs = self._lrs(self.last_lr, self.last_decoupled_lr)
+        for main, p, lr_k in zip(self.main_params, buf, lrs):
+            terms = self._terms(main, lr_k)
             if terms is None:
                 continue
             if not foreach:
@@ -224,10 +241,15 @@ class WeightPrediction:
             _restore_chunk(chunk)
 
     def state_dict(self) -> dict:
-        return {"last_lr": self.last_lr}
+        if self.decoupled is None:  # as before --decoupled-lr
+            return {"last_lr": self.last_lr}
+        return {"last_lr": self.last_lr, "last_decoupled_lr": self.last_decoupled_lr}
 
     def load_state_dict(self, sd: Optional[dict]) -> None:
         self.last_lr = float(sd["last_lr"]) if sd else 0.0
+        # saved without decoupled parameters: they were predicted with the one rate
+        self.last_decoupled_lr = (float(sd.get("last_decoupled_lr", self.last_lr)) if sd
+                                  else 0.0)
 
 
 @torch.no_grad()
@@ -261,4 +283,4 @@ def true_weights(prediction: Optional[WeightPrediction], buf: Sequence[nn.Parame
     finally:
         # per parameter: P(W) is computed into a temporary of one tensor's size
         source = [m.data for m in masters] if masters is not None else [p.data for p in buf]
-        prediction.predict_(buf, source, prediction.last_lr)
+        prediction.predict_(buf, source, prediction.last_lr, prediction.last_decoupled_lr)
