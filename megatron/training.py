@@ -644,8 +644,12 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     samples_per_microbatch = tr.micro_batch_size * groups.dp_size
     monitor = SkipMonitor.from_config(cfg)
 
+    decoupled = cfg.optimizer.decoupled_lr is not None
+
     def on_step(report: StepReport) -> None:
         size = batch_at(state.consumed_train_samples)
+        # the rate the step just taken used (the counter has not moved yet)
+        decoupled_lr = scheduler.get_decoupled_lr() if decoupled else None
         if not report.skipped:
             scheduler.step_batch(size)
         state.iteration = report.iteration + 1
@@ -653,7 +657,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         result.reports.append(report)
         if report.losses:
             result.losses[report.iteration + 1] = report.losses
-        logger.on_step(report, state, size)
+        logger.on_step(report, state, size, decoupled_lr)
         monitor.update(report)
 
     start_iteration = state.iteration

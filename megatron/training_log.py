@@ -43,6 +43,8 @@ class TrainingLogger:
         """The N of 'iteration i/N' when it is not --train-iters (finetuning trains one
         epoch at a time, each to its own end)."""
         self.world = groups.layout.world_size
+        self.decoupled_lr: Optional[float] = None
+        """The last step's --decoupled-lr rate (None without the flag)."""
         self.active = is_logging_rank()
         self.writer = None
         if self.active and cfg.training.tensorboard_dir:
@@ -115,11 +117,15 @@ class TrainingLogger:
         if self.writer is not None:
             self.writer.add_scalar(name, value, step)
 
-    def on_step(self, report, state, batch_size: Optional[int] = None) -> None:
+    def on_step(self, report, state, batch_size: Optional[int] = None,
+                decoupled_lr: Optional[float] = None) -> None:
         """``batch_size``: the step's global batch (default --global-batch-size; it
-        differs under --rampup-batch-size or --step-batch-size-schedule)."""
+        differs under --rampup-batch-size or --step-batch-size-schedule).
+        ``decoupled_lr``: the input and output layers' rate of the step (--decoupled-lr),
+        printed after the regular rate as Megatron-LM does."""
         if not self.active:
             return
+        self.decoupled_lr = decoupled_lr
         self.steps += 1
         self.last_batch = (batch_size if batch_size is not None
                            else self.cfg.training.global_batch_size)
@@ -137,6 +143,8 @@ class TrainingLogger:
             for k, v in report.losses.items():
                 self.scalar(f"train/{k}", v, state.iteration)
         self.scalar("train/lr", report.lr, state.iteration)
+        if decoupled_lr is not None:
+            self.scalar("train/decoupled_lr", decoupled_lr, state.iteration)
         self.scalar("train/loss_scale", report.loss_scale, state.iteration)
         self.scalar("train/grad_norm", report.grad_norm, state.iteration)
         if report.num_zeros is not None:
@@ -171,6 +179,8 @@ class TrainingLogger:
             tflops = self.flops / tr.global_batch_size * self.samples / elapsed / self.world / 1e12
             parts.append(f"TFLOP/s per device: {tflops:.4g}")
         parts.append(f"learning rate: {report.lr:.6E}")
+        if self.decoupled_lr is not None:
+            parts.append(f"decoupled learning rate: {self.decoupled_lr:.6E}")
         for k in list(self.loss_sums) + sorted(self.loss_keys - set(self.loss_sums)):
             if k in self.loss_sums:
                 parts.append(f"{k}: {self.loss_sums[k] / max(self.loss_count, 1):.6E}")

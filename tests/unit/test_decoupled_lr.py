@@ -428,3 +428,38 @@ def test_pipeline_and_distributed_optimizer_runs(tmp_path):
     assert last["first"]["iteration"] == 2 and sorted(last["second"]["losses"]) == [3, 4]
     for t in (3, 4):
         assert last["second"]["losses"][t] == last["dp_plain"]["losses"][t]
+
+
+def test_log_line_prints_the_decoupled_rate_after_the_regular_one():
+    """As Megatron-LM: 'learning rate: X | decoupled learning rate: Y |', Y the input and
+    output layers' rate of the same step (linear decay from 5e-3 here, from 1e-3 for the
+    rest); without the flag the line has no such field."""
+    import contextlib
+    import io
+    import re
+
+    import pretrain_gpt
+    from megatron.training import pretrain
+    from tests.distributed.gpt_harness import TINY
+
+    def rates(*extra):
+        out = io.StringIO()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with contextlib.redirect_stdout(out):
+                pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                         pretrain_gpt.forward_step,
+                         argv=TINY + ["--train-iters", "4", "--log-interval", "1",
+                                      "--eval-iters", "0", "--lr-decay-style", "linear",
+                                      *extra])
+        finally:
+            torch.set_num_threads(threads)
+        return [(float(a), float(b) if b else None) for a, b in re.findall(
+            r"learning rate: ([0-9.E+-]+) \|(?: decoupled learning rate: ([0-9.E+-]+) \|)?",
+            out.getvalue())]
+
+    got = rates("--decoupled-lr", "5e-3")
+    assert [lr for lr, _ in got] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    assert [d for _, d in got] == pytest.approx([5e-3, 3.75e-3, 2.5e-3, 1.25e-3])
+    assert all(d is None for _, d in rates())
