@@ -1018,5 +1018,9 @@ def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe:
         error = str(exc)
     errors = [e for e in _gather(error) if e]
     if errors:
-        raise CheckpointError(error or errors[0])  # each file names itself
+        err = CheckpointError(error or errors[0])  # each file names itself
+        # one text on every rank (a shape or layout every rank finds alike, or one
+        # rank's finding raised by all): printed once per node, not once per rank
+        err.every_rank_alike = len(set(errors)) == 1
+        raise err
     return payload, message

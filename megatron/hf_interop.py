@@ -732,8 +732,11 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     data_cfg = config.get("data") or {}
     if data_cfg.get("tokenizer_type") == "GPT2BPETokenizer" and not is_bert:
         hf_config.update(bos_token_id=50256, eos_token_id=50256)
-    elif target == "llama":
-        hf_config.update(_special_token_ids(data_cfg))
+    elif not is_bert:
+        # GPT2Config's defaults (50256) are GPT-2's ids, outside a smaller vocabulary
+        # (transformers warns on loading): the tokenizer's own ids where known, else null
+        hf_config.update({"bos_token_id": None, "eos_token_id": None,
+                          **_special_token_ids(data_cfg)})
     check_export_path(None, out_dir)  # again: the checkpoint took a while to read
     # a sibling, so the final rename stays on one file system (atomic)
     staging = f"{os.path.abspath(out_dir)}.tmp.{os.getpid()}"

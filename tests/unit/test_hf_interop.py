@@ -83,6 +83,10 @@ def test_gpt_export_loads_in_transformers_with_our_logits(tmp_path, capsys, resp
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     assert hf.config.vocab_size == VOCAB
+    # not GPT-2's tokenizer: no GPT-2 special ids (50256) outside this vocabulary
+    with open(os.path.join(out, "config.json")) as fh:
+        written = json.load(fh)
+    assert written["bos_token_id"] is None and written["eos_token_id"] is None
     assert hf.config.activation_function == ("gelu_new" if openai_gelu else "gelu")
     ids = _ids()
     with torch.no_grad():

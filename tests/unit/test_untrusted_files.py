@@ -631,3 +631,20 @@ def test_megatron_lm_release_tracker_is_named_not_read_as_iteration_0(tmp_path):
     (tmp_path / "release").mkdir()
     with pytest.raises(CheckpointError, match="Megatron-LM 'release' checkpoint.*--from-hf"):
         read_tracker(str(tmp_path))
+
+
+def test_load_errors_every_rank_shares_print_once_per_node(monkeypatch):
+    """load_for_run gathers every rank's finding: one text on all ranks (another shape or
+    layout, found alike) is marked for one line per node; different texts (each rank's
+    own damaged file) still print on each rank."""
+    import megatron.checkpointing as ckpt
+
+    def boom(root):
+        raise CheckpointError("--load ck: the checkpoint is of another model shape")
+    monkeypatch.setattr(ckpt, "find_checkpoint", boom)
+    for gathered, alike in ((["same", "same"], True), (["same", None], True),
+                            (["mine", "yours"], False)):
+        monkeypatch.setattr(ckpt, "_gather", lambda error, g=gathered: list(g))
+        with pytest.raises(CheckpointError) as info:
+            ckpt.load_for_run("ck", None, None)
+        assert info.value.every_rank_alike is alike, gathered
