@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 _COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared",
-                 "shared_embedding", "sequence_parallel")
+                 "shared_embedding", "sequence_parallel", "is_embedding_or_output_parameter")
 
 
 def _clone_param(p: nn.Parameter) -> nn.Parameter:
