@@ -34,8 +34,8 @@ The model flags are the trainer's, the Llama-style block options included
 without them it changes nothing and is only recorded).
 With RoPE the layers of a stage share one cos/sin table (``RotaryEmbedding``'s cache):
 the block count leaves it out (it would otherwise be charged once per chained layer)
-and ``rotary_table_bytes`` records it, charged once per stage (the executor counts it
-once per microbatch, as every tensor its layers save).  The causal mask of
+and ``rotary_table_bytes`` records it, charged once per stage (as the executor's
+counter charges it: ``StashTracker.shared``).  The causal mask of
 ``--attention-backend unfused/local`` (one [s, s] bool tensor per stage, shared by its
 microbatches) is left out of the block count the same way and not recorded: the planner
 charges its s^2 bytes once per stage (``ModelSpec.causal_mask_bytes``), and each timed

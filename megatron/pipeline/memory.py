@@ -51,39 +51,77 @@ class StageMemoryStats:
 
 
 class StashTracker:
-    """Tracks in-flight microbatches and their stashed bytes on one stage."""
+    """Tracks in-flight microbatches and their stashed bytes on one stage.
+
+    A storage that two in-flight microbatches both keep (a tensor the stage caches and
+    every microbatch's layers save, such as the explicit softmax's causal mask) is held
+    once, so it is charged once: it moves from the microbatch that first kept it to the
+    stage's ``shared`` bytes, which count while any microbatch is in flight.  Two
+    in-flight microbatches' storages with the same address are one storage, since a
+    stashed storage cannot be freed (and its address reused) before its backward."""
 
     def __init__(self, weight_ptrs: Set[int]) -> None:
         self.weight_ptrs = weight_ptrs
         self.in_flight: Dict[int, int] = {}
+        """Bytes each in-flight microbatch keeps alone."""
+        self.shared: Dict[int, int] = {}
+        """Storages (address -> bytes) found kept by more than one microbatch."""
         self.stats = StageMemoryStats()
         self.pattern: Dict[Hashable, int] = {}
         """Bytes counted for each position key (microbatch index within its batch)."""
+        self._owner: Dict[int, int] = {}      # storage address -> counted microbatch
+        self._held: Dict[int, Dict[int, int]] = {}  # counted microbatch -> its storages
+        self._key: Dict[int, Hashable] = {}   # counted microbatch -> its position key
 
     @contextmanager
     def counting(self, microbatch: int, key: Optional[Hashable] = None) -> Iterator[None]:
         """Count the bytes autograd saves during this block for ``microbatch``; with
         ``key``, remember them so that ``replay(m, key)`` can charge them to a later
         microbatch without hooks."""
-        seen: Set[int] = set()
-        total = [0]
+        seen: Dict[int, int] = {}
+        loose = [0]   # bytes of tensors without a storage address (charged as they are)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             try:
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
                 if ptr not in seen and ptr not in self.weight_ptrs and ptr != 0:
-                    seen.add(ptr)
-                    total[0] += storage.nbytes()
+                    seen[ptr] = storage.nbytes()
             except (RuntimeError, NotImplementedError):
-                total[0] += tensor_bytes(t)
+                loose[0] += tensor_bytes(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+        own: Dict[int, int] = {}
+        for ptr, nbytes in seen.items():
+            if ptr in self.shared:
+                continue
+            other = self._owner.get(ptr)
+            if other is not None and other != microbatch and other in self.in_flight:
+                self._share(ptr, other)
+            else:
+                own[ptr] = nbytes
+        total = loose[0] + sum(own.values())
         if key is not None:
-            self.pattern[key] = total[0]
-        self.add(microbatch, total[0])
+            self.pattern[key] = total
+            self._key[microbatch] = key
+        for ptr in own:
+            self._owner[ptr] = microbatch
+        self._held.setdefault(microbatch, {}).update(own)
+        self.add(microbatch, total)
+
+    def _share(self, ptr: int, owner: int) -> None:
+        """``ptr``, charged to ``owner``, is kept by another microbatch too: charge it to
+        the stage once (the total does not change) and leave it out of ``owner``'s
+        position pattern, so replays do not charge it per microbatch."""
+        nbytes = self._held[owner].pop(ptr)
+        del self._owner[ptr]
+        self.shared[ptr] = nbytes
+        self.in_flight[owner] -= nbytes
+        key = self._key.get(owner)
+        if key is not None and key in self.pattern:
+            self.pattern[key] -= nbytes
 
     def knows(self, key: Hashable) -> bool:
         return key in self.pattern
@@ -93,18 +131,30 @@ class StashTracker:
         self.add(microbatch, self.pattern[key])
 
     def forget_pattern(self) -> None:
-        """Shapes changed (e.g. another micro-batch shape): count again before replaying."""
+        """Shapes changed (e.g. another micro-batch shape): count again before replaying
+        (and find the shared storages again: a cached mask may be remade)."""
         self.pattern.clear()
+        self.shared.clear()
+
+    def stashed_bytes(self) -> int:
+        """Bytes the in-flight microbatches keep now: their own, and the shared ones once."""
+        if not self.in_flight:
+            return 0
+        return sum(self.in_flight.values()) + sum(self.shared.values())
 
     def add(self, microbatch: int, nbytes: int) -> None:
         self.in_flight[microbatch] = self.in_flight.get(microbatch, 0) + nbytes
         self.stats.per_microbatch_bytes.setdefault(microbatch, self.in_flight[microbatch])
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self.in_flight))
         self.stats.peak_stashed_bytes = max(self.stats.peak_stashed_bytes,
-                                            sum(self.in_flight.values()))
+                                            self.stashed_bytes())
 
     def release(self, microbatch: int) -> None:
         self.in_flight.pop(microbatch, None)
+        self._key.pop(microbatch, None)
+        for ptr in self._held.pop(microbatch, {}):
+            if self._owner.get(ptr) == microbatch:
+                del self._owner[ptr]
 
     def note_weight_versions(self, live: int, bytes_per_version: int) -> None:
         self.stats.peak_weight_versions = max(self.stats.peak_weight_versions, live)

@@ -28,6 +28,50 @@ def test_replay_charges_the_counted_bytes():
     assert not tracker.knows(0)
 
 
+def test_a_storage_kept_by_two_microbatches_in_flight_is_charged_once():
+    """A tensor the stage caches (as the explicit softmax's causal mask) and every
+    microbatch saves is one storage: charged to the stage once while any microbatch is
+    in flight, and left out of the replayed pattern, so replays charge it once too."""
+    tracker = StashTracker(weight_ptrs=set())
+    cached = torch.ones(16, dtype=torch.float64)                  # 128 bytes
+
+    def forward(mb: int):
+        x = torch.ones(8, requires_grad=True)                     # 32 bytes saved each
+        with tracker.counting(mb, key=mb):
+            y = (x * x * cached[:8]).sum()
+        return x, y
+
+    kept = [forward(0)]
+    assert tracker.in_flight == {0: 128 + 32} and not tracker.shared
+    kept.append(forward(1))
+    assert tracker.shared == {cached.untyped_storage().data_ptr(): 128}
+    assert tracker.in_flight == {0: 32, 1: 32} and tracker.pattern == {0: 32, 1: 32}
+    assert tracker.stashed_bytes() == 128 + 2 * 32 == tracker.stats.peak_stashed_bytes
+    tracker.release(0)
+    tracker.release(1)
+    assert tracker.stashed_bytes() == 0
+    for mb in range(3):                                           # a later batch, replayed
+        tracker.replay(10 + mb, key=mb % 2)
+    assert tracker.stashed_bytes() == 128 + 3 * 32 == tracker.stats.peak_stashed_bytes
+    # counted again with the cache known: charged to the stage, not to the microbatch
+    tracker.release(10)
+    kept.append(forward(0))
+    assert tracker.in_flight[0] == 32
+
+
+def test_a_storage_freed_and_reused_is_not_taken_for_shared():
+    """Two microbatches never in flight together: the second may reuse the first's
+    addresses, and each is charged its own bytes."""
+    tracker = StashTracker(weight_ptrs=set())
+    for mb in range(3):
+        x = torch.ones(64, requires_grad=True)
+        with tracker.counting(mb, key=mb):
+            (x * x).sum()
+        assert tracker.in_flight[mb] == 64 * 4
+        tracker.release(mb)
+    assert not tracker.shared and tracker.stats.peak_stashed_bytes == 64 * 4
+
+
 def _train(monkeypatch, *extra: str):
     import pretrain_gpt
     from megatron.training import pretrain

@@ -637,9 +637,15 @@ def test_a_llama_profile_carries_its_options():
         Profile(_profile_dict({**model, "qk_layernorm": 1}))
     with pytest.raises(ValueError, match="--num-query-groups 8 .profiled 2."):
         CostModel(dataclasses.replace(spec, num_query_groups=None), PLAIN, profile=prof)
-    # RoPE's table once per stage, whatever its layers; no tied copy to step when untied
+    # RoPE's table once per stage, whatever its layers and microbatches in flight (the
+    # stage's shared bytes); no tied copy to step when untied
     st = prof.stage(3, False, True, 2, d=2)
-    assert st.stash_bytes == 3 * 200 + 200 + 640
+    assert st.stash_bytes == 3 * 200 + 200
+    assert prof.shared_bytes(3) == 640 and prof.shared_bytes(0) == 0
+    assert prof.stage_stash_bytes(3, False, True, 2) == 3 * 200 + 200 + 640
+    for cost in CostModel(spec, PLAIN, profile=prof).stage_costs(
+            Config(w=1, d=2, b=2, m=4, schedule="gpipe")):
+        assert cost.shared_bytes == 640 and cost.in_flight == 4
     assert st.step_s == pytest.approx(3e-3 + 3e-3)
     with pytest.raises(ValueError, match="model.swiglu must be bool"):
         Profile(_profile_dict({**model, "swiglu": "yes"}))

@@ -270,7 +270,9 @@ class StageCost:
     bucket can only start when the backward ends, the rest overlaps it."""
     shared_bytes: float = 0.0
     """What the stage makes once and keeps for all its microbatches, however many are in
-    flight: the explicit softmax's causal mask (``ModelSpec.causal_mask_bytes``)."""
+    flight: the explicit softmax's causal mask (``ModelSpec.causal_mask_bytes``) and, in a
+    profile of a RoPE model, its measured cos/sin table (``Profile.shared_bytes``); the
+    executor's counter charges them once too (``StashTracker.shared``)."""
     dp_buckets: int = 1
     """Buckets of the stage's data-parallel gradient reduction (with w > 1)."""
     gather_buckets: int = 0
@@ -517,6 +519,8 @@ class CostModel:
             if opt.overlap_param_gather:
                 gather = max(gather / gather_buckets, gather - forward)
             step = step / c.w + gather
+        shared = (float(self.profile.shared_bytes(layers)) if self.profile is not None
+                  else mdl.causal_mask_bytes())
         return StageCost(
             stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
             p2p_s=p2p, allreduce_s=allreduce,
@@ -525,7 +529,7 @@ class CostModel:
             activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
             activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
             dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient,
-            shared_bytes=mdl.causal_mask_bytes(), dp_buckets=dp_buckets,
+            shared_bytes=shared, dp_buckets=dp_buckets,
             gather_buckets=gather_buckets)
 
     def bucket_counts(self, config: Config, stage: int) -> Tuple[int, int]:

@@ -170,8 +170,8 @@ Counting conventions (all per microbatch):
   without sequence parallelism), which a stage makes at its first forward pass and
   caches (``CoreAttention.prepare_mask``): every layer and microbatch shares it, and it
   lives as long as the stage, so it is charged once per stage, not per microbatch, and
-  whatever the recomputation.  (The executor's saved-tensor counter, which starts
-  afresh for each microbatch, sees it in each of them.)
+  whatever the recomputation.  (The executor's saved-tensor counter finds it kept by
+  two in-flight microbatches and charges it once too: ``StashTracker.shared``.)
 * A float32 residual stream (``fp32_residual_connection``, --fp32-residual-connection,
   Megatron-LM's flag; the counts stay those of fp16/bf16 training).  The tensors of the
   stream are 4 bytes a value instead of 2: what crosses a stage boundary and what a

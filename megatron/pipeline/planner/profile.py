@@ -9,15 +9,16 @@ and answers, for stage i of d holding ``layers`` blocks at microbatch size b:
 * forward / backward seconds: layers x block + embedding (first stage) + head (last);
 * bytes stashed per microbatch, exactly as the pipeline executor counts them
   (``megatron.pipeline.memory.StashTracker``): without recomputation the tensors autograd
-  saves (layers x block + embedding + head, plus, with RoPE, the cos/sin table the
-  stage's layers share, once); with recomputation the stage input (s b h values, none
+  saves (layers x block + embedding + head); with recomputation the stage input (s b h values, none
   on the first stage) plus the microbatch's token ids.  A document mask
   (--reset-attention-mask), made once per stage and microbatch, is not in these
   counts: the cost model adds it per stage, as measured by a profile taken with the
   mask (``attention_mask_bytes``), or for a causal profile ``ModelSpec.stage_mask_bytes``
-  in the profile's dtype.  Nor is the explicit softmax's causal mask, one [s, s] bool
-  tensor a stage makes once for all its microbatches: the cost model adds
-  ``ModelSpec.causal_mask_bytes`` once per stage (``StageCost.shared_bytes``);
+  in the profile's dtype.  Nor are the tensors a stage makes once for all its
+  microbatches, RoPE's cos/sin table (measured: ``rotary_table_bytes``) and the explicit
+  softmax's [s, s] bool causal mask (``ModelSpec.causal_mask_bytes``): the cost model
+  adds them once per stage (``shared_bytes``, ``StageCost.shared_bytes``), as the
+  executor's counter charges them;
 * optimizer step seconds of the stage's parameters (the last stage of a pipeline also
   updates its copy of the tied word embedding; an untied output layer is part of the
   head);
@@ -381,8 +382,6 @@ class Profile:
             stash = round(stash / t)
         elif t > 1:
             stash = inp + round((stash - inp) / t)
-        if layers > 0:  # the same table on every tensor rank
-            stash += self._rotary
         steps = self.optimizer_step_s
         step = steps["fixed"] + layers * steps["block"] + (steps["embedding"] if first else 0.0)
         if last:
@@ -394,17 +393,26 @@ class Profile:
 
     def stage_stash_bytes(self, layers: int, first: bool, last: bool, b: int,
                           recompute: bool = False) -> int:
-        """Bytes the executor's counter charges each in-flight microbatch on such a stage:
-        with a --reset-attention-mask profile its measured mask too, and with a causal
-        profile of the explicit softmax its [s, s] causal mask, which the counter sees
-        in every microbatch although the stage holds one for all of them (the cost model
-        charges it once: ``StageCost.shared_bytes``); under recomputation, where the
-        forward keeps nothing but the input and the ids, neither."""
+        """Bytes the executor's counter charges one microbatch alone in flight on such a
+        stage: with a --reset-attention-mask profile its measured mask too, and the
+        stage's shared tensors (``shared_bytes``: RoPE's table, the explicit softmax's
+        causal mask), which the counter charges once however many microbatches are in
+        flight, as the cost model does (``StageCost.shared_bytes``); under
+        recomputation, where the forward keeps nothing but the input and the ids,
+        neither."""
         st = self.stage(layers, first, last, b)
         if recompute:
             return st.recompute_stash_bytes
-        masks = self.attention_mask_bytes(b) + int(self.model_spec().causal_mask_bytes())
-        return st.stash_bytes + (masks if layers > 0 else 0)
+        once = self.attention_mask_bytes(b) + self.shared_bytes(layers)
+        return st.stash_bytes + (once if layers > 0 else 0)
+
+    def shared_bytes(self, layers: int) -> int:
+        """What a stage of ``layers`` blocks makes once and keeps for all its microbatches:
+        RoPE's cos/sin table (``RotaryEmbedding``'s cache, the same on every tensor rank)
+        and the explicit softmax's [s, s] causal mask (``StageCost.shared_bytes``)."""
+        if layers <= 0:
+            return 0
+        return self._rotary + int(self.model_spec().causal_mask_bytes())
 
     # -- the model it was taken of ------------------------------------------------------
     def grad_bytes(self) -> float:
