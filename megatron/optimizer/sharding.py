@@ -9,8 +9,8 @@ bucket's padding (< w elements per bucket) of 1/w of the state, whatever the siz
 the parameters; a split by whole parameters left the owner of one huge parameter (the
 word embedding) with far more than the others.
 
-The gradient reducer (``megatron.pipeline.engine.GradientReduction``) and the optimizer
-(``megatron.optimizer.optimizer``) read the same ``OptimizerShard``, so the segment a
+The gradient reducer (``megatron.pipeline.grad_reduction.GradientReduction``) and the
+optimizer (``megatron.optimizer.optimizer``) read the same ``OptimizerShard``, so the segment a
 rank receives from the reduce-scatter is the one whose optimizer state it holds.  The
 tied word embedding is a bucket of its own: where the engine averages it apart (an
 all-reduce after its sum between first and last stage), the reducer leaves that bucket

@@ -249,7 +249,7 @@ def _one_replica_loss_worker(rank: int, world: int, argv):
     import io
 
     import pretrain_gpt
-    from megatron.pipeline import engine as eng
+    from megatron.pipeline import grad_reduction as eng
     from megatron.training import pretrain
 
     original = eng.PipelineEngine._loss_nonfinite
@@ -297,7 +297,7 @@ def _reducer_worker(rank: int, world: int):
     import torch.distributed as dist
     from torch import nn
 
-    from megatron.pipeline import engine as eng
+    from megatron.pipeline import grad_reduction as eng
 
     shard = _reducer_shard(rank, world, dist.group.WORLD)
     params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in _REDUCER_SHAPES]

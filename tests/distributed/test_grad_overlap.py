@@ -17,7 +17,7 @@ M = 3  # microbatches per batch
 def _reduce_worker(rank: int, world: int):
     import torch.distributed as dist
 
-    from megatron.pipeline.engine import GradientReduction
+    from megatron.pipeline.grad_reduction import GradientReduction
 
     torch.manual_seed(0)  # same weights on both replicas
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),

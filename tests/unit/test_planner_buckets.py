@@ -18,7 +18,7 @@ import torch
 from megatron.config import ModelConfig
 from megatron.model import BertModel, GPTModel
 from megatron.optimizer import sharding
-from megatron.pipeline.engine import GradientReduction
+from megatron.pipeline.grad_reduction import GradientReduction
 from megatron.pipeline.planner import Config, CostModel, CostOptions, ModelSpec
 from megatron.pipeline.weights import WeightBuffers
 from megatron.tensor_parallel import TPInfo
