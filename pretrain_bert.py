@@ -84,6 +84,7 @@ def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: boo
 
 def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, int, int]):
     from megatron.data.bert_dataset import (BertVocabInfo, MockBertDataset,
+                                            build_split_path_datasets,
                                             build_train_valid_test_datasets)
 
     if tokenizer is None:
@@ -94,6 +95,10 @@ def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, in
         return tuple(MockBertDataset(n, cfg.model.seq_length, info, TASK.masking,
                                      cfg.training.seed + i) if n > 0 else None
                      for i, n in enumerate(num_samples))
+    if cfg.data.split_data_paths is not None:  # --train/--valid/--test-data-path
+        return build_split_path_datasets(cfg.data.split_data_paths, num_samples,
+                                         cfg.model.seq_length, cfg.training.seed, info,
+                                         TASK.masking, cfg.data.data_cache_path)
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, num_samples,
                                            cfg.model.seq_length, cfg.training.seed, info,
                                            TASK.masking, cfg.data.data_cache_path)

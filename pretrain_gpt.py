@@ -57,11 +57,16 @@ def datasets_provider(cfg: MegatronConfig, tokenizer, num_samples: Tuple[int, in
         return tuple(MockGPTDataset(n, cfg.model.seq_length, vocab, cfg.training.seed + i)
                      if n > 0 else None
                      for i, n in enumerate(num_samples))
-    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+    from megatron.data.gpt_dataset import (build_split_path_datasets,
+                                           build_train_valid_test_datasets)
 
     # Token ids are checked against the tokenizer's vocabulary, so data made with
     # another tokenizer stops with the file and id instead of an embedding IndexError.
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.model.padded_vocab_size
+    if cfg.data.split_data_paths is not None:  # --train/--valid/--test-data-path
+        return build_split_path_datasets(cfg.data.split_data_paths, num_samples,
+                                         cfg.model.seq_length, cfg.training.seed,
+                                         cfg.data.data_cache_path, vocab_size=vocab)
     return build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, num_samples,
                                            cfg.model.seq_length, cfg.training.seed,
                                            cfg.data.data_cache_path, vocab_size=vocab)

@@ -39,7 +39,8 @@ from megatron.config import (
 
 from megatron.tokenizer.tokenizer import TOKENIZER_TYPES  # noqa: E402 - one list of names
 from megatron.optimizer.staleness import MITIGATIONS  # noqa: E402
-from megatron.optimizer.lr_scheduler import DECAY_STYLES, WSD_DECAY_STYLES  # noqa: E402
+from megatron.optimizer.lr_scheduler import (  # noqa: E402
+    DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES)
 from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402 - one list of names
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -314,12 +315,24 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--override-opt_param-scheduler", action="store_true",
                        help="On --load, keep this run's learning-rate schedule (--lr, --min-lr, "
                             "--decoupled-lr, --decoupled-min-lr, warmup, decay length and "
-                            "style) where it differs from the "
+                            "style) and weight decay (--weight-decay, --start-weight-decay, "
+                            "--end-weight-decay, --weight-decay-incr-style) where it differs "
+                            "from the "
                             "checkpoint's.  Without this or the next flag a difference is an "
                             "error (as in Megatron-LM).")
     sched.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                       help="On --load, take the checkpoint's learning-rate schedule.")
+                       help="On --load, take the checkpoint's learning-rate schedule and "
+                            "weight decay.")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="Weight decay at the start of the run (--weight-decay-incr-style "
+                        "linear or cosine; default: --weight-decay).")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="Weight decay at the end of the run (default: --weight-decay).")
+    g.add_argument("--weight-decay-incr-style", choices=WD_INCR_STYLES, default="constant",
+                   help="How the weight decay goes from --start-weight-decay to "
+                        "--end-weight-decay over the run: constant (--weight-decay "
+                        "throughout), linear or cosine (Megatron-LM's).")
     g.add_argument("--clip-grad", type=float, default=1.0,
                    help="Clip the global gradient norm to this value (0 disables).")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
@@ -412,6 +425,12 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="Dataset prefixes (prefix.bin + prefix.idx), optionally weighted: "
                         "'0.3 a 0.7 b'.")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"Megatron-LM's per-split data: the {split} split's own prefixes "
+                            f"(the --data-path forms), each used whole; replaces --data-path "
+                            f"and --split." + (" Without it there is no evaluation."
+                                               if split == "valid" else ""))
     g.add_argument("--mock-data", action="store_true",
                    help="Train on synthetic random tokens (no data files).")
     g.add_argument("--split", type=str, default="969, 30, 1",
@@ -967,6 +986,29 @@ def _check_decoupled_lr(args: argparse.Namespace) -> None:
              f"--decoupled-min-lr ({floor}) must be <= --decoupled-lr ({peak})")
 
 
+def _check_weight_decay_incr(args: argparse.Namespace) -> None:
+    """Megatron-LM's weight-decay ramp: constant keeps --weight-decay (start and end, if
+    given, must equal it); linear and cosine need 0 <= start <= end, and ramp over the
+    run (--train-iters or --train-samples, one of which _check_required demands)."""
+    style, start, end = (args.weight_decay_incr_style, args.start_weight_decay,
+                         args.end_weight_decay)
+    if style == "constant":
+        for dest, value in (("start_weight_decay", start), ("end_weight_decay", end)):
+            _require(value is None or value == args.weight_decay,
+                     f"{_flag(dest)} ({value}) must equal --weight-decay ({args.weight_decay}) "
+                     "with --weight-decay-incr-style constant; give --weight-decay-incr-style "
+                     "linear or cosine for a weight decay that changes during training")
+        return
+    missing = [_flag(d) for d, v in (("start_weight_decay", start), ("end_weight_decay", end))
+               if v is None]
+    _require(not missing, f"--weight-decay-incr-style {style} needs {' and '.join(missing)} "
+                          "(the weight decay at the start and at the end of the run)")
+    _require(start >= 0, f"--start-weight-decay must be >= 0, got {start}")
+    _require(start <= end, f"--start-weight-decay ({start}) must be <= --end-weight-decay "
+                           f"({end}) with --weight-decay-incr-style {style} (the weight decay "
+                           "rises over the run)")
+
+
 def _check_optimizer(args: argparse.Namespace) -> None:
     if args.lr is None:  # only reachable with --skip-train: no step is ever taken
         args.lr = 0.0
@@ -975,6 +1017,7 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     _check_decoupled_lr(args)
     _require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
+    _check_weight_decay_incr(args)
     _require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {args.clip_grad}")
     for dest in ("adam_beta1", "adam_beta2", "sgd_momentum"):
         v = getattr(args, dest)
@@ -987,20 +1030,21 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     _check_lr_schedule(args)
 
 
-def _data_prefixes(data_path: Sequence[str]) -> List[str]:
-    """Prefixes named by --data-path, checking the weighted 'w1 p1 w2 p2' form."""
+def _data_prefixes(data_path: Sequence[str], flag: str = "--data-path") -> List[str]:
+    """Prefixes named by --data-path (or ``flag``, a per-split path flag), checking the
+    weighted 'w1 p1 w2 p2' form."""
     if not any(is_number(item) for item in data_path):
         return list(data_path)
     _require(len(data_path) % 2 == 0,
-             f"--data-path in weighted form must alternate weight and prefix "
+             f"{flag} in weighted form must alternate weight and prefix "
              f"('0.3 a 0.7 b'), got {len(data_path)} entries: {' '.join(data_path)}")
     prefixes = []
     for weight, prefix in zip(data_path[0::2], data_path[1::2]):
         _require(is_number(weight) and not is_number(prefix),
-                 f"--data-path in weighted form must alternate weight and prefix "
+                 f"{flag} in weighted form must alternate weight and prefix "
                  f"('0.3 a 0.7 b'), got '{weight} {prefix}'")
         _require(float(weight) > 0 and math.isfinite(float(weight)),
-                 f"--data-path weights must be positive, got {weight} for {prefix}")
+                 f"{flag} weights must be positive, got {weight} for {prefix}")
         prefixes.append(prefix)
     return prefixes
 
@@ -1016,21 +1060,45 @@ def _parse_split(split: str) -> List[float]:
     return values
 
 
+_SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+
+
 def _check_data(args: argparse.Namespace) -> None:
-    _parse_split(args.split)
     _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
     _require(args.data_path != [], "--data-path was given without any prefix")
+    paths = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in
+             ("--data-path",) + _SPLIT_PATH_FLAGS}
+    per_split = [flag for flag in _SPLIT_PATH_FLAGS if paths[flag] is not None]
+    for flag in per_split:
+        _require(paths[flag] != [], f"{flag} was given without any prefix")
     has_paths = bool(args.data_path)
     _require(not (has_paths and args.mock_data), "--data-path and --mock-data are mutually exclusive")
-    if not args.skip_train:
-        _require(has_paths or args.mock_data,
-                 "training needs data: give --data-path PREFIX (prefix.bin/.idx made by "
-                 "tools/preprocess_data.py) or --mock-data")
-    for prefix in _data_prefixes(args.data_path or []):
-        for suffix in (".bin", ".idx"):
-            path = Path(prefix + suffix)
-            _require(path.is_file(), f"--data-path prefix '{prefix}': file {path} "
-                     f"{'is not a regular file' if path.exists() else 'does not exist'}")
+    if per_split:
+        # Megatron-LM's per-split datasets replace --data-path and --split
+        _require(not has_paths, f"--data-path and {per_split[0]} are mutually exclusive: give "
+                 f"one dataset (or blend) split by --split, or one per split with "
+                 f"--train-data-path/--valid-data-path/--test-data-path")
+        _require(not args.mock_data, f"{per_split[0]} and --mock-data are mutually exclusive")
+        _require(args.skip_train or args.train_data_path,
+                 f"training needs data: {' and '.join(per_split)} without --train-data-path "
+                 f"has no training split; add --train-data-path PREFIX (or --skip-train to "
+                 f"only evaluate)")
+        if "--split" in getattr(args, "flags_given", set()):
+            args.megatron_lm_notes = getattr(args, "megatron_lm_notes", []) + [
+                f"note: --split '{args.split}' is ignored with {' and '.join(per_split)}: each "
+                f"split reads its own datasets whole (as in Megatron-LM)"]
+    else:
+        _parse_split(args.split)
+        if not args.skip_train:
+            _require(has_paths or args.mock_data,
+                     "training needs data: give --data-path PREFIX (prefix.bin/.idx made by "
+                     "tools/preprocess_data.py) or --mock-data")
+    for flag in ["--data-path"] + per_split:
+        for prefix in _data_prefixes(paths[flag] or [], flag):
+            for suffix in (".bin", ".idx"):
+                path = Path(prefix + suffix)
+                _require(path.is_file(), f"{flag} prefix '{prefix}': file {path} "
+                         f"{'is not a regular file' if path.exists() else 'does not exist'}")
 
 
 def _require_file(flag: str, path: Optional[str], tokenizer: str) -> None:
@@ -1376,6 +1444,9 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         lr_wsd_decay_samples=(args.lr_wsd_decay_samples if args.lr_decay_style == "WSD"
                               else None),
         weight_decay=args.weight_decay,
+        start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay,
+        weight_decay_incr_style=args.weight_decay_incr_style,
+        wd_incr_samples=args.train_samples if args.lr_schedule_unit == "samples" else None,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
@@ -1384,6 +1455,9 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         overlap_param_gather=args.overlap_param_gather, ddp_bucket_size=args.ddp_bucket_size)
     data = DataConfig(
         data_path=list(args.data_path or []), split=args.split,
+        train_data_path=list(args.train_data_path or []),
+        valid_data_path=list(args.valid_data_path or []),
+        test_data_path=list(args.test_data_path or []),
         data_cache_path=args.data_cache_path, num_workers=args.num_workers,
         tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,

@@ -296,6 +296,17 @@ class OptimizerConfig:
     lr_warmup_samples: Optional[int] = None
     """With lr_schedule_unit 'samples': warmup samples."""
     weight_decay: float = 0.01
+    start_weight_decay: Optional[float] = None
+    """Weight decay at the start of the run (Megatron-LM's --start-weight-decay; None:
+    ``weight_decay``)."""
+    end_weight_decay: Optional[float] = None
+    """Weight decay at the end of the run (None: ``weight_decay``)."""
+    weight_decay_incr_style: str = "constant"
+    """constant (``weight_decay`` throughout), linear or cosine: the decay rises from
+    start to end over the whole run (``megatron.optimizer.lr_scheduler``)."""
+    wd_incr_samples: Optional[int] = None
+    """With lr_schedule_unit 'samples': samples of the weight-decay ramp (the run's
+    --train-samples; in iterations the ramp is train_iters)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     adam_beta1: float = 0.9
@@ -324,6 +335,11 @@ class DataConfig:
 
     data_path: List[str] = field(default_factory=list)
     """Dataset prefixes, optionally preceded by weights: ['0.3', 'a', '0.7', 'b']."""
+    train_data_path: List[str] = field(default_factory=list)
+    """Megatron-LM's per-split datasets (instead of data_path and split): each split's own
+    prefixes, in data_path's forms, used whole; an empty list: that split has none."""
+    valid_data_path: List[str] = field(default_factory=list)
+    test_data_path: List[str] = field(default_factory=list)
     split: str = "969, 30, 1"
     data_cache_path: Optional[str] = None
     num_workers: int = 2
@@ -341,6 +357,22 @@ class DataConfig:
     """GPT: attention stays inside each document of a sample."""
     mock_data: bool = False
     """Use a synthetic dataset of random tokens (tests, benchmarks)."""
+
+    @property
+    def split_data_paths(self) -> Optional[Tuple[List[str], List[str], List[str]]]:
+        """(train, valid, test) prefixes of --train/--valid/--test-data-path, or None
+        when none was given (data_path and split describe the data)."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return paths if any(paths) else None
+
+    def describe_split(self, s: int) -> str:
+        """Where split ``s`` (0 train, 1 valid, 2 test) comes from, as flags, for
+        messages: "--split '...', --data-path ..." or "--valid-data-path ..."."""
+        if self.split_data_paths is None:
+            return f"--split '{self.split}', --data-path {' '.join(self.data_path) or '-'}"
+        flag = ("--train-data-path", "--valid-data-path", "--test-data-path")[s]
+        paths = self.split_data_paths[s]
+        return f"{flag} {' '.join(paths)}" if paths else f"no {flag}"
 
 
 @dataclass(kw_only=True)

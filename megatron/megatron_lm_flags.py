@@ -81,9 +81,6 @@ class CompatFlag:
 
 _FUSION = "picks a fused kernel of Megatron-LM: none here, the arithmetic is the same"
 _TB = "a TensorBoard option of Megatron-LM: --tensorboard-dir writes this trainer's scalars"
-_WD_INCR = "a weight decay that changes during training is not built (--weight-decay is constant)"
-_SPLIT_PATHS = ("a dataset per split is not built: give one --data-path (or a weighted blend) "
-                "and --split")
 
 FLAGS: Tuple[CompatFlag, ...] = (
     # ---- already how this trainer works
@@ -200,20 +197,11 @@ FLAGS: Tuple[CompatFlag, ...] = (
                nargs=None),
     CompatFlag("--keep-last", "refused",
                "finetuning drops the last incomplete batch of every epoch"),
-    # ---- learning-rate and weight-decay options not built here
+    # ---- learning-rate options not built here
     CompatFlag("--lr-warmup-init", "ignored", "the warm-up starts from a learning rate of 0, "
                "the default", nargs=None, ok_values=("0", "0.0"),
                refused_why="a warm-up from a non-zero learning rate is not built (it starts "
                            "from 0)"),
-    CompatFlag("--weight-decay-incr-style", "ignored",
-               "a constant weight decay (--weight-decay) is the default", nargs=None,
-               ok_values=("constant",), refused_why=_WD_INCR),
-    CompatFlag("--start-weight-decay", "refused", _WD_INCR, nargs=None),
-    CompatFlag("--end-weight-decay", "refused", _WD_INCR, nargs=None),
-    # ---- data given another way
-    CompatFlag("--train-data-path", "refused", _SPLIT_PATHS, nargs="*"),
-    CompatFlag("--valid-data-path", "refused", _SPLIT_PATHS, nargs="*"),
-    CompatFlag("--test-data-path", "refused", _SPLIT_PATHS, nargs="*"),
 )
 
 _BY_NAME = {f.name: f for f in FLAGS}

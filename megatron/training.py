@@ -331,6 +331,9 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
         scheduler = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training.train_iters)
     # --decoupled-lr: the input and output layers' rate of the step being taken
     optimizer.decoupled_lr_provider = scheduler.get_decoupled_lr
+    # the weight decay of the step being taken (--weight-decay-incr-style; constant: the
+    # --weight-decay the groups were built with)
+    optimizer.weight_decay_provider = scheduler.get_wd
     engine = PipelineEngine(
         model=model, optimizer=optimizer, groups=groups,
         schedule=cfg.parallel.pipeline_schedule,
@@ -645,11 +648,15 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     monitor = SkipMonitor.from_config(cfg)
 
     decoupled = cfg.optimizer.decoupled_lr is not None
+    # a weight decay that changes (the scheduler's, after a resume that may adopt the
+    # checkpoint's): the log line shows it
+    wd_ramp = getattr(scheduler, "wd_incr_style", "constant") != "constant"
 
     def on_step(report: StepReport) -> None:
         size = batch_at(state.consumed_train_samples)
         # the rate the step just taken used (the counter has not moved yet)
         decoupled_lr = scheduler.get_decoupled_lr() if decoupled else None
+        weight_decay = scheduler.get_wd() if wd_ramp else None
         if not report.skipped:
             scheduler.step_batch(size)
         state.iteration = report.iteration + 1
@@ -657,7 +664,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         result.reports.append(report)
         if report.losses:
             result.losses[report.iteration + 1] = report.losses
-        logger.on_step(report, state, size, decoupled_lr)
+        logger.on_step(report, state, size, decoupled_lr, weight_decay)
         monitor.update(report)
 
     start_iteration = state.iteration
@@ -925,9 +932,9 @@ def check_train_data(cfg: MegatronConfig, train_iter) -> None:
     """Training was asked for: there must be samples to train on (every rank builds the
     same datasets, so every rank raises)."""
     if not cfg.training.skip_train and train_iter is None:
-        raise DataError(f"nothing to train on: the training split is empty (--split "
-                        f"'{cfg.data.split}', --data-path {' '.join(cfg.data.data_path) or '-'}); "
-                        "give the training part a share of the data")
+        raise DataError(f"nothing to train on: the training split is empty "
+                        f"({cfg.data.describe_split(0)}); give the training part a share "
+                        "of the data")
 
 
 def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
@@ -945,9 +952,9 @@ def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
                             "batches")
     if valid_iter is None:
         raise DataError(f"nothing to evaluate: --skip-train only evaluates, and the "
-                        f"validation split is empty (--split '{cfg.data.split}', --data-path "
-                        f"{' '.join(cfg.data.data_path) or '-'}); give the validation part a "
-                        "share of the data")
+                        f"validation split is empty ({cfg.data.describe_split(1)}); give the "
+                        "validation part a share of the data"
+                        + (" (--valid-data-path)" if cfg.data.split_data_paths else ""))
 
 
 def _shared_embedding_copy(engine: PipelineEngine) -> Optional[torch.Tensor]:

@@ -45,6 +45,9 @@ class TrainingLogger:
         self.world = groups.layout.world_size
         self.decoupled_lr: Optional[float] = None
         """The last step's --decoupled-lr rate (None without the flag)."""
+        self.weight_decay: Optional[float] = None
+        """The last step's weight decay (only with --weight-decay-incr-style linear or
+        cosine, else None)."""
         self.active = is_logging_rank()
         self.writer = None
         if self.active and cfg.training.tensorboard_dir:
@@ -118,14 +121,19 @@ class TrainingLogger:
             self.writer.add_scalar(name, value, step)
 
     def on_step(self, report, state, batch_size: Optional[int] = None,
-                decoupled_lr: Optional[float] = None) -> None:
+                decoupled_lr: Optional[float] = None,
+                weight_decay: Optional[float] = None) -> None:
         """``batch_size``: the step's global batch (default --global-batch-size; it
         differs under --rampup-batch-size or --step-batch-size-schedule).
         ``decoupled_lr``: the input and output layers' rate of the step (--decoupled-lr),
-        printed after the regular rate as Megatron-LM does."""
+        printed after the regular rate as Megatron-LM does.
+        ``weight_decay``: the step's weight decay where it changes during training
+        (--weight-decay-incr-style), printed after the rates and written to TensorBoard
+        as ``train/weight_decay``."""
         if not self.active:
             return
         self.decoupled_lr = decoupled_lr
+        self.weight_decay = weight_decay
         self.steps += 1
         self.last_batch = (batch_size if batch_size is not None
                            else self.cfg.training.global_batch_size)
@@ -145,6 +153,8 @@ class TrainingLogger:
         self.scalar("train/lr", report.lr, state.iteration)
         if decoupled_lr is not None:
             self.scalar("train/decoupled_lr", decoupled_lr, state.iteration)
+        if weight_decay is not None:
+            self.scalar("train/weight_decay", weight_decay, state.iteration)
         self.scalar("train/loss_scale", report.loss_scale, state.iteration)
         self.scalar("train/grad_norm", report.grad_norm, state.iteration)
         if report.num_zeros is not None:
@@ -181,6 +191,8 @@ class TrainingLogger:
         parts.append(f"learning rate: {report.lr:.6E}")
         if self.decoupled_lr is not None:
             parts.append(f"decoupled learning rate: {self.decoupled_lr:.6E}")
+        if self.weight_decay is not None:
+            parts.append(f"weight decay: {self.weight_decay:.6E}")
         for k in list(self.loss_sums) + sorted(self.loss_keys - set(self.loss_sums)):
             if k in self.loss_sums:
                 parts.append(f"{k}: {self.loss_sums[k] / max(self.loss_count, 1):.6E}")

@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.dataset_utils import (alike_on_every_rank, cache_key, check_token_ids,
-                                         empty_split_error, index_cache_dir,
-                                         load_cached_arrays, open_prefix, parse_data_path,
-                                         save_npy_atomic, split_boundaries, write_text_atomic)
+from megatron.data.dataset_utils import (alike_on_every_rank, build_per_split_datasets,
+                                         cache_key, check_token_ids, empty_split_error,
+                                         index_cache_dir, load_cached_arrays, open_prefix,
+                                         parse_data_path, save_npy_atomic, split_boundaries,
+                                         write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
@@ -422,3 +423,18 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
         return tuple(per_prefix[0])
     return tuple(BlendableDataset([d[s] for d in per_prefix], weights, int(n)) if n > 0 else None
                  for s, n in enumerate(num_samples))
+
+
+@alike_on_every_rank
+def build_split_path_datasets(split_paths: Sequence[Optional[Sequence[str]]],
+                              train_valid_test_num_samples: Sequence[int],
+                              max_seq_length: int, seed: int, info: BertVocabInfo,
+                              masking: MaskingConfig, data_cache_path: Optional[str] = None):
+    """(train, valid, test) BERT datasets from ``--train-data-path``,
+    ``--valid-data-path`` and ``--test-data-path``: each split reads all the documents
+    of its own prefix or blend (``dataset_utils.build_per_split_datasets``)."""
+    def build_one(name: str, ds: IndexedDataset, n: int) -> BertDataset:
+        return BertDataset(name, ds, 0, len(ds.doc_idx) - 1, n, max_seq_length, seed, info,
+                           masking, data_cache_path)
+
+    return build_per_split_datasets(split_paths, train_valid_test_num_samples, build_one)

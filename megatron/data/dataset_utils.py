@@ -77,61 +77,63 @@ def is_number(text: str) -> bool:
     return True
 
 
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
+                    ) -> Tuple[List[str], List[float]]:
     """``--data-path`` ("p", "w1 p1 w2 p2 ..." or "p1 p2 ...") -> (prefixes, normalised
     weights).  Prefixes without weights (no item is a number) are weighted by their
     token counts, as Megatron-LM blends such a list: it uses each dataset whole, so each
-    one's share is its size (``size_weights``; the files are opened here)."""
+    one's share is its size (``size_weights``; the files are opened here).  ``flag``:
+    the flag the list came from (``--train-data-path`` ...), named by the errors."""
     items = [str(p) for p in data_path]
     if not items:
-        raise DataError("--data-path: no dataset prefix given")
+        raise DataError(f"{flag}: no dataset prefix given")
     if len(items) == 1:
         return items, [1.0]
     if not any(is_number(p) for p in items):
         prefixes = [p.strip() for p in items]
-        return prefixes, size_weights(prefixes)
+        return prefixes, size_weights(prefixes, flag)
     if len(items) % 2:
-        raise DataError(f"--data-path {' '.join(items)}: expected a single prefix or "
+        raise DataError(f"{flag} {' '.join(items)}: expected a single prefix or "
                          f"'weight prefix' pairs such as '0.3 a 0.7 b'")
     weights, prefixes = [], []
     for w, p in zip(items[0::2], items[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise DataError(f"--data-path: {w!r} should be a weight before prefix {p!r} "
+            raise DataError(f"{flag}: {w!r} should be a weight before prefix {p!r} "
                              f"(pairs such as '0.3 a 0.7 b')") from None
         if weight < 0 or not np.isfinite(weight):
-            raise DataError(f"--data-path: weight {w} of {p} must be a non-negative number")
+            raise DataError(f"{flag}: weight {w} of {p} must be a non-negative number")
         weights.append(weight)
         prefixes.append(p.strip())
     total = sum(weights)
     if total <= 0:
-        raise DataError("--data-path: the weights must not all be zero")
+        raise DataError(f"{flag}: the weights must not all be zero")
     return prefixes, [w / total for w in weights]
 
 
-def size_weights(prefixes: Sequence[str]) -> List[float]:
+def size_weights(prefixes: Sequence[str], flag: str = "--data-path") -> List[float]:
     """Each prefix's share of the tokens of all of them: the weights of an unweighted
     ``--data-path`` list."""
-    tokens = [int(open_prefix(p).sizes.sum(dtype=np.int64)) for p in prefixes]
+    tokens = [int(open_prefix(p, flag).sizes.sum(dtype=np.int64)) for p in prefixes]
     total = sum(tokens)
     if total <= 0:
-        raise DataError(f"--data-path {' '.join(prefixes)}: the datasets hold no tokens")
+        raise DataError(f"{flag} {' '.join(prefixes)}: the datasets hold no tokens")
     return [t / total for t in tokens]
 
 
-def open_prefix(prefix: str) -> IndexedDataset:
-    """Open a dataset named on --data-path, with a flag-level message when it is missing."""
+def open_prefix(prefix: str, flag: str = "--data-path") -> IndexedDataset:
+    """Open a dataset named on ``flag``, with a flag-level message when it is missing."""
     if not IndexedDataset.exists(prefix):
         raise DataError(
-            f"--data-path: dataset prefix {prefix!r} not found; expected both "
+            f"{flag}: dataset prefix {prefix!r} not found; expected both "
             f"{data_file_path(prefix)} and {index_file_path(prefix)} "
             f"(create them with tools/preprocess_data.py)")
     ds = IndexedDataset(prefix)
     if ds.dtype.kind not in "iu":
         # Float codes are valid in the format, but token ids cast from floats would
         # train silently on garbage.
-        raise DataError(f"--data-path {prefix}: {index_file_path(prefix)} declares {ds.dtype} "
+        raise DataError(f"{flag} {prefix}: {index_file_path(prefix)} declares {ds.dtype} "
                         f"data; expected integer token ids (uint16/int32/..., as written by "
                         f"tools/preprocess_data.py)")
     return ds
@@ -194,6 +196,55 @@ def empty_split_error(split: str, prefix: str, name: str, needed: int, total: in
                      f"{needed} samples but gets no tokens ({total} sequences in the dataset); "
                      f"give it a non-zero share of --split or point --data-path at a "
                      f"non-empty dataset")
+
+
+SPLIT_NAMES = ("train", "valid", "test")
+SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+"""Megatron-LM's per-split dataset flags, in the order of SPLIT_NAMES."""
+
+
+def build_per_split_datasets(split_paths: Sequence[Optional[Sequence[str]]],
+                             num_samples: Sequence[int],
+                             build_one: Callable[[str, IndexedDataset, int], object]
+                             ) -> Tuple[object, object, object]:
+    """(train, valid, test) from ``--train-data-path``, ``--valid-data-path`` and
+    ``--test-data-path``: each split reads its own prefix or blend (the ``--data-path``
+    forms), every prefix used whole; ``--split`` plays no part.
+
+    A split without paths, or that needs no samples, is None.  ``build_one(name, ds, n)``
+    builds ``n`` samples of split ``name`` from all the documents of ``ds``; a blend gets
+    a ``BlendableDataset`` whose components hold exactly the samples it draws from them.
+    """
+    from megatron.data import helpers
+    from megatron.data.blendable_dataset import BlendableDataset
+
+    if len(split_paths) != 3 or len(num_samples) != 3:
+        raise ValueError("split_paths and num_samples must have three entries")
+    out: List[object] = []
+    for name, flag, paths, n in zip(SPLIT_NAMES, SPLIT_PATH_FLAGS, split_paths, num_samples):
+        n = int(n)
+        if not paths or n <= 0:
+            out.append(None)
+            continue
+        prefixes, weights = parse_data_path(paths, flag)
+        if len(prefixes) == 1:
+            counts = np.array([n], dtype=np.int64)
+        else:
+            index, _ = helpers.build_blending_indices(np.asarray(weights), n)
+            counts = np.bincount(index, minlength=len(prefixes))
+        parts = []
+        for prefix, count in zip(prefixes, counts):
+            ds = open_prefix(prefix, flag)
+            if count <= 0:
+                parts.append(None)  # a zero weight: the blend never reads it
+                continue
+            if int(ds.sizes.sum(dtype=np.int64)) == 0:
+                raise DataError(f"{flag} {prefix}: the {name} split needs {int(count)} "
+                                f"samples from this dataset but it holds no tokens "
+                                f"({len(ds)} sequences); point {flag} at a non-empty dataset")
+            parts.append(build_one(name, ds, int(count)))
+        out.append(parts[0] if len(parts) == 1 else BlendableDataset(parts, weights, n))
+    return out[0], out[1], out[2]
 
 
 def check_token_ids(ds: IndexedDataset, tokens: np.ndarray, vocab_size: int, where: str,

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from megatron.data import helpers
-from megatron.data.dataset_utils import (alike_on_every_rank, cache_key, check_token_ids,
-                                         empty_split_error, index_cache_dir,
-                                         load_cached_arrays, open_prefix, parse_data_path,
-                                         save_npy_atomic, split_boundaries, write_text_atomic)
+from megatron.data.dataset_utils import (alike_on_every_rank, build_per_split_datasets,
+                                         cache_key, check_token_ids, empty_split_error,
+                                         index_cache_dir, load_cached_arrays, open_prefix,
+                                         parse_data_path, save_npy_atomic, split_boundaries,
+                                         write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
@@ -292,3 +293,21 @@ def build_train_valid_test_datasets(data_prefix: List[str], split: str,
         else:
             blends.append(BlendableDataset([d[s] for d in per_prefix], weights, int(n)))
     return tuple(blends)
+
+
+@alike_on_every_rank
+def build_split_path_datasets(split_paths: Sequence[Optional[Sequence[str]]],
+                              train_valid_test_num_samples: Sequence[int], seq_length: int,
+                              seed: int, data_cache_path: Optional[str] = None,
+                              vocab_size: Optional[int] = None):
+    """(train, valid, test) from Megatron-LM's ``--train-data-path``,
+    ``--valid-data-path`` and ``--test-data-path`` (``split_paths``, None or [] for a
+    split without one): each split's prefix or blend is used whole, so a sample of one
+    split never comes from another's files.  Indices are cached and epochs repeated as
+    for ``--data-path`` (a ``GPTDataset`` over all of a prefix's documents)."""
+    def build_one(name: str, ds: IndexedDataset, n: int) -> GPTDataset:
+        documents = np.arange(len(ds), dtype=np.int64)
+        return GPTDataset(name, ds, documents, n, seq_length, seed, data_cache_path,
+                          vocab_size)
+
+    return build_per_split_datasets(split_paths, train_valid_test_num_samples, build_one)

@@ -22,6 +22,20 @@ of the same shape (warmup, style, decay length, WSD anneal) from ``decoupled_lr`
 ``decoupled_min_lr`` (``get_decoupled_lr``); ``get_lr`` stays the rate of every other
 parameter, the one the log line shows.
 
+Weight decay (Megatron-LM's ``--weight-decay-incr-style``, ``--start-weight-decay``,
+``--end-weight-decay``): ``get_wd(step)`` is the decay of the weight-decay groups (biases
+and norms stay at 0: the optimizer multiplies by each group's ``wd_mult``).  With style
+``constant`` it is ``start_wd == end_wd`` (``--weight-decay``).  Otherwise it rises from
+``start_wd`` to ``end_wd`` over ``wd_incr_steps`` (the whole run: --train-iters, or
+--train-samples in samples; Megatron-LM counts ``train_iters * global_batch_size``
+samples, the same fraction of the run), with r = min(step / wd_incr_steps, 1):
+``linear``: ``start + (end - start) * r``; ``cosine``: ``start + (end - start) * 0.5 *
+(cos(pi * (1 - r)) + 1)`` (slow at both ends), as Megatron-LM's ``get_wd``.  After the
+run (``step > wd_incr_steps``) it stays at ``end_wd``.  An update takes the value at
+the counter before it, as the learning rate does: the first one ``start_wd`` (Megatron-LM
+sets the groups after each step for the next).  A scheduler built without
+``start_wd`` has no weight-decay schedule (``get_wd()`` is None: groups keep theirs).
+
 A step is an iteration, or, for a ``--train-samples`` run (``unit="samples"``), a
 sample: the counter then advances by the global batch size per applied batch, as in
 Megatron-LM, and warmup and decay stay put when the batch size changes on resume.
@@ -34,6 +48,7 @@ from typing import Any, Callable, Dict, Optional
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 # Hyper-parameters stored in a checkpoint and compared on load.
 _HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style",
@@ -43,6 +58,10 @@ _DECOUPLED = ("decoupled_lr", "decoupled_min_lr")
 _DEFAULTS = {"wsd_decay_steps": None, "wsd_decay_style": "exponential",
              "decoupled_lr": None, "decoupled_min_lr": None}
 """What a checkpoint saved before the WSD style or --decoupled-lr holds (no such fields)."""
+_WD = ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+"""The weight-decay schedule: saved where the scheduler has one, compared on load where
+the checkpoint has one too (one saved before it trained with a constant decay it does not
+record: nothing to compare, this run's decay applies, as in Megatron-LM)."""
 UNITS = ("iterations", "samples")
 
 
@@ -65,7 +84,11 @@ class OptimizerParamScheduler:
                  wsd_decay_steps: Optional[int] = None,
                  wsd_decay_style: str = "exponential",
                  decoupled_lr: Optional[float] = None,
-                 decoupled_min_lr: Optional[float] = None) -> None:
+                 decoupled_min_lr: Optional[float] = None,
+                 start_wd: Optional[float] = None, end_wd: Optional[float] = None,
+                 wd_incr_steps: Optional[int] = None,
+                 wd_incr_style: str = "constant") -> None:
+        _check_wd(start_wd, end_wd, wd_incr_steps, wd_incr_style)
         if unit not in UNITS:
             raise ValueError(f"lr scheduler unit must be one of {', '.join(UNITS)}, got {unit!r}")
         if decay_style not in DECAY_STYLES:
@@ -108,6 +131,13 @@ class OptimizerParamScheduler:
         """Peak rate of the input and output layers (None: they follow ``max_lr``)."""
         self.decoupled_min_lr = None if decoupled_min_lr is None else float(decoupled_min_lr)
         """Their floor (``min_lr`` where --decoupled-min-lr is not given)."""
+        self.start_wd = None if start_wd is None else float(start_wd)
+        """Weight decay at step 0 (None: no weight-decay schedule)."""
+        self.end_wd = None if end_wd is None else float(end_wd)
+        self.wd_incr_steps = None if wd_incr_steps is None else int(wd_incr_steps)
+        """Steps of the ramp from ``start_wd`` to ``end_wd``, the run's length (None
+        where unknown: constant style only)."""
+        self.wd_incr_style = wd_incr_style
         self.unit = unit
         self.num_steps = 0
 
@@ -117,7 +147,9 @@ class OptimizerParamScheduler:
         wsd_style = getattr(opt_cfg, "lr_wsd_decay_style", "exponential")
         decoupled = dict(decoupled_lr=getattr(opt_cfg, "decoupled_lr", None),
                          decoupled_min_lr=getattr(opt_cfg, "decoupled_min_lr", None))
-        if getattr(opt_cfg, "lr_schedule_unit", "iterations") == "samples":
+        samples = getattr(opt_cfg, "lr_schedule_unit", "iterations") == "samples"
+        decoupled.update(_wd_from_config(opt_cfg, train_iters, samples))
+        if samples:
             return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_samples,
                        opt_cfg.lr_decay_samples, opt_cfg.lr_decay_style, unit="samples",
                        wsd_decay_steps=getattr(opt_cfg, "lr_wsd_decay_samples", None),
@@ -145,6 +177,21 @@ class OptimizerParamScheduler:
             return self.get_lr(step)
         return self._rate(self.num_steps if step is None else step, self.decoupled_lr,
                           self.decoupled_min_lr)
+
+    def get_wd(self, step: Optional[int] = None) -> Optional[float]:
+        """Weight decay at ``step`` (default: the current step counter); None without a
+        weight-decay schedule.  See the module docstring for the formulas."""
+        if self.start_wd is None:
+            return None
+        step = self.num_steps if step is None else step
+        if self.wd_incr_style == "constant" or step >= self.wd_incr_steps:
+            return self.end_wd
+        ratio = max(step, 0) / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine: 0 at the start, 1 at the end
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
     def _rate(self, step: int, max_lr: float, min_lr: float) -> float:
         """The schedule at ``step`` between ``max_lr`` and ``min_lr``."""
@@ -184,6 +231,8 @@ class OptimizerParamScheduler:
         sd = {name: getattr(self, name) for name in _HPARAMS}
         if self.decoupled_lr is not None:  # absent otherwise, as before --decoupled-lr
             sd.update({name: getattr(self, name) for name in _DECOUPLED})
+        if self.start_wd is not None:
+            sd.update({name: getattr(self, name) for name in _WD})
         sd["num_steps"] = self.num_steps
         sd["unit"] = self.unit
         return sd
@@ -233,10 +282,71 @@ class OptimizerParamScheduler:
                     f"{name}={ours!r}{f' ({self.unit})' if name in _STEP_FIELDS else ''}; "
                     "pass --override-opt_param-scheduler to keep this run's value or "
                     "--use-checkpoint-opt_param-scheduler to take the checkpoint's")
+        self._load_wd(sd, override, use_checkpoint)
         self.num_steps = int(sd["num_steps"])
 
+    def _load_wd(self, sd: Dict[str, Any], override: bool, use_checkpoint: bool) -> None:
+        """The weight-decay schedule of ``load_state_dict`` (its rules, see ``_WD``)."""
+        if sd.get("start_wd") is None or (self.start_wd is None and not use_checkpoint):
+            return  # saved before the weight-decay schedule, or none here to compare
+        theirs = {"end_wd": sd["start_wd"], "wd_incr_steps": None,
+                  "wd_incr_style": "constant", **sd}
+        # the ramp's length means nothing where both sides keep the decay constant
+        constant = self.wd_incr_style == theirs["wd_incr_style"] == "constant"
+        for name in _WD:
+            ours = getattr(self, name)
+            if use_checkpoint:
+                setattr(self, name, theirs[name])
+            elif (not override and ours != theirs[name]
+                  and not (constant and name == "wd_incr_steps")):
+                raise ValueError(
+                    f"lr scheduler: checkpoint has {name}={theirs[name]!r} but this run has "
+                    f"{name}={ours!r}{f' ({self.unit})' if name in _STEP_FIELDS else ''} "
+                    "(the weight decay: --weight-decay, --start-weight-decay, "
+                    "--end-weight-decay, --weight-decay-incr-style); pass "
+                    "--override-opt_param-scheduler to keep this run's value or "
+                    "--use-checkpoint-opt_param-scheduler to take the checkpoint's")
 
-_STEP_FIELDS = ("warmup_steps", "decay_steps", "wsd_decay_steps", "num_steps")
+
+def _check_wd(start_wd: Optional[float], end_wd: Optional[float],
+              wd_incr_steps: Optional[int], style: str) -> None:
+    """The weight-decay schedule's arguments (the trainer's flags are checked earlier, in
+    ``megatron.arguments``, with the flags' names)."""
+    if style not in WD_INCR_STYLES:
+        raise ValueError(f"--weight-decay-incr-style must be one of "
+                         f"{', '.join(WD_INCR_STYLES)}, got {style!r}")
+    if start_wd is None and end_wd is None and style == "constant":
+        return  # no weight-decay schedule
+    if start_wd is None or end_wd is None:
+        raise ValueError(f"weight decay schedule needs both start_wd and end_wd, got "
+                         f"start_wd={start_wd}, end_wd={end_wd}")
+    if not 0.0 <= start_wd <= end_wd:
+        raise ValueError(f"weight decay schedule needs 0 <= start_wd <= end_wd, got "
+                         f"start_wd={start_wd}, end_wd={end_wd}")
+    if style == "constant":
+        if start_wd != end_wd:
+            raise ValueError(f"weight decay style constant needs start_wd == end_wd, got "
+                             f"start_wd={start_wd}, end_wd={end_wd}")
+    elif wd_incr_steps is None or wd_incr_steps <= 0:
+        raise ValueError(f"weight decay style {style} needs the length of its ramp "
+                         f"(wd_incr_steps > 0, the run's length), got {wd_incr_steps}")
+
+
+def _wd_from_config(opt_cfg: Any, train_iters: Optional[int],
+                    samples: bool) -> Dict[str, Any]:
+    """The scheduler's weight-decay arguments from an ``OptimizerConfig``: start and end
+    default to ``weight_decay``; the ramp is the whole run (``train_samples`` in a
+    samples-counted schedule, else ``train_iters``)."""
+    wd = float(getattr(opt_cfg, "weight_decay", 0.0))
+    start = getattr(opt_cfg, "start_weight_decay", None)
+    end = getattr(opt_cfg, "end_weight_decay", None)
+    steps = getattr(opt_cfg, "wd_incr_samples", None) if samples else train_iters
+    return dict(start_wd=wd if start is None else start, end_wd=wd if end is None else end,
+                wd_incr_steps=steps,
+                wd_incr_style=getattr(opt_cfg, "weight_decay_incr_style", "constant"))
+
+
+_STEP_FIELDS = ("warmup_steps", "decay_steps", "wsd_decay_steps", "wd_incr_steps", "num_steps")
 
 
 def _convert_units(sd: Dict[str, Any], unit: str, samples_per_iteration: Optional[float],

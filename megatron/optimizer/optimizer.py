@@ -149,6 +149,12 @@ class MegatronOptimizer:
         """The input and output layers' rate for the step being taken (the trainer sets
         ``OptimizerParamScheduler.get_decoupled_lr``); needed where ``layout`` has
         decoupled groups and ``finish_step`` is given no ``decoupled_lr``."""
+        self.weight_decay_provider: Optional[Callable[[], Optional[float]]] = None
+        """The weight decay of the step being taken (the trainer sets
+        ``OptimizerParamScheduler.get_wd``): each group's ``weight_decay`` becomes it times
+        the group's ``wd_mult`` (0 for biases and norms) before the update; None, or a
+        provider returning None, leaves the groups' own values."""
+        self._wd_mults = self.layout.wd_mults
         decoupled = {i for ids, flag in zip(self.layout.members, self.layout.decoupled)
                      if flag for i in ids}
         # checkpoints hold the unsharded format (``megatron.optimizer.sharded_state``)
@@ -402,6 +408,10 @@ class MegatronOptimizer:
             lrs = (lr, self._decoupled_lr(lr, decoupled_lr))
             for group, flag in zip(self.optimizer.param_groups, self.layout.decoupled):
                 group["lr"] = lrs[flag]
+            wd = self.weight_decay_provider() if self.weight_decay_provider else None
+            if wd is not None:  # --weight-decay-incr-style: this step's weight decay
+                for group, mult in zip(self.optimizer.param_groups, self._wd_mults):
+                    group["weight_decay"] = wd * mult
             if self.use_masters:
                 self._step_masters(grads, write_to, lrs)
             else:

@@ -1,7 +1,9 @@
 """The torch param groups of one stage, and their checkpoint format.
 
 Weight decay splits a stage's parameters into two groups, as Megatron-LM does: matrices
-are decayed, biases and norm weights (1-D) are not.  Checkpoints hold the optimizer
+are decayed, biases and norm weights (1-D) are not (``wd_mult`` 1 and 0: a weight decay
+that changes during training, ``--weight-decay-incr-style``, is set on the groups at
+every step as the scheduled value times it).  Checkpoints hold the optimizer
 state in those two groups (decay, then no-decay), each listing its members in model
 order; ``megatron.checkpoint_convert`` and the distributed optimizer's unsharded format
 read it so.
@@ -26,7 +28,7 @@ one, so that both copies take the same update.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -50,6 +52,17 @@ class GroupLayout:
     saved: List[int]
     """The checkpoint group (0: the first weight-decay group present, 1: the next) each
     torch group belongs to; non-decreasing."""
+    wd_mult: Optional[List[float]] = None
+    """Each group's share of a scheduled weight decay (Megatron-LM's ``wd_mult``; see
+    ``wd_mults``): 1.0 for the decayed matrices, 0.0 for biases and norms."""
+
+    @property
+    def wd_mults(self) -> List[float]:
+        """``wd_mult``, or where it was not given (``plain``) 1.0 for each group with a
+        non-zero ``weight_decay`` and 0.0 for the others."""
+        if self.wd_mult is not None:
+            return list(self.wd_mult)
+        return [1.0 if wd else 0.0 for wd in self.weight_decay]
 
     @classmethod
     def build(cls, params: Sequence[torch.Tensor], weight_decay: float,
@@ -62,8 +75,10 @@ class GroupLayout:
         wds: List[float] = []
         flags: List[bool] = []
         saved: List[int] = []
-        kept = [(ids, wd) for ids, wd in ((decay, weight_decay), (no_decay, 0.0)) if ids]
-        for k, (ids, wd) in enumerate(kept):
+        mults: List[float] = []
+        kept = [(ids, wd, mult) for ids, wd, mult in ((decay, weight_decay, 1.0),
+                                                      (no_decay, 0.0, 0.0)) if ids]
+        for k, (ids, wd, mult) in enumerate(kept):
             for i in ids:
                 flag = decoupled_lr and is_embedding_or_output(params[i])
                 if members and saved[-1] == k and flags[-1] == flag:
@@ -73,7 +88,8 @@ class GroupLayout:
                 wds.append(wd)
                 flags.append(flag)
                 saved.append(k)
-        return cls(members, wds, flags, saved)
+                mults.append(mult)
+        return cls(members, wds, flags, saved, mults)
 
     @classmethod
     def plain(cls, members: List[List[int]], weight_decay: List[float]) -> "GroupLayout":

@@ -117,8 +117,14 @@ def _add_scaled_(ws: List[torch.Tensor], nums: List[torch.Tensor], coefs: List[f
         torch._foreach_add_([ws[i] for i in idx], [nums[i] for i in idx], alpha=coef)
 
 
-def _groups_by_param(optimizer: torch.optim.Optimizer) -> Dict[int, dict]:
-    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+def _group_index(optimizer: torch.optim.Optimizer) -> Dict[int, int]:
+    """The index of each parameter's group (torch's ``load_state_dict`` replaces the
+    group dicts, so they are looked up by index at each use)."""
+    return {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+
+
+def _weight_decays(optimizer: torch.optim.Optimizer) -> List[float]:
+    return [g.get("weight_decay", 0.0) for g in optimizer.param_groups]
 
 
 class WeightPrediction:
@@ -128,13 +134,17 @@ class WeightPrediction:
                  decoupled: Optional[Sequence[bool]] = None):
         self.optimizer = optimizer
         self.main_params = list(main_params)
-        self._group = _groups_by_param(optimizer)
+        self._group = _group_index(optimizer)
         self.decoupled = None if decoupled is None else list(decoupled)
         """Per main parameter: it follows --decoupled-lr (None: none does)."""
         self.last_lr = 0.0
         """Learning rate the buffers' current predictions were made with."""
         self.last_decoupled_lr = 0.0
         """The same for the ``decoupled`` parameters."""
+        self.last_wd: Optional[List[float]] = None
+        """Each group's weight decay when the predictions were made (None: the groups'
+        own now).  A scheduled weight decay (--weight-decay-incr-style) is set on the
+        groups before ``restore_`` inverts the last prediction, which used the old one."""
 
     def _lrs(self, lr: float, decoupled_lr: Optional[float]) -> List[float]:
         """Each main parameter's rate: ``decoupled_lr`` (default ``lr``) for the
@@ -144,14 +154,17 @@ class WeightPrediction:
         other = lr if decoupled_lr is None else decoupled_lr
         return [other if flag else lr for flag in self.decoupled]
 
-    def _terms(self, main: nn.Parameter, lr: float) -> Optional[_Terms]:
+    def _terms(self, main: nn.Parameter, lr: float,
+               wds: Optional[List[float]] = None) -> Optional[_Terms]:
         """P(W) = c * W + coef * num / denom from ``main``'s optimizer state; None when the
-        parameter has no state yet (before its first update there is nothing to predict)."""
+        parameter has no state yet (before its first update there is nothing to predict).
+        ``wds``: each group's weight decay (default: the groups' own)."""
         state = self.optimizer.state.get(main)
         if not state:
             return None
-        group = self._group[id(main)]
-        c = 1.0 - lr * group.get("weight_decay", 0.0)
+        k = self._group[id(main)]
+        group = self.optimizer.param_groups[k]
+        c = 1.0 - lr * (group.get("weight_decay", 0.0) if wds is None else wds[k])
         if "exp_avg" in state:  # AdamW, as torch.optim.AdamW with grad = 0
             beta1, beta2 = group["betas"]
             step = float(state["step"]) + 1.0
@@ -211,17 +224,18 @@ class WeightPrediction:
             _predict_chunk(pending)
         self.last_lr = lr
         self.last_decoupled_lr = lr if decoupled_lr is None else decoupled_lr
+        self.last_wd = _weight_decays(self.optimizer)
 
     @torch.no_grad()
     def restore_(self, buf: Sequence[nn.Parameter]) -> None:
         """Invert the prediction in place: W = (P(W) - coef * num / denom) / c (same state,
-        ``last_lr``); multi-tensor passes over chunks, as ``predict_``."""
+        ``last_lr`` and ``last_wd``); multi-tensor passes over chunks, as ``predict_``."""
         chunk: List[Tuple[torch.Tensor, _Terms]] = []
         size = 0
         foreach = use_foreach(buf)
         lrs = self._lrs(self.last_lr, self.last_decoupled_lr)
         for main, p, lr_k in zip(self.main_params, buf, lrs):
-            terms = self._terms(main, lr_k)
+            terms = self._terms(main, lr_k, self.last_wd)
             if terms is None:
                 continue
             if not foreach:
@@ -250,6 +264,9 @@ class WeightPrediction:
         # saved without decoupled parameters: they were predicted with the one rate
         self.last_decoupled_lr = (float(sd.get("last_decoupled_lr", self.last_lr)) if sd
                                   else 0.0)
+        # the optimizer's groups were loaded first: they hold the weight decay of the
+        # checkpoint's last step, the one its predictions were made with
+        self.last_wd = _weight_decays(self.optimizer)
 
 
 @torch.no_grad()

@@ -249,7 +249,7 @@ def _one_replica_loss_worker(rank: int, world: int, argv):
     import io
 
     import pretrain_gpt
-    from megatron.pipeline import grad_reduction as eng
+    from megatron.pipeline import engine as eng
     from megatron.training import pretrain
 
     original = eng.PipelineEngine._loss_nonfinite

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from megatron.arguments import ArgumentError, build_config, parse_and_validate, parse_args, \
-    validate_args
+from megatron.arguments import build_config, parse_args, validate_args
 from megatron.config import ModelConfig, OptimizerConfig, PrecisionConfig
 from megatron.model import BertModel, GPTModel, stage_layer_numbers
 from megatron.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron.optimizer.param_groups import GroupLayout, is_embedding_or_output
 from megatron.tensor_parallel import TPInfo
+from tests.arg_errors import assert_one_line_error
 
 
 @pytest.fixture(autouse=True)
@@ -382,15 +382,7 @@ def test_flags_reach_the_config():
      "--decoupled-lr (1e-05) must be >= its floor, --min-lr (0.0001)"),
 ])
 def test_bad_values_are_one_line_errors(extra, expected, capsys, monkeypatch):
-    with pytest.raises(ArgumentError) as info:
-        validate_args(parse_args(BASE + extra), 1)
-    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        parse_and_validate(BASE + extra)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: " + expected) and err.count("\n") == 1
+    assert_one_line_error(BASE + extra, expected, capsys, monkeypatch)
 
 
 # ---- on two gloo ranks: both ends of the tied embedding, the distributed optimizer ----------
