@@ -311,6 +311,9 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warmup as a fraction of the LR decay iterations.")
     g.add_argument("--lr-warmup-samples", type=int, default=None, help="Linear warmup in samples.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="Learning rate the linear warmup starts from, up to --lr (and "
+                        "--decoupled-lr).")
     sched = g.add_mutually_exclusive_group()
     sched.add_argument("--override-opt_param-scheduler", action="store_true",
                        help="On --load, keep this run's learning-rate schedule (--lr, --min-lr, "
@@ -1015,6 +1018,8 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     _require(args.lr >= 0, f"--lr must be >= 0, got {args.lr}")
     _require(args.min_lr >= 0, f"--min-lr must be >= 0, got {args.min_lr}")
     _require(args.min_lr <= args.lr, f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    _require(0 <= args.lr_warmup_init <= args.lr,
+             f"--lr-warmup-init must be in [0, --lr ({args.lr})], got {args.lr_warmup_init}")
     _check_decoupled_lr(args)
     _require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
     _check_weight_decay_incr(args)
@@ -1439,7 +1444,7 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         lr_warmup_iters=args.lr_warmup_iters, lr_schedule_unit=args.lr_schedule_unit,
         lr_decay_samples=args.lr_decay_samples, lr_warmup_samples=args.lr_warmup_samples,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        lr_warmup_init=args.lr_warmup_init, lr_wsd_decay_style=args.lr_wsd_decay_style,
         lr_wsd_decay_iters=args.lr_wsd_decay_iters if args.lr_decay_style == "WSD" else None,
         lr_wsd_decay_samples=(args.lr_wsd_decay_samples if args.lr_decay_style == "WSD"
                               else None),

@@ -277,6 +277,8 @@ class OptimizerConfig:
     ``decoupled_min_lr``; None: every parameter follows ``lr``."""
     decoupled_min_lr: Optional[float] = None
     """Floor of the decoupled schedule (None: ``min_lr``)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate the warmup starts from (Megatron-LM's --lr-warmup-init)."""
     lr_decay_style: str = "linear"
     """constant, linear, cosine, inverse-square-root or WSD."""
     lr_wsd_decay_style: str = "exponential"

@@ -195,13 +195,9 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "NVIDIA's ADLR autoresume is not built, --exit-signal-handler or "
                "--exit-duration-in-mins save and exit before a scheduler's time limit",
                nargs=None),
-    CompatFlag("--keep-last", "refused",
-               "finetuning drops the last incomplete batch of every epoch"),
-    # ---- learning-rate options not built here
-    CompatFlag("--lr-warmup-init", "ignored", "the warm-up starts from a learning rate of 0, "
-               "the default", nargs=None, ok_values=("0", "0.0"),
-               refused_why="a warm-up from a non-zero learning rate is not built (it starts "
-                           "from 0)"),
+    CompatFlag("--keep-last", "ignored",
+               "read by finetuning only (tasks/main.py keeps each epoch's last incomplete "
+               "batch); pretraining has no epochs to cut"),
 )
 
 _BY_NAME = {f.name: f for f in FLAGS}

@@ -17,6 +17,11 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "dev_mismatched.tsv; RACE: directories; WIKITEXT103: the test file).")
     g.add_argument("--epochs", type=int, default=None,
                    help="Finetuning epochs (sets --train-iters from the training set size).")
+    g.add_argument("--keep-last", action="store_true",
+                   help="Train on the last incomplete global batch of each epoch too, its "
+                        "missing examples padded with weight 0 (default: drop it, as "
+                        "Megatron-LM's finetuning does). Validation always scores every "
+                        "example.")
     g.add_argument("--pretrained-checkpoint", type=str, default=None,
                    help="Checkpoint directory whose model weights initialise the model; any "
                         "tensor/pipeline layout (tools/checkpoint_util.py re-splits it).")

@@ -99,6 +99,28 @@ class _Padded(torch.utils.data.Dataset):
         return self.dataset[i] if i < len(self.dataset) else self.pad
 
 
+def epoch_order(n: int, per_epoch: int, gbs: int, micro_batch_size: int,
+                seed: int) -> np.ndarray:
+    """The example order of one training epoch of ``per_epoch`` global batches: a
+    permutation of the ``n`` examples (seeded by ``seed``), cut to ``per_epoch * gbs``.
+    Where the epoch is longer than the examples (--keep-last), the last batch's missing
+    places hold indices >= n (weight-0 padding, ``_Padded``), and its real examples are
+    dealt round-robin over its microbatches (of every data-parallel rank), so a
+    microbatch is all padding only where the batch has fewer examples than
+    microbatches."""
+    order = np.random.RandomState(seed).permutation(n)[:per_epoch * gbs]
+    missing = per_epoch * gbs - len(order)
+    if missing <= 0:
+        return order
+    last = len(order) - (gbs - missing)        # where the incomplete batch starts
+    real = order[last:]
+    slices = gbs // micro_batch_size
+    tail = np.arange(n, n + gbs)               # padding everywhere, then the examples
+    j = np.arange(len(real))
+    tail[(j % slices) * micro_batch_size + j // slices] = real
+    return np.concatenate([order[:last], tail])
+
+
 def microbatches(dataset, order: Sequence[int], micro_batch_size: int, dp_rank: int,
                  dp_size: int) -> Iterator[Dict[str, torch.Tensor]]:
     """This data-parallel rank's microbatches over ``order`` (cut as the trainer does:
@@ -160,7 +182,7 @@ def _iterations_argv(argv: List[str], raw, n_train: int) -> Tuple[List[str], int
     model_parallel = raw.tensor_model_parallel_size * raw.pipeline_model_parallel_size
     dp = world // model_parallel if model_parallel and world % model_parallel == 0 else 1
     gbs = raw.global_batch_size or (raw.micro_batch_size or 1) * dp
-    per_epoch = n_train // gbs
+    per_epoch = -(-n_train // gbs) if raw.keep_last else n_train // gbs
     if raw.skip_train or raw.epochs == 0:
         return argv + ([] if raw.skip_train else ["--skip-train"]), max(per_epoch, 1)
     if per_epoch == 0:
@@ -292,9 +314,11 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
         try:
             for epoch in range(state.iteration // per_epoch, epochs):
                 skip = state.iteration - epoch * per_epoch
-                order = np.random.RandomState(tr.seed + epoch).permutation(len(train_ds))
-                order = order[:per_epoch * gbs][skip * gbs:]
-                train_iter = microbatches(train_ds, order, tr.micro_batch_size,
+                order = epoch_order(len(train_ds), per_epoch, gbs, tr.micro_batch_size,
+                                    tr.seed + epoch)[skip * gbs:]
+                epoch_ds = (train_ds if per_epoch * gbs <= len(train_ds)
+                            else _Padded(train_ds, per_epoch * gbs))   # --keep-last
+                train_iter = microbatches(epoch_ds, order, tr.micro_batch_size,
                                           groups.dp_rank, groups.dp_size)
                 tr.train_iters = min((epoch + 1) * per_epoch, total)
                 train(cfg, groups, engine, optimizer, scheduler, state, train_iter, None,

@@ -4,8 +4,9 @@ inverse-square-root or warmup-stable-decay (WSD), Megatron-LM's five styles.
 Step counting follows Megatron-LM: ``decay_steps`` is counted from step 0 (it includes
 the warmup), so after warmup the decay ratio is
 ``(step - warmup_steps) / (decay_steps - warmup_steps)`` and the rate stays at
-``min_lr`` once ``step > decay_steps``.  During warmup the rate rises linearly from 0
-(at step 0) to ``max_lr`` (at ``step == warmup_steps``).
+``min_lr`` once ``step > decay_steps``.  During warmup the rate rises linearly from
+``warmup_init`` (Megatron-LM's --lr-warmup-init, default 0) at step 0 to ``max_lr`` at
+``step == warmup_steps`` (the decoupled schedule's warmup starts from it too).
 
 * ``inverse-square-root``: after warmup, ``max_lr * sqrt(warmup_steps / step)`` (warmup
   counted as at least 1), never below ``min_lr``; ``decay_steps`` plays no part.
@@ -56,8 +57,9 @@ _HPARAMS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style",
 _DECOUPLED = ("decoupled_lr", "decoupled_min_lr")
 """Saved and compared only where --decoupled-lr is given (None: no decoupled schedule)."""
 _DEFAULTS = {"wsd_decay_steps": None, "wsd_decay_style": "exponential",
-             "decoupled_lr": None, "decoupled_min_lr": None}
-"""What a checkpoint saved before the WSD style or --decoupled-lr holds (no such fields)."""
+             "decoupled_lr": None, "decoupled_min_lr": None, "warmup_init": 0.0}
+"""What a checkpoint saved before the WSD style, --decoupled-lr or --lr-warmup-init
+holds (no such fields; ``warmup_init`` is saved only where it is not 0)."""
 _WD = ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
 """The weight-decay schedule: saved where the scheduler has one, compared on load where
 the checkpoint has one too (one saved before it trained with a constant decay it does not
@@ -87,7 +89,7 @@ class OptimizerParamScheduler:
                  decoupled_min_lr: Optional[float] = None,
                  start_wd: Optional[float] = None, end_wd: Optional[float] = None,
                  wd_incr_steps: Optional[int] = None,
-                 wd_incr_style: str = "constant") -> None:
+                 wd_incr_style: str = "constant", warmup_init: float = 0.0) -> None:
         _check_wd(start_wd, end_wd, wd_incr_steps, wd_incr_style)
         if unit not in UNITS:
             raise ValueError(f"lr scheduler unit must be one of {', '.join(UNITS)}, got {unit!r}")
@@ -117,6 +119,9 @@ class OptimizerParamScheduler:
                                  f"decoupled_lr={decoupled_lr}")
         if warmup_steps < 0:
             raise ValueError(f"--lr-warmup-iters must be >= 0, got {warmup_steps}")
+        if not 0.0 <= warmup_init <= max_lr:
+            raise ValueError(f"--lr-warmup-init must be in [0, --lr], got {warmup_init} "
+                             f"(lr={max_lr})")
         if decay_style != "constant" and decay_steps <= warmup_steps:
             raise ValueError(f"--lr-decay-iters ({decay_steps}) must exceed --lr-warmup-iters "
                              f"({warmup_steps}) for decay style {decay_style!r}")
@@ -138,6 +143,8 @@ class OptimizerParamScheduler:
         """Steps of the ramp from ``start_wd`` to ``end_wd``, the run's length (None
         where unknown: constant style only)."""
         self.wd_incr_style = wd_incr_style
+        self.warmup_init = float(warmup_init)
+        """Rate at step 0, where the warmup starts (--lr-warmup-init)."""
         self.unit = unit
         self.num_steps = 0
 
@@ -148,7 +155,8 @@ class OptimizerParamScheduler:
         decoupled = dict(decoupled_lr=getattr(opt_cfg, "decoupled_lr", None),
                          decoupled_min_lr=getattr(opt_cfg, "decoupled_min_lr", None))
         samples = getattr(opt_cfg, "lr_schedule_unit", "iterations") == "samples"
-        decoupled.update(_wd_from_config(opt_cfg, train_iters, samples))
+        decoupled.update(_wd_from_config(opt_cfg, train_iters, samples),
+                         warmup_init=getattr(opt_cfg, "lr_warmup_init", 0.0))
         if samples:
             return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_samples,
                        opt_cfg.lr_decay_samples, opt_cfg.lr_decay_style, unit="samples",
@@ -196,7 +204,8 @@ class OptimizerParamScheduler:
     def _rate(self, step: int, max_lr: float, min_lr: float) -> float:
         """The schedule at ``step`` between ``max_lr`` and ``min_lr``."""
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return max_lr * step / self.warmup_steps
+            init = self.warmup_init
+            return init + (max_lr - init) * step / self.warmup_steps
         if self.decay_style == "constant":
             return max_lr
         if self.decay_style == "inverse-square-root":
@@ -233,6 +242,8 @@ class OptimizerParamScheduler:
             sd.update({name: getattr(self, name) for name in _DECOUPLED})
         if self.start_wd is not None:
             sd.update({name: getattr(self, name) for name in _WD})
+        if self.warmup_init:  # absent otherwise, as before --lr-warmup-init
+            sd["warmup_init"] = self.warmup_init
         sd["num_steps"] = self.num_steps
         sd["unit"] = self.unit
         return sd
@@ -269,11 +280,25 @@ class OptimizerParamScheduler:
         no_wsd = self.decay_style != "WSD" and sd["decay_style"] != "WSD"
         # nor a decoupled floor where neither side has a decoupled rate
         no_decoupled = self.decoupled_lr is None and sd["decoupled_lr"] is None
-        for name in _HPARAMS + _DECOUPLED:
+        if use_checkpoint and self.decoupled_lr is None and sd["decoupled_lr"] is not None:
+            # the optimizer's groups follow this run's flags: without --decoupled-lr no
+            # parameter has the decoupled rate, so the checkpoint's would go unused
+            floor = sd["decoupled_min_lr"]
+            raise ValueError(
+                f"lr scheduler: the checkpoint's schedule has decoupled_lr="
+                f"{sd['decoupled_lr']!r} but this run has no --decoupled-lr, so no "
+                f"parameter would take it; to take the checkpoint's schedule with "
+                f"--use-checkpoint-opt_param-scheduler pass --decoupled-lr "
+                f"{sd['decoupled_lr']!r}"
+                + (f" --decoupled-min-lr {floor!r}" if floor is not None else ""))
+        for name in _HPARAMS + _DECOUPLED + ("warmup_init",):
             ours, theirs = getattr(self, name), sd[name]
             moot = ((constant and name == "decay_steps")
                     or (no_wsd and name.startswith("wsd_"))
-                    or (no_decoupled and name == "decoupled_min_lr"))
+                    or (no_decoupled and name == "decoupled_min_lr")
+                    # where neither side warms up, nothing starts from it
+                    or (name == "warmup_init" and self.warmup_steps == 0
+                        and sd["warmup_steps"] == 0))
             if use_checkpoint:
                 setattr(self, name, theirs)
             elif not override and ours != theirs and not moot:

@@ -127,6 +127,23 @@ def test_old_scheduler_state_without_the_new_fields_loads():
     assert dec.decoupled_lr is None and dec.get_decoupled_lr(20) == dec.get_lr(20)
 
 
+def test_taking_a_decoupled_schedule_needs_the_flag():
+    """--use-checkpoint-opt_param-scheduler on a checkpoint with a decoupled rate, in a
+    run without --decoupled-lr: no parameter group has that rate (the groups follow this
+    run's flags), so the error says which flags take it."""
+    s = sched("linear")
+    s.num_steps = 30
+    sd = s.state_dict()
+    plain = OptimizerParamScheduler(1.0, 0.1, 10, 110, "linear")
+    with pytest.raises(ValueError, match=r"decoupled_lr=2\.0 but this run has no "
+                                         r"--decoupled-lr.*pass --decoupled-lr 2\.0 "
+                                         r"--decoupled-min-lr 0\.5$"):
+        plain.load_state_dict(sd, use_checkpoint=True)
+    plain.load_state_dict(sd, override=True)   # keeping this run's schedule is fine
+    assert plain.decoupled_lr is None and plain.num_steps == 30
+    sched("linear", dlr=3.0).load_state_dict(sd, use_checkpoint=True)   # with the flag
+
+
 # ---- which parameters ------------------------------------------------------------------------
 
 def gpt_config(tied: bool, **kw) -> ModelConfig:

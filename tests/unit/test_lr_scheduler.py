@@ -200,3 +200,46 @@ def test_wsd_and_inverse_square_root_from_megatron_lm_flags(monkeypatch):
             (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "0"], "lr-wsd-decay-iters")):
         with pytest.raises(ArgumentError, match=message):
             validate_args(parse_args(base + ["--train-iters", "110"] + extra), 1)
+
+
+def test_warmup_starts_from_lr_warmup_init(monkeypatch):
+    """Megatron-LM's --lr-warmup-init: the warmup rises linearly from it (the decoupled
+    schedule's too) and the decay is unchanged; saved only where it is not 0, compared
+    on resume where a warmup uses it; out of [0, --lr] it is one error line."""
+    s = OptimizerParamScheduler(1.0, 0.1, 10, 110, "linear", warmup_init=0.2,
+                                decoupled_lr=2.0)
+    assert s.get_lr(0) == 0.2 and s.get_lr(5) == pytest.approx(0.6) and s.get_lr(10) == 1.0
+    assert s.get_decoupled_lr(0) == 0.2 and s.get_decoupled_lr(5) == pytest.approx(1.1)
+    plain = OptimizerParamScheduler(1.0, 0.1, 10, 110, "linear")
+    assert [s.get_lr(k) for k in range(10, 120)] == [plain.get_lr(k) for k in range(10, 120)]
+    assert "warmup_init" not in plain.state_dict()
+    s.num_steps = 30
+    sd = s.state_dict()
+    assert sd["warmup_init"] == 0.2
+    again = OptimizerParamScheduler(1.0, 0.1, 10, 110, "linear", warmup_init=0.2,
+                                    decoupled_lr=2.0)
+    again.load_state_dict(sd)
+    assert again.num_steps == 30
+    with pytest.raises(ValueError, match=r"checkpoint has warmup_init=0\.0 but this run has "
+                                         r"warmup_init=0\.2"):
+        OptimizerParamScheduler(1.0, 0.1, 10, 110, "linear",
+                                warmup_init=0.2).load_state_dict(plain.state_dict())
+    # no warmup on either side: nothing starts from it
+    OptimizerParamScheduler(1.0, 0.1, 0, 110, "linear", warmup_init=0.5).load_state_dict(
+        OptimizerParamScheduler(1.0, 0.1, 0, 110, "linear").state_dict())
+    with pytest.raises(ValueError, match="--lr-warmup-init must be in"):
+        OptimizerParamScheduler(1.0, 0.1, 10, 110, "linear", warmup_init=1.5)
+
+    from megatron.arguments import ArgumentError, build_config, parse_args, validate_args
+    monkeypatch.setenv("RANK", "0")
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--lr", "1.0", "--min-lr", "0.1",
+            "--mock-data", "--vocab-size", "100", "--lr-warmup-iters", "10",
+            "--train-iters", "110"]
+    args = validate_args(parse_args(base + ["--lr-warmup-init", "0.2"]), 1)
+    t = OptimizerParamScheduler.from_config(build_config(args).optimizer, args.train_iters)
+    assert t.get_lr(0) == 0.2 and t.get_lr(5) == pytest.approx(0.6)
+    with pytest.raises(ArgumentError, match=r"--lr-warmup-init must be in \[0, --lr \(1\.0\)\], "
+                                            r"got 2\.0"):
+        validate_args(parse_args(base + ["--lr-warmup-init", "2"]), 1)
