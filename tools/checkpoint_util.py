@@ -24,9 +24,10 @@ not be ``--load`` or inside it, nor a directory that already holds checkpoints (
 empty one), and ``--to-hf`` must be a new or empty directory.
 
 The work is done by ``megatron.checkpoint_merge`` (weights of any layout -> one full
-state dict -> any stage), ``megatron.checkpoint_convert`` (the full training state) and
-``megatron.hf_interop`` (transformers); this script is their command line, and re-exports
-their functions for older imports (``from tools.checkpoint_util import load_into_stage``).
+state dict -> any stage), ``megatron.checkpoint_convert`` (the full training state),
+``megatron.hf_interop`` and ``megatron.hf_import`` (transformers, both ways); this script
+is their command line, and re-exports their functions for older imports (``from
+tools.checkpoint_util import load_into_stage``).
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
     try:
         workflow = _workflow(args)
         if workflow == "import":
-            from megatron.hf_interop import import_hf
+            from megatron.hf_import import import_hf
             check_save_path(args.from_hf, args.save, load_flag="--from-hf")
             out = import_hf(args.from_hf, args.save, tp=args.target_tensor_parallel_size or 1,
                             pp=args.target_pipeline_parallel_size or 1,

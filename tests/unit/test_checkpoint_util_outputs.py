@@ -103,7 +103,7 @@ def test_from_hf_refuses_a_save_holding_checkpoints(tmp_path, capsys):
     line = _error(capsys, ["--from-hf", str(hf), "--save", str(other)])
     assert line.startswith(f"error: --save {other} already holds checkpoints"), line
     assert _snapshot(other) == before  # the tracker did not go back to 0
-    from megatron.hf_interop import import_hf
+    from megatron.hf_import import import_hf
     with pytest.raises(UserError, match="already holds checkpoints"):
         import_hf(str(hf), str(other))
     assert _snapshot(other) == before

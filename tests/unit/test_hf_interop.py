@@ -211,7 +211,7 @@ def test_import_refusals(tmp_path, capsys):
     with open(evil / "pytorch_model.bin", "wb") as fh:
         pickle.dump({"wte.weight": Evil()}, fh)
     with pytest.raises(CheckpointError, match="weights_only"):
-        from megatron.hf_interop import import_hf
+        from megatron.hf_import import import_hf
         import_hf(str(evil), str(tmp_path / "o2"))
     assert not marker.exists()
     with pytest.raises(UserError, match="model_type 'gpt2', 'llama', 'qwen2' or 'qwen3', "

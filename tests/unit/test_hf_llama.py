@@ -26,8 +26,8 @@ pytest.importorskip("safetensors")
 from megatron.checkpointing import save_payload  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.errors import CheckpointError  # noqa: E402
-from megatron.hf_interop import (export_hf, import_hf, qkv_groups_to_ours,  # noqa: E402
-                                 qkv_ours_to_groups)
+from megatron.hf_import import import_hf  # noqa: E402
+from megatron.hf_interop import export_hf, qkv_groups_to_ours, qkv_ours_to_groups  # noqa: E402
 from megatron.model.bert_model import BertModel  # noqa: E402
 from megatron.model.gpt_model import GPTModel  # noqa: E402
 from megatron.tensor_parallel import TPInfo  # noqa: E402

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from megatron.errors import CheckpointError  # noqa: E402
-from megatron.hf_interop import hf_gpt2_to_ours, hf_llama_to_ours  # noqa: E402
+from megatron.hf_import import hf_gpt2_to_ours, hf_llama_to_ours  # noqa: E402
 from tests.unit.test_hf_llama import _edit_config, _hf_llama  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from megatron.hf_interop import hf_gpt2_to_ours  # noqa: E402
+from megatron.hf_import import hf_gpt2_to_ours  # noqa: E402
 
 
 def test_imported_padding_rows_leave_the_loss_of_a_negative_logit_gpt2(tmp_path):

@@ -446,7 +446,7 @@ def _bad_tokenizer(d):
     (_bad_tokenizer, "vocab.json/merges.txt do not load as a GPT-2 tokenizer"),
 ])
 def test_hf_import_refuses_a_broken_directory_in_one_line(tmp_path, change, expected):
-    from megatron.hf_interop import import_hf
+    from megatron.hf_import import import_hf
 
     hf = _hf_dir(tmp_path / "hf")
     change(hf)
@@ -465,14 +465,14 @@ def test_hf_import_refuses_a_broken_directory_in_one_line(tmp_path, change, expe
     ({"layer_norm_epsilon": "small"}, "expected layer_norm_epsilon to be a number"),
 ])
 def test_hf_config_that_does_not_describe_the_weights_is_refused(tmp_path, changes, expected):
-    from megatron.hf_interop import import_hf
+    from megatron.hf_import import import_hf
 
     with pytest.raises(CheckpointError, match=expected):
         import_hf(str(_hf_dir(tmp_path / "hf", **changes)), str(tmp_path / "out"))
 
 
 def test_hf_pickle_loads_only_with_the_flag_and_never_runs_code(tmp_path, capsys):
-    from megatron.hf_interop import import_hf
+    from megatron.hf_import import import_hf
     from tools.checkpoint_util import main
 
     hf = _hf_dir(tmp_path / "hf")
@@ -497,7 +497,8 @@ def test_hf_pickle_loads_only_with_the_flag_and_never_runs_code(tmp_path, capsys
     ({"num_attention_heads": 3}, "its config does not describe its tensors"),
 ], ids=["layers", "heads-type", "heads"])
 def test_hf_export_of_a_checkpoint_whose_config_lies_is_one_error(tmp_path, changes, expected):
-    from megatron.hf_interop import export_hf, import_hf
+    from megatron.hf_import import import_hf
+    from megatron.hf_interop import export_hf
 
     import_hf(str(_hf_dir(tmp_path / "hf")), str(tmp_path / "ck"))
     iteration = tmp_path / "ck" / "iter_0000000"
