@@ -29,6 +29,16 @@ def main(argv: Optional[List[str]] = None):
     pre = OneLineParser(prog="tasks/main.py", add_help=False, allow_abbrev=False)
     pre.add_argument("--task", choices=TASKS, default=None)
     task = pre.parse_known_args(argv)[0].task
+    if task is None and ("-h" in argv or "--help" in argv):
+        from megatron.arguments import build_parser
+        from tasks.finetune_utils import finetune_args
+
+        parser = build_parser(finetune_args)   # the trainer's flags and the tasks' own
+        parser.prog = "tasks/main.py"
+        parser.description = (f"Finetune BERT or evaluate GPT on a downstream task: --task "
+                              f"{{{','.join(TASKS)}}} with the trainer's flags.")
+        parser.print_help()
+        return None
     if task is None:
         from megatron.errors import prints_for_its_node
 

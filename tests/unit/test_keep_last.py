@@ -62,3 +62,14 @@ def test_mnli_epochs_keep_their_last_batch(tmp_path):
     assert main(argv).iteration == 2
     kept = main(argv + ["--keep-last"])
     assert kept.iteration == 4 and sorted(kept.accuracy) == [1, 2]
+
+
+def test_tasks_main_help_without_a_task_prints_the_flags(capsys):
+    """`tasks/main.py --help` printed 'error: --task is required'; now the help of the
+    trainer's and the tasks' flags, --keep-last among them."""
+    from tasks.main import main
+
+    assert main(["--help"]) is None
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tasks/main.py") and "--keep-last" in out
+    assert "--task {MNLI,RACE,WIKITEXT103}" in out
