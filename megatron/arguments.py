@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron import megatron_lm_flags
-from megatron.errors import UserError, prints_for_its_node
+from megatron.errors import UserError, let_the_printing_rank_go_first, prints_for_its_node
 from megatron.data.dataset_utils import is_number  # what --data-path reads as a weight
 from megatron.config import (
     GRAD_DTYPE_SUPPORTED,
@@ -486,6 +486,8 @@ class OneLineParser(argparse.ArgumentParser):
             message += _closest_flags(message.split(":", 1)[1].split(), self)
         if prints_for_its_node():
             print(f"error: {message}; all flags: {self.prog} --help", file=sys.stderr)
+        else:
+            let_the_printing_rank_go_first()
         sys.exit(2)
 
 
@@ -904,9 +906,12 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
     _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     _check_wsd(args)
     _sample_based_schedule(args, decay_iters_given, frac)
-    if args.lr_decay_iters is not None and args.lr_decay_style != "constant":
+    # (a --train-samples run is checked in samples, by _sample_based_schedule)
+    if (args.lr_decay_iters is not None and args.lr_decay_style != "constant"
+            and args.train_samples is None):
         _require(args.lr_warmup_iters < args.lr_decay_iters,
-                 f"LR warmup ({args.lr_warmup_iters} iterations, --lr-warmup-iters) must be "
+                 f"LR warmup ({args.lr_warmup_iters} iterations, "
+                 f"{_flag(given[0]) if given else '--lr-warmup-iters'}) must be "
                  f"shorter than the LR decay ({args.lr_decay_iters} iterations, --lr-decay-iters "
                  f"or --train-iters) for --lr-decay-style {args.lr_decay_style}")
 
@@ -930,7 +935,9 @@ def _check_wsd(args: argparse.Namespace) -> None:
     _require(args.lr_wsd_decay_iters is not None,
              "--lr-decay-style WSD needs the length of its anneal: give "
              "--lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
-    if args.lr_decay_iters is not None:
+    # a --train-samples run checks its anneal in samples (_sample_based_schedule): the
+    # iteration counts here are rounded and would refuse an anneal that fits
+    if args.lr_decay_iters is not None and args.train_samples is None:
         room = args.lr_decay_iters - args.lr_warmup_iters
         _require(args.lr_wsd_decay_iters <= room,
                  f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) must fit in the decay "
@@ -1535,6 +1542,8 @@ def parse_and_validate(argv: Optional[List[str]] = None,
                 if note.startswith("note: --use-checkpoint-args:"):  # where values came from
                     print(note, file=sys.stderr)
             print(f"error: {err}", file=sys.stderr)
+        else:
+            let_the_printing_rank_go_first()
         sys.exit(2)
     if _on_rank_zero():
         for note in getattr(args, "megatron_lm_notes", []):

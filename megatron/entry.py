@@ -34,7 +34,7 @@ import sys
 import traceback
 from typing import Any, Callable, List, Optional, Tuple
 
-from megatron.errors import UserError, prints_for_its_node
+from megatron.errors import UserError, let_the_printing_rank_go_first, prints_for_its_node
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "MEGATRON_DEBUG"
@@ -152,6 +152,8 @@ def exit_with_user_error(err: BaseException, debug: Optional[bool] = None) -> No
         traceback.print_exc()
     if not getattr(err, "every_rank_alike", False) or prints_for_its_node():
         _print_error(f"error: {_one_line(err)}")
+    else:
+        let_the_printing_rank_go_first()
     _exit(getattr(err, "exit_code", EXIT_USER_ERROR))
 
 

@@ -242,6 +242,9 @@ class TrainingResult:
     losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
     reports: List[StepReport] = field(default_factory=list)
     eval_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    test_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    """The test split's losses at the end of training (last stage; --test-data-path or
+    --split's third share), as Megatron-LM evaluates it."""
     memory: Dict[str, Any] = field(default_factory=dict)
     seconds_per_iteration: float = 0.0
     exited_early: bool = False
@@ -862,6 +865,11 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
             state.consumed_valid_samples += cfg.training.eval_iters * cfg.training.global_batch_size
             if losses:
                 result.eval_losses[state.iteration] = losses
+        if test_iter is not None and cfg.training.eval_iters:
+            losses = evaluate_and_print(engine, test_iter, cfg.training.eval_iters,
+                                        "test (end of training)", state.iteration, logger)
+            if losses:
+                result.test_losses[state.iteration] = losses
         if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (
                 cfg.training.save_interval and state.iteration % cfg.training.save_interval == 0):
             _save_checked(cfg, groups, engine, optimizer, scheduler, state)

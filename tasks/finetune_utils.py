@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.arguments import add_task_args
-from tasks.data_utils import ReadReport, TaskDataError, fail
+from tasks.data_utils import ReadReport, TaskDataError, fail, refuse_corpus_flags
 
 
 @dataclass
@@ -68,10 +68,16 @@ def _loss_fn(label: torch.Tensor, weight: torch.Tensor, training: bool, logits: 
     ce = F.cross_entropy(logits, label, reduction="none")
     w = weight.to(ce.dtype)
     count = w.sum()
-    loss = (ce * w).sum() / count.clamp(min=1.0)
     correct = ((logits.argmax(dim=-1) == label).to(ce.dtype) * w).sum()
     if training:
-        return loss, {"loss": loss.detach(), "accuracy": (correct / count.clamp(min=1.0)).detach()}
+        # Divided by the microbatch's size, not by its weights: a full batch's weights
+        # are 1 (the same mean), and --keep-last's incomplete batch weighs its real
+        # examples gbs/R (_Padded), so its gradient and logged loss/accuracy are the
+        # means over its R real examples, not diluted by the weight-0 padding.
+        size = float(label.numel())
+        loss = (ce * w).sum() / size
+        return loss, {"loss": loss.detach(), "accuracy": (correct / size).detach()}
+    loss = (ce * w).sum() / count.clamp(min=1.0)
     # Sums, so that padded evaluation microbatches (weight 0) do not skew the ratios.
     return loss, {"loss_sum": (ce * w).sum().detach(), "correct": correct.detach(),
                   "count": count.detach()}
@@ -86,17 +92,25 @@ def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
 
 # ------------------------------------------------------------------------------ data
 class _Padded(torch.utils.data.Dataset):
-    """``dataset`` extended to ``size`` with weight-0 copies of its first sample."""
+    """``dataset`` extended to ``size`` with weight-0 copies of its first sample; the
+    examples ``scaled`` (the real ones of --keep-last's incomplete batch) weigh
+    ``scale`` (gbs / their number, so the batch's loss is their mean)."""
 
-    def __init__(self, dataset, size: int) -> None:
+    def __init__(self, dataset, size: int, scaled: Sequence[int] = (),
+                 scale: float = 1.0) -> None:
         self.dataset, self.size = dataset, size
         self.pad = dict(dataset[0], weight=0)
+        self.scaled, self.scale = {int(i) for i in scaled}, float(scale)
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int):
-        return self.dataset[i] if i < len(self.dataset) else self.pad
+        if i >= len(self.dataset):
+            return self.pad
+        if i in self.scaled:
+            return dict(self.dataset[i], weight=self.scale)
+        return self.dataset[i]
 
 
 def epoch_order(n: int, per_epoch: int, gbs: int, micro_batch_size: int,
@@ -130,7 +144,12 @@ def microbatches(dataset, order: Sequence[int], micro_batch_size: int, dp_rank: 
     group = micro_batch_size * dp_size
     for g0 in range(0, len(order) - group + 1, group):
         idx = order[g0 + dp_rank * micro_batch_size: g0 + (dp_rank + 1) * micro_batch_size]
-        yield collate_samples([dataset[int(i)] for i in idx])
+        samples = [dataset[int(i)] for i in idx]
+        batch = collate_samples(samples)
+        if "weight" in batch:  # float: --keep-last's weights gbs/R (collate makes ints)
+            batch["weight"] = torch.tensor([float(s["weight"]) for s in samples],
+                                           dtype=torch.float64)
+        yield batch
 
 
 def evaluate_accuracy(engine, dataset, cfg, groups) -> Optional[Dict[str, float]]:
@@ -222,6 +241,7 @@ def _setup(task: FinetuneTask, argv: List[str]):
     from megatron.training import initialize_megatron
 
     raw = parse_args(argv, extra_args_provider=finetune_args)
+    refuse_corpus_flags(raw, task.name)
     for flag, value in (("--rampup-batch-size", raw.rampup_batch_size),
                         ("--step-batch-size-schedule", raw.step_batch_size_schedule)):
         if value is not None:
@@ -315,9 +335,13 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
             for epoch in range(state.iteration // per_epoch, epochs):
                 skip = state.iteration - epoch * per_epoch
                 order = epoch_order(len(train_ds), per_epoch, gbs, tr.micro_batch_size,
-                                    tr.seed + epoch)[skip * gbs:]
-                epoch_ds = (train_ds if per_epoch * gbs <= len(train_ds)
-                            else _Padded(train_ds, per_epoch * gbs))   # --keep-last
+                                    tr.seed + epoch)
+                epoch_ds = train_ds
+                if per_epoch * gbs > len(train_ds):   # --keep-last
+                    last = order[(per_epoch - 1) * gbs:]
+                    last = last[last < len(train_ds)]
+                    epoch_ds = _Padded(train_ds, per_epoch * gbs, last, gbs / len(last))
+                order = order[skip * gbs:]
                 train_iter = microbatches(epoch_ds, order, tr.micro_batch_size,
                                           groups.dp_rank, groups.dp_size)
                 tr.train_iters = min((epoch + 1) * per_epoch, total)

@@ -40,10 +40,12 @@ def main(argv: Optional[List[str]] = None):
         parser.print_help()
         return None
     if task is None:
-        from megatron.errors import prints_for_its_node
+        from megatron.errors import let_the_printing_rank_go_first, prints_for_its_node
 
         if prints_for_its_node():  # every rank has the same command line: one line per node
             print(f"error: --task is required (one of {', '.join(TASKS)})", file=sys.stderr)
+        else:
+            let_the_printing_rank_go_first()
         sys.exit(2)
     if task == "MNLI":
         from tasks.glue.mnli import main as run

@@ -9,7 +9,8 @@ the warmup), so after warmup the decay ratio is
 ``step == warmup_steps`` (the decoupled schedule's warmup starts from it too).
 
 * ``inverse-square-root``: after warmup, ``max_lr * sqrt(warmup_steps / step)`` (warmup
-  counted as at least 1), never below ``min_lr``; ``decay_steps`` plays no part.
+  counted as at least 1), never below ``min_lr``; ``min_lr`` after ``decay_steps``, as
+  every decaying style (Megatron-LM checks ``step > decay_steps`` first).
 * ``WSD``: ``max_lr`` until the last ``wsd_decay_steps`` steps before ``decay_steps``,
   then an anneal to ``min_lr`` over them, shaped by ``wsd_decay_style``: ``linear``
   (1 - r), ``cosine``, ``exponential`` (2 * 0.5^r - 1) or ``minus_sqrt`` (1 - sqrt r),
@@ -208,11 +209,11 @@ class OptimizerParamScheduler:
             return init + (max_lr - init) * step / self.warmup_steps
         if self.decay_style == "constant":
             return max_lr
+        if step > self.decay_steps:  # before inverse-square-root too, as Megatron-LM
+            return min_lr
         if self.decay_style == "inverse-square-root":
             lr = max_lr * math.sqrt(max(self.warmup_steps, 1) / max(step, 1))
             return max(min_lr, lr)
-        if step > self.decay_steps:
-            return min_lr
         if self.decay_style == "WSD":
             anneal_start = self.decay_steps - self.wsd_decay_steps
             if step <= anneal_start:
@@ -324,11 +325,14 @@ class OptimizerParamScheduler:
                 setattr(self, name, theirs[name])
             elif (not override and ours != theirs[name]
                   and not (constant and name == "wd_incr_steps")):
+                flags = ("the length of the weight-decay ramp: the run's, --train-iters or "
+                         "--train-samples" if name == "wd_incr_steps" else
+                         "the weight decay: --weight-decay, --start-weight-decay, "
+                         "--end-weight-decay, --weight-decay-incr-style")
                 raise ValueError(
                     f"lr scheduler: checkpoint has {name}={theirs[name]!r} but this run has "
                     f"{name}={ours!r}{f' ({self.unit})' if name in _STEP_FIELDS else ''} "
-                    "(the weight decay: --weight-decay, --start-weight-decay, "
-                    "--end-weight-decay, --weight-decay-incr-style); pass "
+                    f"({flags}); pass "
                     "--override-opt_param-scheduler to keep this run's value or "
                     "--use-checkpoint-opt_param-scheduler to take the checkpoint's")
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 
 from tasks.arguments import add_task_args
-from tasks.data_utils import TaskDataError, fail
+from tasks.data_utils import TaskDataError, fail, refuse_corpus_flags
 from tasks.zeroshot_gpt.datasets import (LMWindowDataset, PaddingWindows, count_words,
                                          read_wikitext, wikitext_detokenize)
 
@@ -75,6 +75,7 @@ def _setup(argv: List[str]):
     from megatron.arguments import parse_and_validate, parse_args
 
     raw = parse_args(argv, extra_args_provider=add_task_args)
+    refuse_corpus_flags(raw, "WIKITEXT103")
     if not raw.valid_data:
         fail("--task WIKITEXT103 needs --valid-data (the WikiText test file)")
     if not (raw.load or raw.pretrained_checkpoint):

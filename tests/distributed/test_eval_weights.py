@@ -76,5 +76,7 @@ def test_evaluation_holds_no_tensor_per_microbatch(monkeypatch):
 
     monkeypatch.setattr(PipelineEngine, "_forward", counting)
     _run("--pipeline-schedule", "2bw", "--eval-iters", "12", iters=4)
-    assert len(held) == 2 * 12 * 2  # two evaluations (iteration 4, end) x 12 batches x m=2
+    # three evaluations (validation at iteration 4 and at the end, then the test split)
+    # x 12 batches x m=2
+    assert len(held) == 3 * 12 * 2
     assert max(held) == 1  # one running sum of "lm loss"

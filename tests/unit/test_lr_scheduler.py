@@ -111,11 +111,14 @@ def test_sample_based_schedule_steps_by_batches_and_converts_old_states():
 
 def test_inverse_square_root_after_warmup():
     """Megatron-LM's inverse-square-root: max_lr * sqrt(warmup / step), floored at min_lr;
-    the decay length plays no part."""
-    s = sched("inverse-square-root", warmup=16, decay=20, min_lr=0.1)
+    min_lr after the decay length, as Megatron-LM (qa37: it used to play no part)."""
+    s = sched("inverse-square-root", warmup=16, decay=10**7, min_lr=0.1)
     assert s.get_lr(8) == pytest.approx(0.5)  # warmup as the other styles
     assert [s.get_lr(k) for k in (16, 64, 256)] == pytest.approx([1.0, 0.5, 0.25])
     assert s.get_lr(1600) == pytest.approx(0.1) and s.get_lr(10**6) == 0.1  # the floor
+    short = sched("inverse-square-root", warmup=16, decay=20, min_lr=0.1)
+    assert short.get_lr(20) == pytest.approx(math.sqrt(16 / 20))
+    assert short.get_lr(21) == short.get_lr(64) == 0.1  # past the decay: min_lr
     # no warmup: counted as one step of it
     assert OptimizerParamScheduler(1.0, 0.0, 0, 10, "inverse-square-root").get_lr(4) == 0.5
 

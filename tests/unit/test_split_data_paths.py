@@ -217,9 +217,15 @@ def test_gpt_training_reads_each_split_and_skips_validation_without_a_path(corpo
     assert test is None
     # eval_iters x global batch per evaluation: at iteration 2 and at the end
     assert len(valid) == 2 * 1 * 8
+    assert not result.test_losses
     result, (train, valid, test) = _pretrain(base)
     assert result.iteration == 2 and not result.eval_losses
     assert valid is None and test is None
+    # a test split is evaluated once, at the end of training, as Megatron-LM does
+    result, (train, valid, test) = _pretrain(base + ["--test-data-path", corpora["test"]])
+    assert valid is None and _within(_gpt_tokens(test), "test")
+    assert not result.eval_losses and list(result.test_losses) == [2]
+    assert set(result.test_losses[2]) == {"lm loss"}
 
 
 def test_bert_provider_reads_the_split_paths(tmp_path):
