@@ -859,15 +859,17 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         logger.close()
         raise NonFiniteError(result.nonfinite_ending)
     if not result.exited_early:
+        # an evaluation-only run (--skip-train) trained nothing to be at the end of
+        when = "" if cfg.training.skip_train else " (end of training)"
         if valid_iter is not None and cfg.training.eval_iters:
             losses = evaluate_and_print(engine, valid_iter, cfg.training.eval_iters,
-                                        "validation (end of training)", state.iteration, logger)
+                                        f"validation{when}", state.iteration, logger)
             state.consumed_valid_samples += cfg.training.eval_iters * cfg.training.global_batch_size
             if losses:
                 result.eval_losses[state.iteration] = losses
         if test_iter is not None and cfg.training.eval_iters:
             losses = evaluate_and_print(engine, test_iter, cfg.training.eval_iters,
-                                        "test (end of training)", state.iteration, logger)
+                                        f"test{when}", state.iteration, logger)
             if losses:
                 result.test_losses[state.iteration] = losses
         if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (
