@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron import megatron_lm_flags
-from megatron.config import GRAD_DTYPE_SUPPORTED
+from megatron.config import GRAD_DTYPE_SUPPORTED, SPLIT_PATH_FLAGS
 from megatron.data.dataset_utils import is_number  # what --data-path reads as a weight
 from megatron.errors import UserError
 
@@ -552,15 +552,12 @@ def _parse_split(split: str) -> List[float]:
     return values
 
 
-_SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
-
-
 def _check_data(args: argparse.Namespace) -> None:
     _require(args.num_workers >= 0, f"--num-workers must be >= 0, got {args.num_workers}")
     _require(args.data_path != [], "--data-path was given without any prefix")
     paths = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in
-             ("--data-path",) + _SPLIT_PATH_FLAGS}
-    per_split = [flag for flag in _SPLIT_PATH_FLAGS if paths[flag] is not None]
+             ("--data-path",) + SPLIT_PATH_FLAGS}
+    per_split = [flag for flag in SPLIT_PATH_FLAGS if paths[flag] is not None]
     for flag in per_split:
         _require(paths[flag] != [], f"{flag} was given without any prefix")
     has_paths = bool(args.data_path)

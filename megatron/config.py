@@ -331,6 +331,11 @@ class OptimizerConfig:
     """Parameters per data-parallel gradient bucket (None: 32 MiB of gradients)."""
 
 
+SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+"""Megatron-LM's per-split dataset flags (train, valid, test): ``DataConfig``'s
+``train_data_path``, ``valid_data_path`` and ``test_data_path``."""
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """Where training data and the tokenizer come from."""
@@ -372,7 +377,7 @@ class DataConfig:
         messages: "--split '...', --data-path ..." or "--valid-data-path ..."."""
         if self.split_data_paths is None:
             return f"--split '{self.split}', --data-path {' '.join(self.data_path) or '-'}"
-        flag = ("--train-data-path", "--valid-data-path", "--test-data-path")[s]
+        flag = SPLIT_PATH_FLAGS[s]
         paths = self.split_data_paths[s]
         return f"{flag} {' '.join(paths)}" if paths else f"no {flag}"
 

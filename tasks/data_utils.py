@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron.config import SPLIT_PATH_FLAGS
 from megatron.errors import DataError, let_the_printing_rank_go_first, prints_for_its_node
 
 
@@ -34,7 +35,7 @@ def refuse_corpus_flags(raw, task: str) -> None:
     """--data-path and --train/--valid/--test-data-path name a pretraining corpus, which
     a task does not read; the trainer's validation blamed --mock-data (the tasks' default,
     which the user never gave): '--data-path and --mock-data are mutually exclusive'."""
-    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+    for flag in ("--data-path",) + SPLIT_PATH_FLAGS:
         if getattr(raw, flag[2:].replace("-", "_"), None) is not None:
             fail(f"{flag} names a pretraining corpus (.bin/.idx), which --task {task} does not "
                  f"read: it reads its own files from --train-data and --valid-data")

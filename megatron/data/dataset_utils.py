@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.config import SPLIT_PATH_FLAGS  # in the order of SPLIT_NAMES
 from megatron.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 from megatron.errors import DataError
 
@@ -199,8 +200,6 @@ def empty_split_error(split: str, prefix: str, name: str, needed: int, total: in
 
 
 SPLIT_NAMES = ("train", "valid", "test")
-SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
-"""Megatron-LM's per-split dataset flags, in the order of SPLIT_NAMES."""
 
 
 def build_per_split_datasets(split_paths: Sequence[Optional[Sequence[str]]],
