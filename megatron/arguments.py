@@ -19,7 +19,7 @@ import sys
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from megatron import megatron_lm_flags
-from megatron.errors import let_the_printing_rank_go_first, prints_for_its_node
+from megatron.errors import exit_once_per_node
 from megatron.config import (
     PIPELINE_SCHEDULES,
     DataConfig,
@@ -476,11 +476,7 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
             message += _closest_flags(message.split(":", 1)[1].split(), self)
-        if prints_for_its_node():
-            print(f"error: {message}; all flags: {self.prog} --help", file=sys.stderr)
-        else:
-            let_the_printing_rank_go_first()
-        sys.exit(2)
+        exit_once_per_node(f"error: {message}; all flags: {self.prog} --help")
 
 
 def _closest_flags(tokens: Sequence[str], parser: argparse.ArgumentParser) -> str:
@@ -697,14 +693,11 @@ def parse_and_validate(argv: Optional[List[str]] = None,
             import traceback
 
             traceback.print_exc()
-        if prints_for_its_node():  # every rank's verdict: one line a node, not one a rank
-            for note in getattr(args, "megatron_lm_notes", []):
-                if note.startswith("note: --use-checkpoint-args:"):  # where values came from
-                    print(note, file=sys.stderr)
-            print(f"error: {err}", file=sys.stderr)
-        else:
-            let_the_printing_rank_go_first()
-        sys.exit(2)
+        # every rank's verdict: one line a node, not one a rank; with the notes that say
+        # where --use-checkpoint-args took values from
+        exit_once_per_node(*[note for note in getattr(args, "megatron_lm_notes", [])
+                             if note.startswith("note: --use-checkpoint-args:")],
+                           f"error: {err}")
     if _on_rank_zero():
         for note in getattr(args, "megatron_lm_notes", []):
             print(note, file=sys.stderr)

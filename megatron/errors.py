@@ -48,6 +48,20 @@ def let_the_printing_rank_go_first() -> None:
         time.sleep(SILENT_RANK_WAIT_S)
 
 
+def exit_once_per_node(*lines: str, code: int = 2) -> None:
+    """Exit with ``code`` on an error every rank meets alike (flags, task files): its node's
+    local rank 0 prints ``lines`` to stderr, the other ranks print nothing and first let
+    it do so (``let_the_printing_rank_go_first``)."""
+    import sys
+
+    if prints_for_its_node():
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+    else:
+        let_the_printing_rank_go_first()
+    sys.exit(code)
+
+
 class DataError(UserError):
     """A dataset file (.bin/.idx, index cache, JSON corpus) is missing, corrupt or empty."""
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from megatron.config import SPLIT_PATH_FLAGS
-from megatron.errors import DataError, let_the_printing_rank_go_first, prints_for_its_node
+from megatron.errors import DataError, exit_once_per_node
 
 
 class TaskDataError(DataError):
@@ -24,11 +24,7 @@ def fail(message: str) -> None:
     """``error: message`` on stderr and exit 2, for a problem every rank finds alike (the
     flags, the task files): one line per node, as ``megatron.entry`` prints an error
     ``every_rank_alike``, not one per rank in torchrun's output."""
-    if prints_for_its_node():
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        let_the_printing_rank_go_first()
-    sys.exit(2)
+    exit_once_per_node(f"error: {message}")
 
 
 def refuse_corpus_flags(raw, task: str) -> None:

@@ -40,13 +40,10 @@ def main(argv: Optional[List[str]] = None):
         parser.print_help()
         return None
     if task is None:
-        from megatron.errors import let_the_printing_rank_go_first, prints_for_its_node
+        from megatron.errors import exit_once_per_node
 
-        if prints_for_its_node():  # every rank has the same command line: one line per node
-            print(f"error: --task is required (one of {', '.join(TASKS)})", file=sys.stderr)
-        else:
-            let_the_printing_rank_go_first()
-        sys.exit(2)
+        # every rank has the same command line: one line per node
+        exit_once_per_node(f"error: --task is required (one of {', '.join(TASKS)})")
     if task == "MNLI":
         from tasks.glue.mnli import main as run
     elif task == "RACE":

@@ -116,6 +116,28 @@ def test_a_silent_rank_lets_local_rank_zero_print_first(monkeypatch, capsys):
     assert _exit_silently(monkeypatch, "1") == []          # no torchrun: nothing to wait for
 
 
+def test_argument_errors_exit_once_per_node_too(monkeypatch, capsys):
+    """The parser's and the tasks' one-line errors go through ``exit_once_per_node``: the
+    silent rank waits under torchrun, local rank 0 prints its lines in order."""
+    from megatron import errors
+    from megatron.arguments import parse_and_validate
+
+    waits = []
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            parse_and_validate(["--num-layers", "-1"])
+        assert info.value.code == 2
+    assert waits == [errors.SILENT_RANK_WAIT_S]
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and err.startswith("error: ")
+    with pytest.raises(SystemExit):
+        errors.exit_once_per_node("note: first", "error: second", code=3)
+    assert capsys.readouterr().err == "note: first\nerror: second\n"
+
+
 @pytest.mark.parametrize("flag", ["--data-path", "--train-data-path", "--test-data-path"])
 def test_tasks_refuse_pretraining_corpus_flags_naming_them(tmp_path, capsys, monkeypatch, flag):
     from megatron.entry import run_entry_point
