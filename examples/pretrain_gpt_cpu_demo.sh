@@ -58,4 +58,5 @@ OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 p
     --timeline-file "$OUT/timeline.json" \
     --distributed-timeout-minutes 5 ${BLOCK_FLAGS[@]+"${BLOCK_FLAGS[@]}"}
 echo "[demo] done: checkpoints in $OUT/checkpoints, traces in $OUT/timeline_rank*.json"
+echo "[demo] sample text from it: $PY tools/generate_samples_gpt.py --load $OUT/checkpoints --prompt 'The module' --top-p 0.9"
 echo "[demo] draw three batches of the pipeline: $PY tools/draw_timeline.py --trace '$OUT/timeline_rank*.json' --trace-batches $(( ITERS / 2 )):$(( ITERS / 2 + 3 )) --output $OUT/timeline.png"
