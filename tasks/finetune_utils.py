@@ -277,7 +277,8 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
     from megatron.checkpointing import find_checkpoint
     from megatron.initialize import barrier_with_message
     from megatron.training import (ExitRequests, NonFiniteError, TrainingResult,
-                                   _save_checked, maybe_load, setup_model_and_optimizer, train)
+                                   _save_checked, setup_model_and_optimizer, train)
+    from megatron.training_checkpoint import maybe_load
     from megatron.training_log import TrainingLogger, print_rank_last
 
     model, optimizer, scheduler, engine = setup_model_and_optimizer(

@@ -195,7 +195,7 @@ def test_resume_warns_when_the_warm_up_switch_moves():
     run moves the Flush -> 2BW switch: the resume says so, names the iterations that run
     under Flush again and the flag that keeps the checkpoint's switch."""
     from megatron.arguments import parse_and_validate
-    from megatron.training import warmup_switch_note
+    from megatron.training_checkpoint import warmup_switch_note
 
     base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1",
@@ -223,7 +223,7 @@ def test_resume_under_another_schedule_is_noted():
     """A checkpoint may be resumed under another --pipeline-schedule; the log says so and
     what happens to the weight versions (it was silent)."""
     from megatron.arguments import parse_and_validate
-    from megatron.training import schedule_change_note
+    from megatron.training_checkpoint import schedule_change_note
 
     base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
             "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1",

@@ -279,7 +279,7 @@ def test_checkpoint_of_another_task_names_the_heads_and_the_way_round():
 def test_resume_with_another_optimizer_or_rng_state_is_one_error(monkeypatch, tmp_path):
     """maybe_load turns a restore failure (here: ValueError of the optimizer, a malformed
     RNG state) into a CheckpointError naming --load, not a traceback."""
-    import megatron.training as training
+    import megatron.training_checkpoint as training
     from megatron.arguments import parse_and_validate
 
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2",
