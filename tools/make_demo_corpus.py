@@ -198,8 +198,13 @@ def _extra_documents(path: str, target_chars: int) -> Iterator[Tuple[str, str]]:
     """Cut a plain-text file into documents of consecutive paragraphs (>= target_chars)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--extra-text: no such file: {path!r}")
-    with open(path, encoding="utf-8") as f:
-        paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--extra-text {path!r}: not UTF-8 text ({exc.reason}, byte "
+                         f"{exc.object[exc.start:exc.start + 1]!r} at offset {exc.start}); "
+                         f"expected a plain-text file") from None
     current: List[str] = []
     size, part = 0, 0
     for para in paragraphs:
@@ -265,10 +270,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    # Read the extra files first: a bad one fails before the slow walk over the modules.
+    extra = [d for path in args.extra_text
+             for _, d in _extra_documents(path, args.extra_doc_chars)]
     modules = args.modules.split(",") if args.modules else list(DEFAULT_MODULES)
     docs = collect_documents([m.strip() for m in modules if m.strip()], args.min_chars, args.topics)
-    for path in args.extra_text:
-        docs.extend(d for _, d in _extra_documents(path, args.extra_doc_chars))
+    docs.extend(extra)
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
     n_chars = 0
@@ -280,6 +287,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _command_line(argv: Optional[Sequence[str]] = None) -> int:
+    """``main`` for the shell: an --extra-text problem becomes one ``error:`` line and
+    exit status 2 instead of a traceback."""
+    from megatron.errors import UserError
+
+    try:
+        return main(argv)
+    except (ValueError, OSError) as exc:
+        raise UserError(str(exc)) from exc
+
+
 if __name__ == "__main__":
     # Running as a script puts tools/ first on sys.path; a tool named like a stdlib
     # module (e.g. tools/trace.py) would then be documented instead of the real one.
@@ -287,4 +305,4 @@ if __name__ == "__main__":
         sys.path.pop(0)
     from megatron.entry import run_entry_point
 
-    run_entry_point(main)
+    run_entry_point(_command_line)

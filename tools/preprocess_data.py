@@ -16,6 +16,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from itertools import chain, islice
@@ -42,6 +43,10 @@ _dtype = None
 # One chunk's output for one --json-keys entry: all token ids back to back, the length
 # of each sequence, and how many sequences each document has.
 Encoded = Tuple[np.ndarray, List[int], List[int]]
+
+# Half of a UTF-16 pair: json.loads accepts one escaped alone ("\ud800"), but it is not
+# Unicode text and no tokenizer can encode it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,8 +144,15 @@ def _init_worker(args: argparse.Namespace) -> None:
     _dtype = best_fitting_dtype(_tokenizer.vocab_size)
 
 
-def _document_texts(lineno: int, line: str) -> Optional[Dict[str, str]]:
-    """{key: text} of one input line; None for a blank line."""
+def _document_texts(lineno: int, raw: bytes) -> Optional[Dict[str, str]]:
+    """{key: text} of one input line (bytes, decoded here so that an error can name the
+    line); None for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"--input {_args.input}, line {lineno}: not UTF-8 text ({exc.reason}, "
+                        f"byte {raw[exc.start:exc.start + 1]!r} at byte {exc.start} of the "
+                        f"line); expected a JSON-lines corpus in UTF-8") from None
     if not line.strip():
         return None
     try:
@@ -150,27 +162,36 @@ def _document_texts(lineno: int, line: str) -> Optional[Dict[str, str]]:
     except RecursionError:
         raise DataError(f"--input {_args.input}, line {lineno}: not valid JSON (nested too "
                         f"deeply); expected one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"--input {_args.input}, line {lineno}: expected a JSON object "
+                        f"(holding --json-keys {' '.join(_args.json_keys)}), found "
+                        f"{type(obj).__name__}")
     out = {}
     for key in _args.json_keys:
-        if not isinstance(obj, dict) or key not in obj:
+        if key not in obj:
             raise DataError(f"--input {_args.input}, line {lineno}: no key {key!r} "
                             f"(requested by --json-keys)")
         text = obj[key]
         if not isinstance(text, str):
             raise DataError(f"--input {_args.input}, line {lineno}: {key!r} must be a string, "
                             f"found {type(text).__name__}")
+        bad = _SURROGATE.search(text)
+        if bad:
+            raise DataError(f"--input {_args.input}, line {lineno}: {key!r} holds a lone "
+                            f"UTF-16 surrogate {bad.group()!r} (escaped in the JSON), which is "
+                            f"not Unicode text; remove or replace it")
         out[key] = text
     return out
 
 
-def _encode_chunk(chunk: List[Tuple[int, str]]) -> Tuple[int, int, Dict[str, Encoded]]:
+def _encode_chunk(chunk: List[Tuple[int, bytes]]) -> Tuple[int, int, Dict[str, Encoded]]:
     """Lines -> (documents, input bytes, {key: Encoded}).
 
     All texts of a chunk go to the tokenizer in one ``tokenize_batch`` call (the fast
     backend's batch API); the ids come back as one flat array per key, so the parent
     process handles a few numpy arrays per chunk rather than a list per document.
     """
-    nbytes = sum(len(line.encode("utf-8")) for _, line in chunk)
+    nbytes = sum(len(line) for _, line in chunk)
     docs = [d for d in (_document_texts(n, line) for n, line in chunk) if d is not None]
     out: Dict[str, Encoded] = {}
     for key in _args.json_keys:
@@ -199,7 +220,8 @@ def _encode_chunk(chunk: List[Tuple[int, str]]) -> Tuple[int, int, Dict[str, Enc
     return len(docs), nbytes, out
 
 
-def _chunks(lines: Iterator[Tuple[int, str]], size: int) -> Iterator[List[Tuple[int, str]]]:
+def _chunks(lines: Iterator[Tuple[int, bytes]], size: int
+            ) -> Iterator[List[Tuple[int, bytes]]]:
     while True:
         chunk = list(islice(lines, size))
         if not chunk:
@@ -243,7 +265,9 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
     start = time.perf_counter()
     pool = None
     try:
-        with open(args.input, "r", encoding="utf-8") as fin:
+        # Bytes: each line is decoded by _document_texts, which names a line that is
+        # not UTF-8 ("\r\n" endings are whitespace to json.loads).
+        with open(args.input, "rb") as fin:
             chunks = _chunks(enumerate(fin, start=1), args.chunk_size)
             if args.workers > 1:
                 # The worker processes are the parallelism; a thread pool inside each
@@ -274,12 +298,6 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
                             f"({n_empty} empty) in {n_bytes} bytes; nothing was written")
         for key, builder in builders.items():
             builder.finalize(output_prefix(args, key) + ".idx")
-    except UnicodeDecodeError as exc:  # raised while reading lines: no line number
-        for builder in builders.values():
-            builder.abort()
-        raise DataError(f"--input {args.input}: not UTF-8 text ({exc.reason}, byte "
-                        f"{exc.object[exc.start:exc.start + 1]!r}); expected a JSON-lines "
-                        f"corpus in UTF-8; nothing was written") from None
     except BaseException:
         for builder in builders.values():
             builder.abort()

@@ -15,10 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from typing import Iterator, List, Optional, Sequence
 
 EOD_PIECE = "<eod>"
+
+# Half of a UTF-16 pair: json.loads accepts one escaped alone ("\ud800"), but it is not
+# Unicode text and SentencePiece cannot take it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _not_utf8(path: str, exc: UnicodeDecodeError) -> ValueError:
@@ -74,7 +79,13 @@ def _documents(path: str, json_keys: Sequence[str], input_format: str) -> Iterat
                         f"--input {path!r} line {lineno}: no key {key!r} (see --json-keys); "
                         f"keys present: {sorted(record)}"
                     )
-                yield str(record[key])
+                text = str(record[key])
+                bad = _SURROGATE.search(text)
+                if bad:
+                    raise ValueError(f"--input {path!r} line {lineno}: {key!r} holds a lone "
+                                     f"UTF-16 surrogate {bad.group()!r} (escaped in the JSON), "
+                                     f"which is not Unicode text; remove or replace it")
+                yield text
 
 
 def iter_sentences(
@@ -108,9 +119,12 @@ def train_sentencepiece(args: argparse.Namespace) -> List[str]:
         raise OSError(f"--output-prefix {args.output_prefix}: cannot create the directory "
                       f"{out_dir} ({exc.strerror or exc}); expected a writable "
                       f"directory path") from None
+    input_errors: List[Exception] = []
     try:
-        _train(spm, args)
+        _train(spm, args, input_errors)
     except RuntimeError as exc:  # SentencePiece's own checks, e.g. a corpus too small
+        if input_errors:  # raised by our reader inside SentencePiece, which wraps it
+            raise input_errors[0] from None
         text = str(exc).strip()
         reason = text.split("] ")[-1].strip() if "] " in text else text
         if "sentences_.empty()" in text:
@@ -121,9 +135,16 @@ def train_sentencepiece(args: argparse.Namespace) -> List[str]:
     return [args.output_prefix + ".model", args.output_prefix + ".vocab"]
 
 
-def _train(spm, args: argparse.Namespace) -> None:
+def _train(spm, args: argparse.Namespace, input_errors: List[Exception]) -> None:
+    def sentences() -> Iterator[str]:
+        try:
+            yield from iter_sentences(args.input, args.json_keys, args.input_format)
+        except (ValueError, OSError) as exc:
+            input_errors.append(exc)
+            raise
+
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter_sentences(args.input, args.json_keys, args.input_format),
+        sentence_iterator=sentences(),
         model_prefix=args.output_prefix,
         vocab_size=args.vocab_size,
         model_type=args.model_type,

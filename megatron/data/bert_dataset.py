@@ -343,11 +343,12 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
     cache = index_cache_dir(ds.prefix, data_cache_path)
     path = cache / f"{key}-{name}_bert_mapping.npy"
     cached = load_cached_arrays([path])
-    if cached is not None and cached[0].ndim == 2 and cached[0].shape == (num_samples, 3):
+    if cached is not None:
         rows = cached[0]
         # Values too: a corrupt cache must not read sentences outside the split.
-        if (rows[:, 0].min() >= docs[0] and rows[:, 1].max() <= docs[-1]
-                and (rows[:, 1] - rows[:, 0]).min() >= min_num_sent
+        if (rows.dtype.kind in "iu" and rows.shape == (num_samples, 3)
+                and rows[:, 0].min() >= docs[0] and rows[:, 1].max() <= docs[-1]
+                and (rows[:, 1].astype(np.int64) - rows[:, 0]).min() >= min_num_sent
                 and rows[:, 2].min() >= 1 and rows[:, 2].max() <= max_num_tokens):
             return rows, True
         print(f"warning: BERT sample mapping cache {path} points outside {ds.prefix} (corrupt "
@@ -359,9 +360,14 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
         if "enough sentences" not in str(exc):
             raise
         # A corpus without sentence splitting has one sequence per document.
+        if len(ds) == len(ds.doc_idx) - 1:
+            hint = ("each document is one sequence: preprocess documents of several "
+                    "sentences with tools/preprocess_data.py --split-sentences")
+        else:
+            hint = (f"the dataset is split into sentences, but the split's {len(docs) - 1} "
+                    f"documents are too short; give it documents of several sentences")
         raise DataError(f"{ds.prefix}: the {name} split has no document with {min_num_sent} "
-                        f"or more sentences, which sentence-pair samples need; preprocess "
-                        f"with tools/preprocess_data.py --split-sentences") from None
+                        f"or more sentences, which sentence-pair samples need; {hint}") from None
     try:
         write_text_atomic(cache / f"{key}-{name}_bert_description.json",
                           json.dumps(description, indent=2, sort_keys=True))

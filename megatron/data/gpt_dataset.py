@@ -142,12 +142,13 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
     cache = index_cache_dir(ds.prefix, data_cache_path)
     paths = {k: cache / f"{key}-{name}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
     loaded = load_cached_arrays([paths[k] for k in ("doc", "sample", "shuffle")])
-    if loaded is not None and _cached_shapes_ok(loaded, num_samples):
-        if _cached_values_ok(loaded, documents, sizes):
+    if loaded is not None:
+        if (_cached_shapes_ok(loaded, num_samples)
+                and _cached_values_ok(loaded, documents, sizes, seq_length)):
             return loaded[0], loaded[1], loaded[2], True
         print(f"warning: index cache files {paths['doc'].parent}/{key}-{name}_*_idx.npy point "
-              f"outside {ds.prefix} (corrupt or from another dataset); rebuilding them",
-              file=sys.stderr, flush=True)
+              f"outside {ds.prefix} or do not fit it (corrupt or from another dataset); "
+              f"rebuilding them", file=sys.stderr, flush=True)
 
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
     rng = np.random.RandomState(seed)
@@ -171,26 +172,39 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
 
 def _cached_shapes_ok(arrays: List[np.ndarray], num_samples: int) -> bool:
     doc_idx, sample_idx, shuffle_idx = arrays
+    if any(a.dtype.kind not in "iu" for a in arrays):  # float, bool, structured, ...
+        return False
     return (doc_idx.ndim == 1 and sample_idx.ndim == 2 and sample_idx.shape[1] == 2
             and shuffle_idx.ndim == 1 and shuffle_idx.size >= num_samples
             and sample_idx.shape[0] == shuffle_idx.size + 1)
 
 
 def _cached_values_ok(arrays: List[np.ndarray], documents: np.ndarray,
-                      sizes: np.ndarray) -> bool:
-    """Every cached index lies inside the dataset (vectorised; milliseconds per million
+                      sizes: np.ndarray, seq_length: int) -> bool:
+    """Every cached index lies inside the dataset, the sample starts run forwards from
+    (0, 0) and the shuffle is a permutation (vectorised; milliseconds per million
     samples), so a corrupt cache is rebuilt instead of failing mid-training."""
     doc_idx, sample_idx, shuffle_idx = arrays
     if doc_idx.size == 0 or sample_idx.shape[0] < 2 or shuffle_idx.size == 0:
         return False
     if doc_idx.min() < documents.min() or doc_idx.max() > documents.max():
         return False
-    pos, off = sample_idx[:, 0], sample_idx[:, 1]
-    if pos.min() < 0 or pos.max() >= doc_idx.size or off.min() < 0:
+    pos, off = sample_idx[:, 0].astype(np.int64), sample_idx[:, 1].astype(np.int64)
+    if pos[0] != 0 or off[0] != 0 or pos.min() < 0 or pos.max() >= doc_idx.size \
+            or off.min() < 0:
         return False
-    if np.any(off > sizes[doc_idx[pos]]):
+    # A sample ends inside a document, seq_length tokens after the previous end when
+    # both are in the same document.
+    step = np.diff(pos)
+    if np.any(step < 0) or np.any(np.diff(off)[step == 0] != seq_length):
         return False
-    return bool(shuffle_idx.min() >= 0 and shuffle_idx.max() < sample_idx.shape[0] - 1)
+    if np.any(off[1:] >= sizes[doc_idx[pos[1:]]]):
+        return False
+    if shuffle_idx.min() < 0 or shuffle_idx.max() >= shuffle_idx.size:
+        return False
+    seen = np.zeros(shuffle_idx.size, dtype=bool)
+    seen[shuffle_idx] = True
+    return bool(seen.all())
 
 
 def _build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
