@@ -586,8 +586,13 @@ def _check_data(args: argparse.Namespace) -> None:
         for prefix in _data_prefixes(paths[flag] or [], flag):
             for suffix in (".bin", ".idx"):
                 path = Path(prefix + suffix)
+                stem, ext = os.path.splitext(prefix)
+                hint = (f"; a prefix names the pair without its extension: {flag} {stem}"
+                        if ext in (".bin", ".idx") and not path.exists()
+                        and Path(stem + suffix).is_file() else "")
                 _require(path.is_file(), f"{flag} prefix '{prefix}': file {path} "
-                         f"{'is not a regular file' if path.exists() else 'does not exist'}")
+                         f"{'is not a regular file' if path.exists() else 'does not exist'}"
+                         f"{hint}")
 
 
 def _require_file(flag: str, path: Optional[str], tokenizer: str) -> None:

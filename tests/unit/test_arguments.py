@@ -122,6 +122,8 @@ BAD_CASES = [
     ("data-missing-prefix", without(BASE, "--mock-data", False) + ["--data-path", "1", "{a}", "2",
                                                                    "{missing}"], 1,
      "{missing}.bin does not exist"),
+    ("data-path-with-extension", without(BASE, "--mock-data", False) + ["--data-path", "{a}.bin"],
+     1, "does not exist; a prefix names the pair without its extension: --data-path {a}"),
     ("data-empty", without(BASE, "--mock-data", False) + ["--data-path"], 1,
      "--data-path was given without any prefix"),
     ("save-interval-no-save", BASE + ["--save-interval", "5"], 1, "--save-interval needs --save"),
