@@ -789,11 +789,19 @@ def _check_save_holds_no_other_run(args: argparse.Namespace) -> None:
     """A run that trains into a --save directory holding checkpoints must resume from
     them: a fresh run would replace their iterations one by one and move the tracker
     file back to its own (worse) ones."""
-    from megatron.checkpointing import existing_checkpoints
+    from megatron.checkpointing import existing_checkpoints, newest_iteration
 
-    if args.skip_train or (args.load is not None and
-                           os.path.realpath(args.load) == os.path.realpath(args.save)):
+    resumes = (args.load is not None
+               and os.path.realpath(args.load) == os.path.realpath(args.save))
+    if args.skip_train or (resumes and not args.finetune):
         return
+    if resumes:  # --finetune starts again at iteration 0 from --load's weights
+        newest = newest_iteration(args.save)
+        _require(not newest, f"--finetune with --load and --save both {args.save}: a "
+                 f"finetuning run counts again from iteration 0 and would overwrite the "
+                 f"checkpoints there (up to iteration {newest}); choose another --save "
+                 f"directory")
+        return  # an imported checkpoint (iteration 0 only) keeps its directory
     found = existing_checkpoints(args.save)
     if found is not None:
         raise ArgumentError(

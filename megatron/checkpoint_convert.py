@@ -305,6 +305,23 @@ def true_vocab_size(config: Optional[dict], override: Optional[int] = None) -> O
     return int(data["vocab_size"]) if data.get("vocab_size") else None
 
 
+def check_true_vocab(value: Optional[int], rows: int, config: Optional[dict],
+                     flag: str = "--true-vocab-size") -> None:
+    """``value`` (``flag``, given by the user) is a vocabulary the checkpoint can have: 1 to
+    its ``rows`` embedding rows, and the size of the tokenizer ``config`` records where
+    that loads here (the option is for tokenizer files that are not on this machine)."""
+    if value is None:
+        return
+    if not 1 <= value <= rows:
+        raise UserError(f"{flag} {value}: expected 1 to {rows} (the rows of the checkpoint's "
+                        f"word embedding, padding included)")
+    found = true_vocab_size(config)
+    if found is not None and found != value:
+        kind = ((config or {}).get("data") or {}).get("tokenizer_type")
+        raise UserError(f"{flag} {value}: the checkpoint's recorded tokenizer ({kind}) has "
+                        f"{found} tokens here; leave {flag} out")
+
+
 def target_padded_vocab(state_rows: int, config: Optional[dict], tp: int,
                         true_vocab: Optional[int]) -> int:
     """Padded vocabulary rows for tensor size ``tp``: Megatron pads to a multiple of
@@ -548,8 +565,12 @@ def target_stage_counts(state: FullState, pp: int, first: Optional[int] = None,
 def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int] = None,
                  *, true_vocab: Optional[int] = None, source: Optional[str] = None,
                  allow_unsafe: bool = False, divisible_by: Optional[int] = None,
-                 first: Optional[int] = None, last: Optional[int] = None) -> str:
+                 first: Optional[int] = None, last: Optional[int] = None,
+                 vocab_flag: Optional[str] = None) -> str:
     """Write ``state`` as a checkpoint for (tp, pp, dp) under ``save``.
+
+    ``vocab_flag``: the option ``true_vocab`` came from, when a user gave it (it is then
+    checked against the checkpoint, ``check_true_vocab``).
 
     Stage split: ``first``/``last`` layers on the first/last stage, as the trainer's
     --decoder-first/last-pipeline-num-layers (``target_stage_counts``).
@@ -565,6 +586,8 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
     src_t, src_p, src_w = state.layout
     dp = dp or src_w
     config = _config_copy(state.common.get("config"))
+    if vocab_flag and WORD_EMBEDDING in state.model:
+        check_true_vocab(true_vocab, state.model[WORD_EMBEDDING].shape[0], config, vocab_flag)
     if divisible_by:  # the resumed run's --make-vocab-size-divisible-by
         config["data"] = dict(config.get("data") or {}, make_vocab_size_divisible_by=divisible_by)
     _check_tensor_split(config, tp)

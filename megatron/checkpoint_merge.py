@@ -35,7 +35,7 @@ import torch
 
 from megatron.checkpointing import (TRACKER, check_model_payload, iteration_dir,
                                     load_payload, payload_exists, rank_dir, read_tracker,
-                                    refuse_hf_model_dir)
+                                    refuse_hf_model_dir, refuse_iteration_dir)
 from megatron.errors import CheckpointError
 from megatron.tensor_parallel.param_init import shard, unshard
 
@@ -155,6 +155,7 @@ def read_checkpoint(root: str, iteration: Optional[int] = None, *,
         iteration = read_tracker(root)
         if iteration is None:
             refuse_hf_model_dir(root, "checkpoint")
+            refuse_iteration_dir(root, "checkpoint")
             raise CheckpointError(f"checkpoint {root}: no {TRACKER}; is this a directory "
                                   f"written by --save?")
     base = iteration_dir(root, iteration)

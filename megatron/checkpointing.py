@@ -503,6 +503,13 @@ def _iteration_dirs(root: str) -> List[int]:
     return sorted((i for i in found if os.path.isdir(iteration_dir(root, i))), reverse=True)
 
 
+def newest_iteration(root: str) -> Optional[int]:
+    """The newest iteration ``root`` holds a final directory of (None: none, or no
+    directory)."""
+    found = _iteration_dirs(root) if os.path.isdir(root) else []
+    return found[0] if found else None
+
+
 def existing_checkpoints(root: str) -> Optional[str]:
     """A short description of the checkpoints ``root`` already holds (a tracker file or
     final ``iter_*`` directories), or None when it holds none."""
@@ -546,6 +553,22 @@ def refuse_hf_model_dir(root: str, flag: str = "--load") -> None:
             f"with --load CKPT [--finetune] (docs/checkpoint_conversion.md)")
 
 
+def refuse_iteration_dir(root: str, flag: str = "--load") -> None:
+    """``root`` is one iteration directory of a checkpoint (the path a save prints), not
+    the directory --save wrote: starting from scratch over it would drop the weights the
+    user pointed at, so name the directory to pass instead."""
+    if not os.path.isdir(root):
+        return
+    found = sorted(e for e in os.listdir(root)
+                   if e == MANIFEST or re.match(r"^mp_rank_\d+(_\d+)?$", e))
+    if found:
+        parent = os.path.dirname(os.path.abspath(root))
+        raise CheckpointError(
+            f"{flag} {root} is one iteration of a checkpoint ({', '.join(found[:3])}), not "
+            f"the directory --save wrote; pass {parent} instead (its {TRACKER} names the "
+            f"iteration to load)")
+
+
 @dataclass
 class CheckpointLocation:
     """Which iteration ``--load`` resumes from, and a line saying how it was chosen."""
@@ -574,6 +597,7 @@ def find_checkpoint(root: str) -> CheckpointLocation:
     candidates = _iteration_dirs(root)
     if not candidates:
         refuse_hf_model_dir(root)
+        refuse_iteration_dir(root)
         return CheckpointLocation(None, f"--load {root} holds no checkpoint (no {TRACKER}, no "
                                         f"iter_* directories); starting from scratch")
     for it in candidates:
@@ -590,13 +614,18 @@ def find_checkpoint(root: str) -> CheckpointLocation:
 def read_saved_config(root: str) -> Tuple[int, Dict[str, Any]]:
     """(iteration, the run's config) of the checkpoint ``--load root`` would resume,
     read from the first rank's JSON file alone: no tensors, no pickle."""
-    from megatron.checkpoint_merge import MODEL_FILE, rank_dirs
-
     location = find_checkpoint(root)
     if location.iteration is None:
         raise CheckpointError(f"--load {root} holds no checkpoint to read the model flags "
                               f"from ({location.message or 'nothing there'})")
-    base = iteration_dir(root, location.iteration)
+    return location.iteration, _recorded_config(iteration_dir(root, location.iteration))
+
+
+def _recorded_config(base: str) -> Dict[str, Any]:
+    """The run's config recorded in the first rank's JSON file of iteration directory
+    ``base`` (unverified: no manifest check, no tensors)."""
+    from megatron.checkpoint_merge import MODEL_FILE, rank_dirs
+
     dirs = rank_dirs(base) if os.path.isdir(base) else {}
     if not dirs:
         raise CheckpointError(f"checkpoint {base}: no mp_rank_TT or mp_rank_TT_PPP directories")
@@ -605,10 +634,15 @@ def read_saved_config(root: str) -> Tuple[int, Dict[str, Any]]:
         raise CheckpointError(f"{js_path}: missing (an old pickle checkpoint records no "
                               f"config readable without unpickling; pass the model flags)")
     tree = _read_payload_json(js_path).get("tree")
-    config = _decode((tree if isinstance(tree, dict) else {}).get("config") or {}, {}, js_path)
+    try:
+        config = _decode((tree if isinstance(tree, dict) else {}).get("config") or {}, {},
+                         js_path)
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"{js_path}: malformed checkpoint JSON ({type(exc).__name__}: "
+                              f"{exc})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{js_path}: records no model config; pass the model flags")
-    return location.iteration, config
+    return config
 
 
 @dataclass
@@ -979,8 +1013,10 @@ def check_model_shape(root: str, saved_config: Optional[dict], model: Any, *,
         theirs = saved.get(name, default)  # a checkpoint from before the option: its default
         if name == "num_query_groups":
             theirs = theirs if theirs is not None else saved.get("num_attention_heads")
-        if name == "kv_channels" and theirs is None and saved.get("num_attention_heads"):
-            theirs = (saved.get("hidden_size") or 0) // saved["num_attention_heads"]
+        heads, hidden = saved.get("num_attention_heads"), saved.get("hidden_size")
+        if name == "kv_channels" and theirs is None and type(heads) is int and heads > 0 \
+                and type(hidden) is int:
+            theirs = hidden // heads
         if name.startswith(("rotary_", "rope_")) and not (
                 getattr(model, "position_embedding_type", None)
                 == saved.get("position_embedding_type") == "rope"):
@@ -1010,6 +1046,14 @@ def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe:
         where = find_checkpoint(root)
         message = where.message
         if where.iteration is not None:
+            # the model flags first, from the recorded config: the stage-split and layout
+            # errors print a conversion command, which cannot fit another model shape (the
+            # padded vocabulary may differ at another t: conversion re-pads it)
+            try:
+                recorded = _recorded_config(iteration_dir(root, where.iteration))
+            except CheckpointError:
+                recorded = None  # no config, or a damaged file: load_checkpoint says which
+            check_model_shape(root, recorded, model, skip=("padded_vocab_size",))
             payload = load_checkpoint(root, groups, iteration=where.iteration,
                                       allow_unsafe=allow_unsafe, stage_layers=stage_layers,
                                       split=split)

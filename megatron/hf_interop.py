@@ -69,7 +69,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_convert import (WORD_EMBEDDING, check_not_a_file, check_outside,
-                                         read_full_state, true_vocab_size)
+                                         check_true_vocab, read_full_state, true_vocab_size)
 from megatron.config import ModelConfig
 from megatron.errors import CheckpointError, UserError
 from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
@@ -658,10 +658,13 @@ def _publish(staging: str, out_dir: str) -> None:
 
 
 def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
-              true_vocab: Optional[int] = None, allow_unsafe: bool = False) -> str:
+              true_vocab: Optional[int] = None, allow_unsafe: bool = False,
+              vocab_flag: Optional[str] = None) -> str:
     """Write checkpoint ``load`` as a transformers model directory ``out_dir`` (new or
     empty).  The files are written into a sibling staging directory that is renamed to
-    ``out_dir`` at the end, so a failed or interrupted export leaves no ``out_dir``."""
+    ``out_dir`` at the end, so a failed or interrupted export leaves no ``out_dir``.
+    ``vocab_flag``: the option ``true_vocab`` came from, when a user gave it (it is then
+    checked against the checkpoint, ``check_true_vocab``)."""
     from safetensors.torch import save_file
 
     check_export_path(None, out_dir)
@@ -685,6 +688,8 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     is_bert = "lm_head.bias" in full or "embedding.tokentype_embeddings.weight" in full
     target = _export_target(model_cfg, full, is_bert)
     padded = full[WORD_EMBEDDING].shape[0]
+    if vocab_flag:
+        check_true_vocab(true_vocab, padded, config, vocab_flag)
     vocab = true_vocab_size(config, true_vocab)
     if vocab is None or vocab > padded:
         _say(f"note: unpadded vocabulary size unknown (pass --true-vocab-size); exporting "

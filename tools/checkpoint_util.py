@@ -157,7 +157,8 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
             check_export_path(args.load, args.to_hf)
             out = export_hf(args.load, args.to_hf, iteration=args.iteration,
                             true_vocab=args.true_vocab_size,
-                            allow_unsafe=args.allow_unsafe_checkpoint)
+                            allow_unsafe=args.allow_unsafe_checkpoint,
+                            vocab_flag="--true-vocab-size")
         else:
             check_save_path(args.load, args.save)
             state = read_full_state(args.load, args.iteration,
@@ -170,7 +171,8 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                                allow_unsafe=args.allow_unsafe_checkpoint,
                                divisible_by=args.make_vocab_size_divisible_by,
                                first=args.target_decoder_first_pipeline_num_layers,
-                               last=args.target_decoder_last_pipeline_num_layers)
+                               last=args.target_decoder_last_pipeline_num_layers,
+                               vocab_flag="--true-vocab-size")
     except UserError as exc:
         exit_with_user_error(exc)  # as run_entry_point would: callers of main() exit too
     print(f"wrote {out}")

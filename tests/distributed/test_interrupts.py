@@ -267,6 +267,17 @@ def test_a_new_run_refuses_a_save_directory_holding_checkpoints(tmp_path, capsys
     # resuming from it, or only evaluating, is fine
     _validate(_argv("--save", str(root), "--load", str(root) + "/"))
     _validate(_argv("--save", str(root), "--skip-train"))
+    # finetuning counts from iteration 0 again: it would overwrite iterations 1..4
+    with pytest.raises(SystemExit):
+        _validate(_argv("--save", str(root), "--load", str(root), "--finetune"))
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(
+        f"error: --finetune with --load and --save both {root}: a finetuning run counts again "
+        f"from iteration 0 and would overwrite the checkpoints there (up to iteration 4)")
+    imported = tmp_path / "imported"  # an imported checkpoint: iteration 0 only
+    (imported / "iter_0000000").mkdir(parents=True)
+    (imported / TRACKER).write_text("0")
+    _validate(_argv("--save", str(imported), "--load", str(imported), "--finetune"))
     # leftovers of a first save that crashed are not checkpoints
     fresh = tmp_path / "fresh"
     (fresh / "iter_0000002.tmp").mkdir(parents=True)
