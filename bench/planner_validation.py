@@ -497,6 +497,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = p.parse_args(argv)
     if args.dry_run and not args.cuda:
         p.error("--dry-run goes with --cuda")
+    if args.iters is not None and args.iters < WARMUP_BATCHES + 3:
+        # (0 is not "the default": the warm-up batches and two periods must fit)
+        p.error(f"--iters {args.iters}: expected at least {WARMUP_BATCHES + 3}")
     if args.cuda:
         result = cuda_validation(iters=args.iters or 10, dry_run=args.dry_run)
         print_cuda(result)
@@ -508,8 +511,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     load_before = list(os.getloadavg())
     torch.set_num_threads(1)  # as each spawned rank (tests/dist_utils.py)
     iters = args.iters or (5 if args.quick else 10)
-    if iters < WARMUP_BATCHES + 3:
-        raise SystemExit(f"--iters must be >= {WARMUP_BATCHES + 3}")
     cfgs = configurations(args.quick)
     measured = measure(cfgs, iters, repeat=5 if args.quick else 11, timeout=600)
     p2p = measured["p2p_s"]

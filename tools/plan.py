@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -327,8 +328,37 @@ def _model_from_args(args: argparse.Namespace, profile: Optional[Profile] = None
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab, kind=kind, **arch)
 
 
+POSITIVE_FLOATS = ("gpu_memory_gb", "intra_server_bandwidth", "inter_server_bandwidth",
+                   "achieved_tflops")
+"""Cluster flags that must be finite and > 0 (a nan or inf would price every plan)."""
+
+
+def check_flag_values(args: argparse.Namespace) -> None:
+    """Refuse the numeric flags whose values argparse's types let through but no plan can
+    use, naming the flag: a cluster's sizes and rates must be finite and > 0,
+    recomputation cannot cost less than the forward it skips (--c-extra >= 1), and the
+    counts must be at least 1 (--top: 0 prints all)."""
+    for key in POSITIVE_FLOATS:
+        value = getattr(args, key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise PlanningError(f"--{key.replace('_', '-')} {value:g}: expected a finite "
+                                f"number > 0")
+    if not (math.isfinite(args.c_extra) and args.c_extra >= 1):
+        raise PlanningError(f"--c-extra {args.c_extra:g}: expected a finite number >= 1 (the "
+                            f"compute of a recomputed step over one without; 4/3 in Appendix A)")
+    for key, least in (("gpus_per_server", 1), ("max_microbatch_size", 1), ("top", 0)):
+        value = getattr(args, key)
+        if value is not None and value < least:
+            raise PlanningError(f"--{key.replace('_', '-')} {value}: expected an integer "
+                                f">= {least}")
+
+
 def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
     hw = get_hardware(args.cluster)
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb * GiB <= hw.reserved_memory_bytes:
+        raise PlanningError(f"--gpu-memory-gb {args.gpu_memory_gb:g}: expected more than the "
+                            f"{hw.reserved_memory_bytes / GiB:g} GiB {hw.name} reserves per GPU "
+                            f"(CUDA context, fragmentation), which leaves nothing to plan with")
     over = {}
     if args.gpus_per_server is not None:
         over["gpus_per_server"] = args.gpus_per_server
@@ -357,6 +387,7 @@ def check_gpus(num_gpus: int, hw: HardwareSpec) -> None:
 def run(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_flag_values(args)
         profile = Profile.load(args.profile, args.profile_clock) if args.profile else None
         model = model_from_args(args, profile)
         # what the profile's costs leave out for this model: printed, and in --json
@@ -434,8 +465,13 @@ def run(argv: Optional[List[str]] = None) -> int:
                "ddp_bucket_size": args.ddp_bucket_size, "warmup": warmup,
                "fastest_steady_state": fastest.to_dict(),
                "passed_over_2bw": passed[0].to_dict() if passed is not None else None}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        except OSError as exc:
+            print(f"plan.py: error: --json {args.json}: cannot write it "
+                  f"({exc.strerror or exc})", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     return 0
 

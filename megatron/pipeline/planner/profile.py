@@ -94,6 +94,15 @@ _SHAPE_FIELDS = _SIZE_FIELDS + tuple(k for k in _ARCH_DEFAULTS if k not in _NO_C
 # older profiles: absent, meaning False).  ``check_model`` has a rule for each.
 _RUN_OPTIONS = ("fp32_residual_connection", "reset_attention_mask")
 HALF_DTYPES = ("fp16", "bf16")
+DTYPES = HALF_DTYPES + ("fp32", "fp64")
+"""tools/profile_model.py's --fp16/--bf16/--fp32/--fp64: the precision a planned command
+runs in (``search.planned_precision``)."""
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """repr(value) for an error line, cut short (a hostile file's value can be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -172,11 +181,18 @@ class Profile:
             ok = (isinstance(value, int) if integer else isinstance(value, (int, float)))
             if not ok or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 kind = "a non-negative integer" if integer else "a non-negative number"
-                raise ValueError(f"--profile {source}: {where} must be {kind}, got {value!r}")
+                raise ValueError(f"--profile {source}: {where} must be {kind}, got "
+                                 f"{_shown(value)}")
             return value
 
+        def obj(value: Any, where: str) -> Dict[str, Any]:
+            if not isinstance(value, dict):
+                raise ValueError(f"--profile {source}: {where} must be a JSON object, got "
+                                 f"{_shown(value)}")
+            return dict(value)
+
         try:
-            self.model: Dict[str, Any] = dict(data["model"])
+            self.model: Dict[str, Any] = obj(data["model"], "model")
             for key in ("num_layers", *_SIZE_FIELDS):
                 num(self.model[key], f"model.{key}", integer=True)
             for key, default in _ARCH_DEFAULTS.items():
@@ -198,13 +214,24 @@ class Profile:
                 # ModelConfig's meaning of None (older profiles: h / a); a shape h / a does
                 # not divide is left to model_spec() below, which names --kv-channels
                 self.model["kv_channels"] = self.model["hidden_size"] // heads
-            if "dtype_bytes" in self.model:
-                num(self.model["dtype_bytes"], "model.dtype_bytes")
-            self.device: Dict[str, Any] = dict(data["device"])
-            self.weights: Dict[str, int] = dict(data["weights"])
+            for key in ("dtype_bytes", "grad_bytes"):  # bytes per value: 0 is no width
+                value = self.model.get(key, 1)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        not (math.isfinite(value) and value > 0):
+                    raise ValueError(f"--profile {source}: model.{key} must be a positive "
+                                     f"number, got {_shown(self.model[key])}")
+            if self.model.get("dtype") is not None and self.model["dtype"] not in DTYPES:
+                raise ValueError(f"--profile {source}: model.dtype must be one of "
+                                 f"{', '.join(DTYPES)}, got {_shown(self.model['dtype'])}")
+            if not isinstance(self.model.get("cross_entropy_loss_fusion", False), bool):
+                raise ValueError(f"--profile {source}: model.cross_entropy_loss_fusion must be "
+                                 f"bool, got {_shown(self.model['cross_entropy_loss_fusion'])}")
+            self.device: Dict[str, Any] = obj(data["device"], "device")
+            self.weights: Dict[str, int] = obj(data["weights"], "weights")
             for key, value in self.weights.items():
                 num(value, f"weights.{key}")
-            self.optimizer_step_s: Dict[str, float] = dict(data[f"optimizer_step{suffix}"])
+            self.optimizer_step_s: Dict[str, float] = obj(data[f"optimizer_step{suffix}"],
+                                                          f"optimizer_step{suffix}")
             for key in (*PIECES, "tied_embedding"):
                 num(self.optimizer_step_s[key], f"optimizer_step{suffix}.{key}")
             # once per stage (profiles written before it existed: 0, pieces whole calls)
@@ -454,6 +481,7 @@ class Profile:
         wrong = [_mismatch(k, getattr(model, k), self.model[k])
                  for k in _SHAPE_FIELDS if getattr(model, k) != self.model[k]
                  and not (k == "kv_channels" and self._default_heads(model))
+                 and not (k == "num_query_groups" and self._multi_head(model))
                  and not (k == "attention_backend" and self._same_attention(model))]
         if wrong:
             raise ValueError(f"--profile {self.source} was taken for another model shape: "
@@ -498,6 +526,12 @@ class Profile:
         m = self.model
         return (not model.custom_head_dim
                 and m["kv_channels"] * m["num_attention_heads"] == m["hidden_size"])
+
+    def _multi_head(self, model: ModelSpec) -> bool:
+        """Neither the plan nor the profile groups its keys and values: a group count that
+        differs follows from --num-attention-heads, named already."""
+        return (not model.grouped_query
+                and self.model["num_query_groups"] == self.model["num_attention_heads"])
 
     def describe(self) -> str:
         d, m = self.device, self.model

@@ -13,6 +13,7 @@ flush bubble, so we compare throughputs instead of assuming.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Union
@@ -73,8 +74,13 @@ def _tensor_sizes(n: int, tensor_parallel: bool, max_tensor: Optional[int]) -> L
             if max_tensor is None or t <= max_tensor]
 
 
+SHAPE_REASONS = ("d=", "t=")
+"""How the reasons of ``_shapes`` start (a shape that cannot split the model)."""
+
+
 def _shapes(model: ModelSpec, n: int, tensor_parallel: bool, max_tensor: Optional[int]):
-    """(t, w, d) triples, plus why a triple cannot split this model (or None)."""
+    """(t, w, d) triples, plus why a triple cannot split this model (or None); each reason
+    starts with one of ``SHAPE_REASONS``."""
     for t in _tensor_sizes(n, tensor_parallel, max_tensor):
         for d in divisors(n // t):
             w = n // (t * d)
@@ -295,8 +301,13 @@ def best_plan(model: ModelSpec, hardware: HardwareSpec, num_gpus: int, max_batch
     rows = search(model, hardware, num_gpus, max_batch_size, **kwargs)
     if not rows or not rows[0].fits:
         oom = [r for r in rows if r.reason_rejected and r.reason_rejected.startswith("out of")]
+        # the shapes that could split the model first (what stopped them: the batch, 2BW's
+        # m >= d), smallest numbers first; then the shapes that cannot (SHAPE_REASONS)
         other = sorted({r.reason_rejected for r in rows
-                        if r.reason_rejected and r not in oom})
+                        if r.reason_rejected and r not in oom},
+                       key=lambda why: (why.startswith(SHAPE_REASONS),
+                                        [int(x) if x.isdigit() else x
+                                         for x in re.split(r"(\d+)", why)]))
         why = []
         if oom:
             r = min(oom, key=lambda r: r.memory_per_gpu_bytes)
