@@ -42,6 +42,9 @@ HW = get_hardware("p3.16xlarge")
 # kernel): the planner's --attention-backend local, Korthikanti's 5 a s^2 b bytes; and
 # its loss ran on a float32 copy of the logits (ModelSpec.fp32_logits).
 PAPER_MEGATRON = dict(attention_backend="local", fp32_logits=True)
+# 2BW's weight all-reduce hidden behind the next batch whatever its length, as Appendix A
+# prices it (tools/plan.py prices what this executor hides: CostOptions.appendix_a_2bw)
+APPENDIX_A = CostOptions(appendix_a_2bw=True)
 
 
 def get_model(name: str) -> ModelSpec:
@@ -149,14 +152,15 @@ def simulated_throughput(cfg: Config, model: ModelSpec) -> Optional[float]:
         from megatron.pipeline.planner.simulate import simulated_batch_time
     except ImportError:
         return None
-    return cfg.global_batch / simulated_batch_time(cfg, model, HW, batches=1)
+    return cfg.global_batch / simulated_batch_time(cfg, model, HW, batches=1,
+                                                 options=APPENDIX_A)
 
 
 def throughput_experiment(simulate: bool) -> List[dict]:
     rows = []
     for name, n, mp, batches in PANELS:
         model = get_model(name)
-        cm = CostModel(model, HW)
+        cm = CostModel(model, HW, APPENDIX_A)
         for batch in batches:
             for label, schedule, kind in SYSTEMS:
                 shp = shape(kind, n, mp)
@@ -230,7 +234,8 @@ def planner_depths() -> List[dict]:
     out = []
     for name, paper_d in (("gpt-2.2b", 8), ("gpt-3.8b", 16)):
         for batch in (512, 2048):
-            best = best_plan(get_model(name), HW, 64, batch, schedules=["2bw"])
+            best = best_plan(get_model(name), HW, 64, batch, schedules=["2bw"],
+                             options=APPENDIX_A)
             exposed = best_plan(get_model(name), HW, 64, batch, schedules=["2bw"],
                                 options=CostOptions(overlap_grad_reduce_2bw=False))
             out.append(dict(model=name, batch=batch, paper_depth=paper_d, ours=asdict(best.config),
@@ -243,7 +248,7 @@ def planning_sweep() -> List[dict]:
     """Section 5.4 figure: GPT-1.3B, 64 GPUs, 2bw throughput vs batch for (d, b) pairs,
     with the weight all-reduce hidden (Appendix A) and exposed (a blocking REDUCE_GRADS)."""
     model = get_model("gpt-1.3b")
-    hidden = CostModel(model, HW)
+    hidden = CostModel(model, HW, APPENDIX_A)
     exposed = CostModel(model, HW, CostOptions(overlap_grad_reduce_2bw=False))
     out = []
     for d, b in ((4, 4), (8, 16), (8, 32)):
@@ -266,7 +271,7 @@ def memory_ordering() -> List[dict]:
     of 64"; Flush is slightly above inter-layer MP; 2BW above Flush "but still lower than
     GPipe's".  Same (b, m) for every system so that only the schedule differs."""
     model = get_model("gpt-2.2b")
-    cm = CostModel(model, HW)
+    cm = CostModel(model, HW, APPENDIX_A)
     out = []
     for b in (1, 8):
         for label, schedule, recompute in (("Inter-layer MP", "none", True),
@@ -292,7 +297,7 @@ def max_model_size() -> List[dict]:
                 k = (lo + hi) // 2
                 model = ModelSpec(num_layers=k * d, hidden_size=h, num_attention_heads=h // 128,
                                   seq_length=512, vocab_size=50304, **PAPER_MEGATRON)
-                cm = CostModel(model, HW)
+                cm = CostModel(model, HW, APPENDIX_A)
                 est = cm.estimate(Config(w=64 // d, d=d, b=1, m=d, recompute=True,
                                          schedule="2bw"), keep_stages=False)
                 if cm.fits(est):

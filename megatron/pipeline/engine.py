@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -652,6 +652,25 @@ class PipelineEngine:
         before batch t+1 starts (flush/gpipe/none: at once) or before batch t+2 starts
         (2BW), so under 2BW stages do not wait for each other at every step."""
         t = self._global_batch(a, seg)
+        if self.stage == 0 and self.schedule_at(t) == "2bw":
+            # The first stage ends batch t's backward passes last, so its data-parallel
+            # all-reduce would be waited on here, exposed, at every step.  Its update
+            # begins when the new weights are first needed instead (``_finish_steps``,
+            # before batch t+2), and the all-reduce runs beside the m - d + 1 forward/
+            # backward pairs between.  Safe: every other stage needs this step's
+            # agreement only before its own batch t+2, which starts after the first
+            # stage's; decided by stage, so all of the stage's tensor and data-parallel
+            # peers issue their collectives in the same order.
+            self._pending_steps.append((t, None, None))
+            return
+        pending, grad_scale = self._begin_update(t, seg)
+        self._pending_steps.append((t, pending, grad_scale))
+        if self.schedule_at(t) != "2bw":
+            self._finish_steps(seg, before_batch=t + 1)
+
+    def _begin_update(self, t: int, seg: _Segment) -> Tuple[Any, float]:
+        """Wait for batch t's gradient sums and start the optimizer's agreement:
+        (pending update, the batch's gradient scale)."""
         params = self.weights.params(self.buffer_for(t))
         self._post_sum_receives(self._agreement_exchange(), self._agreement_unstarted)
         reduction = self._reductions.pop(t, None)
@@ -681,9 +700,7 @@ class PipelineEngine:
             pending = self._begin_step(params, grad_scale, seg, t)
         else:
             self.optimizer.take_late_grads(pending)
-        self._pending_steps.append((t, pending, grad_scale))
-        if self.schedule_at(t) != "2bw":
-            self._finish_steps(seg, before_batch=t + 1)
+        return pending, grad_scale
 
     def _sum_sequence_parallel_grads(self, chosen: List[nn.Parameter]) -> None:
         """Sequence parallelism: the replicated weights that act on s/t positions per
@@ -739,6 +756,8 @@ class PipelineEngine:
             if before_batch is not None and t + self._scale_lag > before_batch:
                 return
             self._pending_steps.pop(0)
+            if pending is None:  # the first stage's 2BW step, begun only now (``_step``)
+                pending, grad_scale = self._begin_update(t, seg)
             # Losses first: reading them waits for batch t's backward, as the optimizer's
             # agreement does anyway; read after the update they would also wait for the
             # optimizer's kernels, and the CPU could not queue the next batch meanwhile.

@@ -29,9 +29,13 @@ microbatch b, m microbatches per pipeline per batch):
 Time of one batch (one optimizer step) per pipeline, with slot_i the per-microbatch
 time of stage i (compute + tensor-parallel + inter-stage communication), T = max slot_i:
 
-* 2bw:   max_i max(m slot_i, AR_i) -- Appendix A's pipelined THROUGHPUT expression
-         (max over stages of max(compute + comm, T^comm_i / m)) times m; no flush, so no
-         bubble in steady state and the weight all-reduce hides behind compute.
+* 2bw:   max(m T + exposed, max_i AR_i).  Appendix A's pipelined THROUGHPUT expression
+         (max over stages of max(compute + comm, T^comm_i / m), times m) assumes the
+         weight all-reduce hides behind the next batch whatever its length; the executor
+         hides it where it has time (``exposed_allreduce_2bw``): the first stage, last to
+         end a batch, begins its update only before batch t+2 (m - d + 1 slots later),
+         the others at a STEP aligned with the first stage's end of the batch.
+         ``CostOptions.appendix_a_2bw`` gives the paper's expression instead.
 * flush, gpipe: (m - 1) T + sum_i slot_i + exposed all-reduce.  For equal stages this is
          (m + d - 1) T: Appendix A has no flush term, so we add the GPipe/1F1B fill and
          drain explicitly.  The all-reduce after the flush is exposed, less the time by
@@ -186,7 +190,12 @@ class CostOptions:
     grad_bytes_per_param: float = 2.0
     """Bytes per parameter in the data-parallel all-reduce."""
     overlap_grad_reduce_2bw: bool = True
-    """2bw hides the all-reduce behind the next batch's compute (Appendix A)."""
+    """2bw hides the all-reduce behind the next batch's compute, as far as the executor's
+    schedule leaves time for it (``CostModel.exposed_allreduce_2bw``); False: it is
+    waited on at each STEP, as after a flush."""
+    appendix_a_2bw: bool = False
+    """With ``overlap_grad_reduce_2bw``: hide all of it whatever its length against the
+    compute, as the paper's Appendix A does (``bench/paper_reproduction.py``)."""
     overlap_grad_reduce: bool = True
     """The executor starts each gradient bucket's data-parallel all-reduce as soon as the
     batch's last backward pass has finished its gradients (post-accumulate-grad hooks),
@@ -561,7 +570,9 @@ class CostModel:
         slots = [s.slot_s for s in stages]
         slowest = max(slots)
         if config.schedule == "2bw" and self.options.overlap_grad_reduce_2bw:
-            batch = max(max(m * s.slot_s, s.allreduce_s) for s in kinds.values())
+            exposed = 0.0 if self.options.appendix_a_2bw else \
+                self.exposed_allreduce_2bw(stages, m)
+            batch = max(m * slowest + exposed, max(s.allreduce_s for s in kinds.values()))
         else:
             if config.schedule == "2bw":
                 pipe = m * slowest
@@ -590,6 +601,26 @@ class CostModel:
             # hooks, ``StageCost.dp_exposed_s``); the tied-embedding sum runs after it
             own = s.dp_exposed_s + (s.allreduce_s - s.dp_allreduce_s)
             exposed = max(exposed, own - head_start)
+            head_start += s.backward_s
+        return exposed
+
+    @staticmethod
+    def exposed_allreduce_2bw(stages: List[StageCost], m: int) -> float:
+        """What of 2BW's gradient all-reduces the executor waits for, per batch.
+
+        The first stage (``PipelineEngine._step``) begins batch t's update just before
+        batch t+2's first forward: its reduction runs beside the m - d + 1 forward/
+        backward pairs in between.  Stage i > 0 waits at STEP(t), placed where the first
+        stage ends batch t: sum_{j<i} backward_j after its own last backward, as after a
+        flush (``exposed_allreduce``)."""
+        def own(s: StageCost) -> float:  # left after the stage's last backward
+            return s.dp_exposed_s + (s.allreduce_s - s.dp_allreduce_s)
+
+        first = stages[0]
+        exposed = max(0.0, own(first) - (m - len(stages) + 1) * first.slot_s)
+        head_start = first.backward_s
+        for s in stages[1:]:
+            exposed = max(exposed, own(s) - head_start)
             head_start += s.backward_s
         return exposed
 

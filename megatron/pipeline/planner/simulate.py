@@ -98,6 +98,10 @@ def simulated_batch_time(config: Config, model: ModelSpec, hardware: HardwareSpe
                              options=options, profile=profile)
     per_batch = longer.makespan - short.makespan
     if config.schedule == "2bw" and options.overlap_grad_reduce_2bw:
+        # what the executor cannot hide (the simulator has no asynchronous collectives):
+        # the closed form's term, so both price the same waits
         stages = CostModel(model, hardware, options, profile).stage_costs(config)
+        if not options.appendix_a_2bw:
+            per_batch += CostModel.exposed_allreduce_2bw(stages, config.m)
         per_batch = max(per_batch, max(s.allreduce_s for s in stages))
     return per_batch
