@@ -146,12 +146,19 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     if not tr.no_load_optim and payload.get("optimizer") is not None:
         try:
             optimizer.load_state_dict(payload["optimizer"])
-            if payload.get("engine") is not None:
-                engine.load_state_dict(payload["engine"])
         except _RESTORE_ERRORS as exc:  # another optimizer/precision, or a malformed state
             raise CheckpointError(f"--load {tr.load}: cannot restore the optimizer state of "
                                   f"iteration {state.iteration}: {exc} (--no-load-optim starts "
                                   f"the optimizer afresh)") from None
+        if payload.get("engine") is not None:
+            try:
+                engine.load_state_dict(payload["engine"])
+            except _RESTORE_ERRORS as exc:  # a malformed file: name what it held
+                raise CheckpointError(
+                    f"--load {tr.load}: cannot restore the pipeline engine's state of "
+                    f"iteration {state.iteration} (its iteration and the loss scales of the "
+                    f"batches in flight): {type(exc).__name__}: {exc} (--no-load-optim starts "
+                    f"the optimizer and these afresh)") from None
     else:
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
         engine.set_iteration(state.iteration)

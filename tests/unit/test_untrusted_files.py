@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import struct
 from types import SimpleNamespace
 
 import numpy as np
@@ -306,6 +305,17 @@ def test_resume_with_another_optimizer_or_rng_state_is_one_error(monkeypatch, tm
     with pytest.raises(CheckpointError, match=f"--load {tmp_path}: cannot restore the optimizer "
                                               f"state of iteration 2: .*--optimizer adam"):
         training.maybe_load(cfg, ParallelGroups.single(), engine, Optimizer(), None)
+    # the optimizer restores, the engine's state does not: named as the engine's
+    class Restores(Optimizer):
+        def load_state_dict(self, sd):
+            pass
+
+    payload["engine"] = {"batch_scales": {}}
+    engine.load_state_dict = lambda sd: sd["iteration"]
+    with pytest.raises(CheckpointError, match="cannot restore the pipeline engine's state of "
+                                              "iteration 2 .*KeyError: 'iteration'"):
+        training.maybe_load(cfg, ParallelGroups.single(), engine, Restores(), None)
+    payload.pop("engine")
     payload.update(optimizer=None, rng_state={"cpu": "garbage"})
     engine.weights.params = lambda b: []
     # no optimizer state at iteration 2 (--no-save-optim): only with --no-load-optim
@@ -553,7 +563,7 @@ def test_race_passages_that_are_binary_or_too_deep_are_skipped_as_malformed(tmp_
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: --valid-data {tmp_path}: no usable T examples (first "
                           f"problem: {tmp_path / '1.txt'}:1: not UTF-8 text")
-    with pytest.raises(DataError, match=f"--train-data: RACE data path .*nope does not exist"):
+    with pytest.raises(DataError, match="--train-data: RACE data path .*nope does not exist"):
         _read_all(_task(read_race), SimpleNamespace(train_data=[str(tmp_path / "nope")],
                                                     valid_data=None))
 
