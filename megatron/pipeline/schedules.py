@@ -30,9 +30,15 @@ batch b's last backward on every stage (``step_placement="eager"``) would stall 
 last stage at every batch until the backward wave reaches stage 0, ~(d-1) backward times.
 But version b+1 is first needed by batch b+2, so STEP(b) may be anywhere between batch
 b's REDUCE_GRADS and batch b+2's first forward.  The default ``"aligned"`` placement
-puts it, on each stage, at the first point that stage reaches no earlier than the moment
-stage 0 finishes batch b (times from a unit-cost run, F=1, B=2), so all stages arrive at
-the barrier at about the same time; the stall per batch is then below one action.
+puts it, on each stage, at the first point that stage reaches no earlier than one
+forward/backward pair (3 units) before stage 0 starts batch b+2 (times from a unit-cost
+run, F=1, B=2; the moment stage 0 finishes batch b where that is later, as when m = d,
+and at the end of the segment).  Every stage then arrives at the step's agreement about
+one pair before stage 0 needs it, and a stage's gradient all-reduce, waited on at its
+STEP, has until then to run beside its compute (the executor begins stage 0's update
+just before batch b+2 whatever its STEP's place: ``PipelineEngine._step``).  Before
+2026-11-24 the target was the moment stage 0 finishes batch b, which left the later
+stages' all-reduces only the earlier stages' remaining backward passes to hide behind.
 """
 from __future__ import annotations
 
@@ -177,10 +183,16 @@ def _align_steps(schedule: Schedule, m: int) -> Schedule:
     state = run_schedule(without, unit_cost(), step_barrier=False)
     starts = [[e.start for e in executed] for executed in state.executed]
     # Stage 0 is the last to finish a batch's backwards (the wave runs downstream-up).
-    done_at: Dict[int, float] = {}
+    finished: Dict[int, float] = {}
+    first_forward: Dict[int, float] = {}
     for e in state.executed[0]:
         if e.action.op is Op.REDUCE_GRADS:
-            done_at[e.action.batch] = e.start
+            finished[e.action.batch] = e.start
+        elif e.action.op is Op.FORWARD and e.action.microbatch % m == 0:
+            first_forward[e.action.batch] = e.start
+    pair = 3.0  # one forward (1) and one backward (2) in unit costs
+    done_at = {b: max(t, first_forward[b + 2] - pair) if b + 2 in first_forward else t
+               for b, t in finished.items()}
     aligned: Schedule = []
     for s, actions in enumerate(without):
         out: List[Action] = []

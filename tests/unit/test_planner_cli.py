@@ -76,13 +76,13 @@ def test_a_2bw_plan_reports_the_warm_up_half_of_its_run(tmp_path):
     from megatron.pipeline.planner.cost_model import Config
 
     out = tmp_path / "plan.json"
-    res = _plan("--model", "gpt-1.3b", "--cluster", "p3.16xlarge", "--num-gpus", "64",
+    res = _plan("--model", "gpt-2.2b", "--cluster", "p3.16xlarge", "--num-gpus", "64",
                 "--max-batch-size", "512", "--schedules", "2bw,flush", "--json", str(out))
     assert res.returncode == 0, res.stderr
     data = json.loads(out.read_text())
     cfg, warm = data["best"]["config"], data["warmup"]
     assert cfg["schedule"] == "2bw" and "--2bw-mitigation warmup" in data["command"]
-    flush = CostModel(get_model("gpt-1.3b"), get_hardware("p3.16xlarge"), CostOptions()
+    flush = CostModel(get_model("gpt-2.2b"), get_hardware("p3.16xlarge"), CostOptions()
                       ).estimate(Config(**dict(cfg, schedule="flush"))).samples_per_s
     assert warm["flush_samples_per_s"] == flush
     tbw = data["best"]["predicted_samples_per_s"]
@@ -91,10 +91,10 @@ def test_a_2bw_plan_reports_the_warm_up_half_of_its_run(tmp_path):
     assert f"{warm['run_samples_per_s']:.2f} samples/s over the whole run" in res.stdout
     # search() ranks by steady rate; the fastest 2BW steady state (w=16 d=4 here) has a
     # slow Flush half (its data-parallel all-reduce is no longer hidden), so the command
-    # runs another configuration (w=32 d=2), and says why
+    # runs another configuration, and says why
     fastest = data["fastest_steady_state"]
     assert fastest["config"] != cfg and fastest["predicted_samples_per_s"] > tbw
-    fast_flush = CostModel(get_model("gpt-1.3b"), get_hardware("p3.16xlarge"), CostOptions()
+    fast_flush = CostModel(get_model("gpt-2.2b"), get_hardware("p3.16xlarge"), CostOptions()
                            ).estimate(Config(**dict(fastest["config"], schedule="flush")))
     fast_run = 1 / (0.5 / fast_flush.samples_per_s + 0.5 / fastest["predicted_samples_per_s"])
     assert warm["run_samples_per_s"] > fast_run

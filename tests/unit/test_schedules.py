@@ -278,3 +278,29 @@ def test_reject_in_flight_over_limit() -> None:
         validate_schedule(build_schedule("gpipe", 2, 4), "flush", 2, 4)
     with pytest.raises(ScheduleError, match="limit for none is 1"):
         validate_schedule(build_schedule("flush", 3, 3), "none", 3, 3)
+
+
+def test_2bw_steps_sit_one_pair_before_stage_0_needs_them() -> None:
+    """Aligned 2BW placement: STEP(b) on every stage, in a unit-cost run, no earlier than
+    one forward/backward pair (3 units) before stage 0 starts batch b+2, nor than stage 0
+    ends batch b, and before anything of batch b+2 on its own stage; the gradient
+    all-reduce a stage waits for there runs beside its compute until then."""
+    from megatron.pipeline.simulator import run_schedule
+
+    for d in range(2, 7):
+        for m in range(d, 3 * d + 1):
+            schedule = build_schedule("2bw", d, m, 4)
+            validate_schedule(schedule, "2bw", d, m, 4)
+            runs = run_schedule(schedule, unit_cost(), step_barrier=False).executed
+            zero = {(e.action.op, e.action.batch if e.action.microbatch is None
+                     else e.action.microbatch): e.start for e in runs[0]}
+            for b in range(2):  # batches whose b+2 is in the segment
+                need = zero[(Op.FORWARD, (b + 2) * m)]
+                floor = max(zero[(Op.REDUCE_GRADS, b)], need - 3.0)
+                for s, executed in enumerate(runs):
+                    at = next(e.start for e in executed
+                              if e.action.op is Op.STEP and e.action.batch == b)
+                    assert floor <= at, (d, m, b, s, at, floor)
+                    first = min(e.start for e in executed if e.action.op is Op.FORWARD
+                                and e.action.batch == b + 2)
+                    assert at <= first, (d, m, b, s)

@@ -34,7 +34,7 @@ time of stage i (compute + tensor-parallel + inter-stage communication), T = max
          weight all-reduce hides behind the next batch whatever its length; the executor
          hides it where it has time (``exposed_allreduce_2bw``): the first stage, last to
          end a batch, begins its update only before batch t+2 (m - d + 1 slots later),
-         the others at a STEP aligned with the first stage's end of the batch.
+         the others at a STEP placed one slot before that.
          ``CostOptions.appendix_a_2bw`` gives the paper's expression instead.
 * flush, gpipe: (m - 1) T + sum_i slot_i + exposed all-reduce.  For equal stages this is
          (m + d - 1) T: Appendix A has no flush term, so we add the GPipe/1F1B fill and
@@ -610,15 +610,17 @@ class CostModel:
 
         The first stage (``PipelineEngine._step``) begins batch t's update just before
         batch t+2's first forward: its reduction runs beside the m - d + 1 forward/
-        backward pairs in between.  Stage i > 0 waits at STEP(t), placed where the first
-        stage ends batch t: sum_{j<i} backward_j after its own last backward, as after a
-        flush (``exposed_allreduce``)."""
+        backward pairs in between.  Stage i > 0 waits at STEP(t), which the aligned
+        placement puts one pair earlier (``schedules._align_steps``): sum_{j<i}
+        backward_j after its own last backward, as after a flush
+        (``exposed_allreduce``), plus the first stage's m - d pairs."""
         def own(s: StageCost) -> float:  # left after the stage's last backward
             return s.dp_exposed_s + (s.allreduce_s - s.dp_allreduce_s)
 
         first = stages[0]
-        exposed = max(0.0, own(first) - (m - len(stages) + 1) * first.slot_s)
-        head_start = first.backward_s
+        d = len(stages)
+        exposed = max(0.0, own(first) - (m - d + 1) * first.slot_s)
+        head_start = first.backward_s + max(0, m - d) * first.slot_s
         for s in stages[1:]:
             exposed = max(exposed, own(s) - head_start)
             head_start += s.backward_s
