@@ -30,6 +30,14 @@ TOKENIZER_FILE_FLAGS = (("vocab_file", "--vocab-file"), ("merge_file", "--merge-
                         ("tokenizer_model", "--tokenizer-model"))
 """The tokenizer files a checkpoint records, with the flag that gives each again."""
 
+FILES_READ = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
+              "SentencePieceTokenizer": ("tokenizer_model",),
+              "GPTSentencePieceTokenizer": ("tokenizer_model",),
+              "BertWordPieceLowerCase": ("vocab_file",), "BertWordPieceCase": ("vocab_file",),
+              "HuggingFaceTokenizer": ("tokenizer_model",),
+              "NullTokenizer": (), "CharTokenizer": ()}
+"""The files each tokenizer type reads (``megatron.tokenizer.build_tokenizer``)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -80,6 +88,12 @@ def build_checkpoint_tokenizer(data_cfg: Dict[str, Any], overrides: Dict[str, Op
     if not kind:
         raise CheckpointError("--load: the checkpoint records no --tokenizer-type; expected "
                               "a checkpoint written by this trainer's pretrain_gpt.py")
+    reads = FILES_READ.get(kind)
+    for key, flag in TOKENIZER_FILE_FLAGS:
+        if reads is not None and overrides.get(key) and key not in reads:
+            takes = " and ".join(f for k, f in TOKENIZER_FILE_FLAGS if k in reads)
+            raise UserError(f"{flag} {overrides[key]}: the checkpoint's tokenizer is {kind}, "
+                            f"which reads {takes or 'no tokenizer file'}; leave {flag} out")
     fields = {"tokenizer_type": kind,
               "vocab_size": data_cfg.get("vocab_size"),
               "make_vocab_size_divisible_by": int(
@@ -89,10 +103,14 @@ def build_checkpoint_tokenizer(data_cfg: Dict[str, Any], overrides: Dict[str, Op
     try:
         return build_tokenizer(DataConfig(**fields), vocab_size=fields["vocab_size"])
     except (ValueError, OSError) as exc:
-        recorded = [f"{flag} {data_cfg.get(key)!r}" for key, flag in TOKENIZER_FILE_FLAGS
-                    if data_cfg.get(key) and not overrides.get(key)]
-        where = (f" (the checkpoint recorded {', '.join(recorded)}; give the file again "
-                 f"with that flag)" if recorded else "")
+        missing = [(key, flag) for key, flag in TOKENIZER_FILE_FLAGS
+                   if data_cfg.get(key) and not overrides.get(key)]
+        recorded = ", ".join(f"{flag} {data_cfg[key]!r}" for key, flag in missing)
+        if any(not os.path.isabs(str(data_cfg[key])) for key, _ in missing):
+            recorded += ", relative to the directory training ran in"
+        again = ("the files again with those flags" if len(missing) > 1 else
+                 "the file again with that flag")
+        where = f" (the checkpoint recorded {recorded}; give {again})" if missing else ""
         raise UserError(f"{kind}: {exc}{where}") from None
 
 
@@ -149,9 +167,16 @@ class Generator:
         with tempfile.TemporaryDirectory(prefix="generate_samples_") as tmp:
             out = os.path.join(tmp, "hf")
             notes = io.StringIO()  # about the files of a temporary export: not for the user
-            with contextlib.redirect_stderr(notes):
-                export_hf(load, out, iteration=iteration,
-                          true_vocab=self.tokenizer.vocab_size, allow_unsafe=allow_unsafe)
+            try:
+                with contextlib.redirect_stderr(notes):
+                    export_hf(load, out, iteration=iteration,
+                              true_vocab=self.tokenizer.vocab_size, allow_unsafe=allow_unsafe)
+            except UserError as exc:  # "--to-hf: ...": a flag this tool does not have
+                message = str(exc)
+                if not message.startswith("--to-hf"):
+                    raise
+                raise type(exc)(f"--load {load}: cannot export it for transformers' "
+                                f"generate: {message[len('--to-hf'):].lstrip(': ')}") from None
             with open(os.path.join(out, "config.json")) as fh:
                 kind = json.load(fh).get("model_type")
             if kind not in ("gpt2", "llama", "qwen2", "qwen3"):
@@ -165,6 +190,13 @@ class Generator:
         self.max_positions = int(getattr(config, "n_positions", None)
                                  or config.max_position_embeddings)
         self.vocab = int(config.vocab_size)
+        if self.tokenizer.vocab_size > self.vocab:  # the export kept every row it had
+            given = [f"{flag} {(tokenizer_files or {})[key]}"
+                     for key, flag in TOKENIZER_FILE_FLAGS if (tokenizer_files or {}).get(key)]
+            raise UserError(f"{', '.join(given) or '--load ' + load}: "
+                            f"{self.tokenizer.name} has {self.tokenizer.vocab_size} tokens, "
+                            f"more than the {self.vocab} rows of the checkpoint's word "
+                            f"embedding; expected the tokenizer it was trained with")
 
     def _eod(self) -> Optional[int]:
         try:
@@ -173,24 +205,29 @@ class Generator:
             return None
         return eod if 0 <= eod < self.vocab else None
 
-    def encode(self, prompt: str) -> List[int]:
+    def encode(self, prompt: str, source: str = "--prompt") -> List[int]:
         """Token ids of ``prompt``; the empty prompt starts from the end-of-document token
-        (an unconditional sample, as Megatron-LM draws one)."""
+        (an unconditional sample, as Megatron-LM draws one).  ``source`` names the prompt
+        in an error (the flag, or the file and line)."""
         if prompt == "":
             eod = self._eod()
             if eod is None:
-                raise UserError(f"--prompt '': an unconditional sample starts from the "
+                raise UserError(f"{source} '': an unconditional sample starts from the "
                                 f"end-of-document token, which {self.tokenizer.name} lacks; "
                                 f"give a prompt")
             return [eod]
         try:
             ids = list(self.tokenizer.tokenize(prompt))
         except ValueError as exc:
-            raise UserError(f"--prompt {prompt[:40]!r}: {exc}") from None
+            raise UserError(f"{source} {prompt[:40]!r}: {exc}") from None
+        except KeyError as exc:  # GPT-2 BPE: a merge makes a token its vocabulary lacks
+            raise UserError(f"{source} {prompt[:40]!r}: {self.tokenizer.name} has no token "
+                            f"{exc}; expected vocabulary and merge files of one "
+                            f"tokenizer") from None
         if not ids:
-            raise UserError(f"--prompt {prompt[:40]!r}: the tokenizer gives no tokens for it")
+            raise UserError(f"{source} {prompt[:40]!r}: the tokenizer gives no tokens for it")
         if len(ids) >= self.max_positions:
-            raise UserError(f"--prompt {prompt[:40]!r}: {len(ids)} tokens; the model takes "
+            raise UserError(f"{source} {prompt[:40]!r}: {len(ids)} tokens; the model takes "
                             f"{self.max_positions} positions, so a prompt may have at most "
                             f"{self.max_positions - 1}")
         return ids
@@ -217,25 +254,41 @@ class Generator:
     def generate(self, prompt: str, params: SamplingParams) -> Dict[str, Any]:
         """One sample: ``{"prompt", "text", "tokens", "finished"}``; ``finished`` is True
         when the end-of-document token ended it (it is not part of ``text``)."""
-        ids = self.encode(prompt)
+        return self.sample(prompt, self.encode(prompt), params)
+
+    def sample(self, prompt: str, ids: Sequence[int], params: SamplingParams
+               ) -> Dict[str, Any]:
+        """``generate`` for a prompt already encoded as ``ids``."""
         new = self.generate_ids(ids, params)
         eod = self._eod()
         finished = bool(new) and eod is not None and new[-1] == eod
-        text = self.tokenizer.detokenize(new[:-1] if finished else new)
+        kept = new[:-1] if finished else new
+        text = self.tokenizer.detokenize(kept)
+        if prompt:  # decoded after the prompt: SentencePiece puts a word's space on the word
+            head = self.tokenizer.detokenize(ids)
+            whole = self.tokenizer.detokenize(list(ids) + kept)
+            text = whole[len(head):] if whole.startswith(head) else text
         return {"prompt": prompt, "text": text, "tokens": len(new), "finished": finished}
 
 
 def generate_samples(generator: Generator, prompts: Sequence[str], num_samples: int,
-                     params: SamplingParams) -> List[Dict[str, Any]]:
-    """``num_samples`` samples of each prompt, in order, from one seeded stream."""
+                     params: SamplingParams, sources: Optional[Sequence[str]] = None
+                     ) -> List[Dict[str, Any]]:
+    """``num_samples`` samples of each prompt, in order, from one seeded stream.  Every
+    prompt is encoded (and a bad one refused, named by ``sources``) before the first
+    sample."""
+    sources = list(sources) if sources is not None else ["--prompt"] * len(prompts)
+    encoded = [generator.encode(p, source) for p, source in zip(prompts, sources)]
     torch.manual_seed(params.seed)
-    return [generator.generate(p, params) for p in prompts for _ in range(num_samples)]
+    return [generator.sample(p, ids, params) for p, ids in zip(prompts, encoded)
+            for _ in range(num_samples)]
 
 
 def write_jsonl(path: str, samples: Sequence[Dict[str, Any]]) -> None:
     """Write ``samples`` one JSON object per line; the file appears whole or not at all."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as fh:
             for sample in samples:
                 fh.write(json.dumps(sample, ensure_ascii=False) + "\n")

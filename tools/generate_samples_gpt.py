@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,22 +61,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompts(args: argparse.Namespace) -> List[str]:
+def _prompts(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
+    """The prompts, and what names each in an error (its flag, or its file and line)."""
     prompts = list(args.prompt or [])
+    sources = ["--prompt"] * len(prompts)
     if args.sample_input_file:
-        try:
-            with open(args.sample_input_file, encoding="utf-8") as fh:
-                lines = [line.rstrip("\n") for line in fh]
+        try:  # utf-8-sig: a byte order mark (Windows editors) is not part of the prompt
+            with open(args.sample_input_file, encoding="utf-8-sig") as fh:
+                lines = [(n, line.rstrip("\n")) for n, line in enumerate(fh, 1)]
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"--sample-input-file {args.sample_input_file}: cannot read it "
                             f"({getattr(exc, 'strerror', None) or exc}); expected a UTF-8 "
                             f"text file, one prompt per line") from None
-        lines = [line for line in lines if line.strip()]
+        lines = [(n, line) for n, line in lines if line.strip()]
         if not lines:
             raise UserError(f"--sample-input-file {args.sample_input_file}: no prompts in it; "
                             f"expected one prompt per line")
-        prompts += lines
-    return prompts or [""]
+        prompts += [line for _, line in lines]
+        sources += [f"--sample-input-file {args.sample_input_file} line {n}" for n, _ in lines]
+    return (prompts, sources) if prompts else ([""], ["--prompt"])
 
 
 def _check_output(path: Optional[str]) -> None:
@@ -86,6 +89,12 @@ def _check_output(path: Optional[str]) -> None:
         raise UserError(f"--sample-output-file {path}: exists; expected a new file (samples "
                         f"never replace a file)")
     check_parents_are_directories("--sample-output-file", path)
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the directories not made yet are made at the end
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--sample-output-file {path}: {parent} is not writable; expected a "
+                        f"directory you can write to")
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
@@ -99,7 +108,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     check_sampling(params)
     if args.num_samples < 1:
         raise UserError(f"--num-samples {args.num_samples}: expected a positive number")
-    prompts = _prompts(args)
+    prompts, sources = _prompts(args)
     _check_output(args.sample_output_file)
     import transformers
 
@@ -110,8 +119,11 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                           tokenizer_files={"vocab_file": args.vocab_file,
                                            "merge_file": args.merge_file,
                                            "tokenizer_model": args.tokenizer_model})
-    samples = generate_samples(generator, prompts, args.num_samples, params)
-    print_samples(samples)
+    samples = generate_samples(generator, prompts, args.num_samples, params, sources)
+    try:
+        print_samples(samples)
+    except BrokenPipeError:  # stdout closed early (| head): still write the file, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if args.sample_output_file:
         _check_output(args.sample_output_file)  # again: sampling took a while
         write_jsonl(args.sample_output_file, samples)
