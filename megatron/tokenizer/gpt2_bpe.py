@@ -172,7 +172,14 @@ class GPT2BPETokenizer(FastEncoded, MegatronTokenizer):
         byte_encoder = self.byte_encoder
         for piece in self.pattern.findall(text):
             mapped = "".join(byte_encoder[b] for b in piece.encode("utf-8"))
-            ids.extend(self.encoder[s] for s in self.bpe(mapped))
+            symbols = self.bpe(mapped)
+            try:
+                ids.extend(self.encoder[s] for s in symbols)
+            except KeyError as exc:  # merge and vocabulary files of different tokenizers
+                raise ValueError(
+                    f"GPT2BPETokenizer: the merges make the token {exc.args[0]!r}, which "
+                    f"--vocab-file lacks; expected the vocabulary and merge files of one "
+                    f"tokenizer (--vocab-file, --merge-file)") from None
         return ids
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

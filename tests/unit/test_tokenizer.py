@@ -222,3 +222,20 @@ def test_char_tokenizer():
     ids = tok.tokenize(text)
     assert ids[:2] == [104, 0xC3] and len(ids) == len(text.encode("utf-8"))
     assert tok.detokenize(ids + [tok.eod]) == text
+
+
+def test_gpt2_bpe_files_of_two_tokenizers_are_a_value_error(tmp_path):
+    """A merge whose result the vocabulary lacks: one error naming both flags, not a
+    KeyError from inside the encoder (helper-43)."""
+    import json
+
+    from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({"<|endoftext|>": 0, "a": 1, "b": 2, "c": 3}))
+    merges.write_text("#version: 0.2\na b\n")
+    tok = GPT2BPETokenizer(str(vocab), str(merges), fast=False)
+    assert tok.tokenize("cba") == [3, 2, 1]
+    with pytest.raises(ValueError, match="the merges make the token 'ab', which --vocab-file "
+                                         "lacks.*--vocab-file, --merge-file"):
+        tok.tokenize("cab")
