@@ -13,7 +13,6 @@ The providers below are all this file contributes; megatron.training does the re
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -64,8 +63,9 @@ def masking_from_args(argv: Optional[Sequence[str]]) -> MaskingConfig:
     elif not 0.0 <= args.short_seq_prob <= 1.0:
         problem = f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}"
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        from megatron.errors import exit_once_per_node
+
+        exit_once_per_node(f"error: {problem}")  # every rank has it: one line per node
     return MaskingConfig(masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
                          binary_head=not args.bert_no_binary_head,
                          whole_word_masking=args.whole_word_masking)

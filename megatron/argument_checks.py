@@ -373,10 +373,12 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         frac = args.lr_warmup_fraction
         _require(0.0 <= frac <= 1.0, f"--lr-warmup-fraction must be in [0, 1], got {frac}")
-        _require(args.lr_decay_iters is not None,
+        # (--skip-train takes no step: the schedule is never read, a fraction of nothing is 0)
+        _require(args.lr_decay_iters is not None or args.skip_train,
                  "--lr-warmup-fraction needs the LR decay length: give --lr-decay-iters "
                  "(or --train-iters/--train-samples)")
-        args.lr_warmup_iters = int(round(frac * args.lr_decay_iters))
+        args.lr_warmup_iters = (int(round(frac * args.lr_decay_iters))
+                                if args.lr_decay_iters is not None else 0)
     elif args.lr_warmup_samples is not None:
         _require(args.lr_warmup_samples >= 0,
                  f"--lr-warmup-samples must be >= 0, got {args.lr_warmup_samples}")

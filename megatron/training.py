@@ -731,6 +731,12 @@ def count_iterations_from_samples(cfg: MegatronConfig, state: TrainState) -> Non
     tr.train_iters = state.iteration + left // tr.global_batch_size
 
 
+def _alike(err: UserError) -> UserError:
+    """``err``, marked as raised alike by every rank (one line per node)."""
+    err.every_rank_alike = True
+    return err
+
+
 def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
     """Training was asked for: the loaded checkpoint must leave iterations to train.
 
@@ -739,27 +745,28 @@ def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
     tr = cfg.training
     train_iters = tr.train_iters or 0
     if not tr.skip_train and state.iteration >= train_iters and tr.train_samples is not None:
-        raise UserError(f"nothing to train: the checkpoint in --load {tr.load} has consumed "
-                        f"{state.consumed_train_samples} samples and --train-samples is "
-                        f"{tr.train_samples}, less than one more batch of "
-                        f"{tr.batch_size_at(state.consumed_train_samples)} samples "
-                        f"(--global-batch-size {tr.global_batch_size}"
-                        + (f", {tr.batch_schedule_source}" if tr.batch_schedule else "")
-                        + "); raise --train-samples "
-                        "to continue, or pass --skip-train to only evaluate")
+        raise _alike(UserError(
+            f"nothing to train: the checkpoint in --load {tr.load} has consumed "
+            f"{state.consumed_train_samples} samples and --train-samples is "
+            f"{tr.train_samples}, less than one more batch of "
+            f"{tr.batch_size_at(state.consumed_train_samples)} samples "
+            f"(--global-batch-size {tr.global_batch_size}"
+            + (f", {tr.batch_schedule_source}" if tr.batch_schedule else "")
+            + "); raise --train-samples to continue, or pass --skip-train to only evaluate"))
     if not tr.skip_train and state.iteration >= train_iters:
-        raise UserError(f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
-                        f"{state.iteration} and --train-iters is {train_iters}; raise "
-                        "--train-iters to continue, or pass --skip-train to only evaluate")
+        raise _alike(UserError(
+            f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
+            f"{state.iteration} and --train-iters is {train_iters}; raise --train-iters to "
+            f"continue, or pass --skip-train to only evaluate"))
 
 
 def check_train_data(cfg: MegatronConfig, train_iter) -> None:
     """Training was asked for: there must be samples to train on (every rank builds the
     same datasets, so every rank raises)."""
     if not cfg.training.skip_train and train_iter is None:
-        raise DataError(f"nothing to train on: the training split is empty "
-                        f"({cfg.data.describe_split(0)}); give the training part a share "
-                        "of the data")
+        raise _alike(DataError(f"nothing to train on: the training split is empty "
+                               f"({cfg.data.describe_split(0)}); give the training part a "
+                               "share of the data"))
 
 
 def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
@@ -776,10 +783,10 @@ def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
                             "evaluates nothing; give --eval-iters a positive number of "
                             "batches")
     if valid_iter is None:
-        raise DataError(f"nothing to evaluate: --skip-train only evaluates, and the "
-                        f"validation split is empty ({cfg.data.describe_split(1)}); give the "
-                        "validation part a share of the data"
-                        + (" (--valid-data-path)" if cfg.data.split_data_paths else ""))
+        raise _alike(DataError(
+            f"nothing to evaluate: --skip-train only evaluates, and the validation split is "
+            f"empty ({cfg.data.describe_split(1)}); give the validation part a share of the "
+            f"data" + (" (--valid-data-path)" if cfg.data.split_data_paths else "")))
 
 
 def _shared_embedding_copy(engine: PipelineEngine) -> Optional[torch.Tensor]:

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from tasks.arguments import add_task_args
-from tasks.data_utils import ReadReport, TaskDataError, fail, refuse_corpus_flags
+from tasks.data_utils import (ReadReport, TaskDataError, fail, refuse_corpus_flags,
+                              special_ids)
 
 
 @dataclass
@@ -32,7 +33,7 @@ class FinetuneTask:
     build: Callable[[str, Sequence[Any], Any, int], torch.utils.data.Dataset]
     model_provider: Callable
     head_prefixes: Tuple[str, ...]
-    """Parameters a pretraining checkpoint does not have (the new task head)."""
+    """Parameters a pretraining checkpoint may lack (the new task head), initialised then."""
 
 
 @dataclass
@@ -181,6 +182,11 @@ def _read_all(task: FinetuneTask, raw) -> Tuple[List[Any], List[Tuple[str, List[
     train: List[Any] = []
     if raw.train_data:
         train, reports["train"] = read("--train-data", raw.train_data)
+        if not train:  # not 'fewer than one global batch ... a smaller batch': none at all
+            rep = reports["train"]
+            why = f" (first problem: {rep.malformed[0]})" if rep.malformed else ""
+            _fail(f"--train-data {' '.join(raw.train_data)}: no usable {task.name} "
+                  f"examples{why}")
     valid = []
     for path in raw.valid_data or []:
         examples, rep = read("--valid-data", [path])
@@ -250,13 +256,20 @@ def _setup(task: FinetuneTask, argv: List[str]):
     if not raw.train_data and not raw.skip_train and raw.epochs != 0:
         _fail(f"--task {task.name} needs --train-data (or --epochs 0 / --skip-train to only "
               f"evaluate)")
+    if raw.tokenizer_type is None and raw.vocab_file is None:
+        # the trainer's line would suggest GPT2BPETokenizer
+        _fail(f"--task {task.name} needs --tokenizer-type BertWordPieceLowerCase (or "
+              f"BertWordPieceCase) and --vocab-file")
     train, valid, reports = _read_all(task, raw)
     argv, per_epoch = _iterations_argv(argv, raw, len(train))
-    args, cfg = parse_and_validate(argv, extra_args_provider=finetune_args)
-    if cfg.data.tokenizer_type is None:
-        _fail(f"--task {task.name} needs --tokenizer-type BertWordPieceLowerCase (or Case) "
-              f"and --vocab-file")
+    # a bare --vocab-file: BertWordPieceLowerCase, as pretrain_bert.py (and Megatron-LM)
+    args, cfg = parse_and_validate(argv, extra_args_provider=finetune_args,
+                                   default_tokenizer="BertWordPieceLowerCase")
     tokenizer, groups, device = initialize_megatron(args, cfg)
+    try:
+        special_ids(tokenizer)  # same on every rank: one line, not a traceback per rank
+    except ValueError as exc:
+        _fail(str(exc))
     seq = cfg.model.seq_length
     train_ds = task.build("train", train, tokenizer, seq) if train else None
     valid_ds = [(path, task.build(path, ex, tokenizer, seq)) for path, ex in valid]
@@ -275,6 +288,7 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
 def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
               valid_ds, reports, per_epoch, tokenizer) -> FinetuneResult:
     from megatron.checkpointing import find_checkpoint
+    from megatron.errors import UserError
     from megatron.initialize import barrier_with_message
     from megatron.training import (ExitRequests, NonFiniteError, TrainingResult,
                                    _save_checked, setup_model_and_optimizer, train)
@@ -298,6 +312,16 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
         else:
             print_rank_last(f"WARNING: no --pretrained-checkpoint: finetuning {task.name} from "
                             f"randomly initialised weights")
+    total = tr.train_iters or 0
+    if train_ds is not None and not tr.skip_train and total and state.iteration >= total:
+        # as pretraining says it (megatron.training): not a silent re-save of the last one
+        end = (f"the end of --epochs {args.epochs} ({per_epoch} iterations each); raise "
+               f"--epochs" if args.epochs else f"--train-iters {total}; raise --train-iters")
+        err = UserError(f"nothing to train: the checkpoint in --load {tr.load} is at "
+                        f"iteration {state.iteration}, {end} to continue, or pass --epochs 0 "
+                        f"to only evaluate")
+        err.every_rank_alike = True  # same flags and checkpoint: one line per node
+        raise err
     logger = TrainingLogger(cfg, groups)
     logger.banner(engine, model)
     result = FinetuneResult(reports=reports, training=TrainingResult())
@@ -318,7 +342,6 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
                                 f"{out['accuracy']:.4f} ({out['correct']}/{out['count']}) | "
                                 f"loss {out['loss']:.6E}")
 
-    total = tr.train_iters or 0
     if tr.skip_train or train_ds is None or total == 0:
         if train_ds is None and state.iteration > 0:
             # without --train-data the epoch length is unknown: iteration // 1 would be
@@ -351,6 +374,17 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
                 if result.training.exited_early:
                     break
                 score(epoch + 1)
+                it = state.iteration
+                if tr.exit_interval and it % tr.exit_interval == 0 and it < total:
+                    # train() acts on --exit-interval only before its end, the epoch's
+                    # here: stop after the epoch's score, saved as train() saves
+                    if (tr.save and result.training.nonfinite_ending is None
+                            and not (tr.save_interval and it % tr.save_interval == 0)):
+                        _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+                    print_rank_last(f"exiting at iteration {it} (--exit-interval "
+                                    f"{tr.exit_interval})")
+                    result.training.exited_early = True
+                    break
         finally:
             exits.restore()
         tr.train_iters = total

@@ -122,5 +122,6 @@ def main(argv: Optional[List[str]] = None):
         read=lambda paths: read_mnli_files(paths),
         build=build_dataset,
         model_provider=model_provider,
-        head_prefixes=("classification_head.",))
+        # the pooler too: a BERT pretrained with --bert-no-binary-head has none
+        head_prefixes=("classification_head.", "pooler."))
     return finetune(task, argv)

@@ -19,6 +19,8 @@ def model_provider(cfg, groups, pre_process: bool, post_process: bool):
 def main(argv: Optional[List[str]] = None):
     from tasks.finetune_utils import FinetuneTask, finetune
 
+    # the pooler too: a BERT pretrained with --bert-no-binary-head has none
     task = FinetuneTask(name="RACE", read=read_race, build=build_dataset,
-                        model_provider=model_provider, head_prefixes=("multichoice_head.",))
+                        model_provider=model_provider,
+                        head_prefixes=("multichoice_head.", "pooler."))
     return finetune(task, argv)

@@ -226,8 +226,10 @@ def test_resuming_at_or_past_train_iters_is_an_error(tmp_path):
 
     ckpt = str(tmp_path / "ck")
     _train(_argv("--save", ckpt, "--eval-iters", "0", iters=2), pretrain_gpt.forward_step)
-    with pytest.raises(UserError, match=r"nothing to train: .* at iteration 2 and --train-iters is 2"):
+    with pytest.raises(UserError, match=r"nothing to train: .* at iteration 2 and --train-iters is 2"
+                       ) as info:
         _train(_argv("--load", ckpt, "--eval-iters", "0", iters=2), pretrain_gpt.forward_step)
+    assert info.value.every_rank_alike  # one line per node, not one per rank
 
 
 def test_empty_training_split_is_an_error():

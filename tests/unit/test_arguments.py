@@ -418,3 +418,11 @@ def test_loss_scale_without_fp16_or_bf16_warns(capsys):
     assert "--loss-scale 1024.0 is ignored" in capsys.readouterr().err
     check(BASE + ["--loss-scale", "1024", "--bf16"])
     assert "ignored" not in capsys.readouterr().err
+
+
+def test_skip_train_needs_no_decay_length_for_a_warmup_fraction():
+    """Evaluation only takes no step: --lr-warmup-fraction without a train length is not
+    refused there (finetuning's --epochs 0 passes the examples' fraction; helper-42)."""
+    args = check(without(BASE, "--train-iters") + ["--skip-train", "--lr-warmup-fraction",
+                                                    "0.01", "--lr-decay-style", "linear"])
+    assert args.lr_warmup_iters == 0
