@@ -218,12 +218,8 @@ class Generator:
             return [eod]
         try:
             ids = list(self.tokenizer.tokenize(prompt))
-        except ValueError as exc:
+        except ValueError as exc:  # also GPT-2 BPE files of two tokenizers
             raise UserError(f"{source} {prompt[:40]!r}: {exc}") from None
-        except KeyError as exc:  # GPT-2 BPE: a merge makes a token its vocabulary lacks
-            raise UserError(f"{source} {prompt[:40]!r}: {self.tokenizer.name} has no token "
-                            f"{exc}; expected vocabulary and merge files of one "
-                            f"tokenizer") from None
         if not ids:
             raise UserError(f"{source} {prompt[:40]!r}: the tokenizer gives no tokens for it")
         if len(ids) >= self.max_positions:

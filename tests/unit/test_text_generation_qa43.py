@@ -123,8 +123,8 @@ def test_vocabulary_and_merges_of_two_tokenizers(tmp_path):
                 merge_file=str(tmp_path / "merges.txt"), make_vocab_size_divisible_by=64)
     gen = Generator(_null_checkpoint(tmp_path, data=data), device="cpu")
     assert gen.encode("dc") == [4, 3]
-    with pytest.raises(UserError, match="--prompt 'cab': GPT2 BPE has no token 'ab'; "
-                                        "expected vocabulary and merge files of one"):
+    with pytest.raises(UserError, match="--prompt 'cab': GPT2BPETokenizer: the merges make "
+                                        "the token 'ab', which --vocab-file lacks"):
         gen.encode("cab")
 
 
