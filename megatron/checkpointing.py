@@ -618,10 +618,10 @@ def read_saved_config(root: str) -> Tuple[int, Dict[str, Any]]:
     if location.iteration is None:
         raise CheckpointError(f"--load {root} holds no checkpoint to read the model flags "
                               f"from ({location.message or 'nothing there'})")
-    return location.iteration, _recorded_config(iteration_dir(root, location.iteration))
+    return location.iteration, recorded_config_at(iteration_dir(root, location.iteration))
 
 
-def _recorded_config(base: str) -> Dict[str, Any]:
+def recorded_config_at(base: str) -> Dict[str, Any]:
     """The run's config recorded in the first rank's JSON file of iteration directory
     ``base`` (unverified: no manifest check, no tensors)."""
     from megatron.checkpoint_merge import MODEL_FILE, rank_dirs
@@ -1050,7 +1050,7 @@ def load_for_run(root: str, groups: ParallelGroups, model: Any, *, allow_unsafe:
             # errors print a conversion command, which cannot fit another model shape (the
             # padded vocabulary may differ at another t: conversion re-pads it)
             try:
-                recorded = _recorded_config(iteration_dir(root, where.iteration))
+                recorded = recorded_config_at(iteration_dir(root, where.iteration))
             except CheckpointError:
                 recorded = None  # no config, or a damaged file: load_checkpoint says which
             check_model_shape(root, recorded, model, skip=("padded_vocab_size",))

@@ -22,6 +22,13 @@ class UserError(Exception):
     torchrun's output.  The other ranks exit with the same code, silently."""
 
 
+def alike_on_every_rank(err: UserError) -> UserError:
+    """``err``, marked ``every_rank_alike`` (one line per node prints it); returned, so
+    ``raise alike_on_every_rank(UserError(...))`` reads as one statement."""
+    err.every_rank_alike = True
+    return err
+
+
 def prints_for_its_node() -> bool:
     """True on local rank 0 (LOCAL_RANK, else RANK, else no launcher): the rank that
     prints an error every rank of its node raises.  One line per node, so a cause only

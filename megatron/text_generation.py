@@ -116,22 +116,20 @@ def build_checkpoint_tokenizer(data_cfg: Dict[str, Any], overrides: Dict[str, Op
 
 def recorded_config(load: str, iteration: Optional[int], allow_unsafe: bool = False
                     ) -> Dict[str, Any]:
-    """The config a checkpoint recorded, read from its first shard only (the export reads
-    them all later); a checkpoint whose layout is not as expected gets the full reader's
-    error."""
-    from megatron.checkpoint_merge import (MODEL_FILE, load_stage_payload, rank_dirs,
-                                           read_checkpoint)
-    from megatron.checkpointing import check_model_payload, iteration_dir, read_tracker
+    """The config a checkpoint recorded, from its first rank's JSON file alone
+    (``checkpointing.recorded_config_at``; the export reads the tensors later).  Where
+    that cannot be read (no tracker, an old pickle checkpoint, a damaged layout) the full
+    reader gives its error, or reads it."""
+    from megatron.checkpoint_merge import read_checkpoint
+    from megatron.checkpointing import iteration_dir, read_tracker, recorded_config_at
 
     try:
         it = iteration if iteration is not None else read_tracker(load)
-        dirs = rank_dirs(iteration_dir(load, it)) if it is not None else {}
+        if it is not None:
+            return recorded_config_at(iteration_dir(load, it))
     except (OSError, UserError):
-        dirs = {}
-    if (0, 0) not in dirs:
-        return read_checkpoint(load, iteration, allow_unsafe=allow_unsafe).config or {}
-    stem = os.path.join(dirs[(0, 0)], MODEL_FILE)
-    return check_model_payload(load_stage_payload(stem, allow_unsafe), stem).get("config") or {}
+        pass
+    return read_checkpoint(load, iteration, allow_unsafe=allow_unsafe).config or {}
 
 
 def _pick_dtype(name: str, stored: torch.dtype, device: torch.device) -> torch.dtype:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.checkpointing import TrainState
 from megatron.config import MegatronConfig
 from megatron.entry import run_entry_point  # noqa: F401 - entry points import it from here
-from megatron.errors import DataError, UserError
+from megatron.errors import DataError, UserError, alike_on_every_rank
 from megatron.initialize import (barrier_with_message, exit_when_parent_dies,
                                  initialize_distributed, set_random_seed, tune_host_malloc)
 from megatron.parallel_state import ParallelGroups
@@ -731,12 +731,6 @@ def count_iterations_from_samples(cfg: MegatronConfig, state: TrainState) -> Non
     tr.train_iters = state.iteration + left // tr.global_batch_size
 
 
-def _alike(err: UserError) -> UserError:
-    """``err``, marked as raised alike by every rank (one line per node)."""
-    err.every_rank_alike = True
-    return err
-
-
 def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
     """Training was asked for: the loaded checkpoint must leave iterations to train.
 
@@ -745,7 +739,7 @@ def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
     tr = cfg.training
     train_iters = tr.train_iters or 0
     if not tr.skip_train and state.iteration >= train_iters and tr.train_samples is not None:
-        raise _alike(UserError(
+        raise alike_on_every_rank(UserError(
             f"nothing to train: the checkpoint in --load {tr.load} has consumed "
             f"{state.consumed_train_samples} samples and --train-samples is "
             f"{tr.train_samples}, less than one more batch of "
@@ -754,7 +748,7 @@ def check_iterations_left(cfg: MegatronConfig, state: TrainState) -> None:
             + (f", {tr.batch_schedule_source}" if tr.batch_schedule else "")
             + "); raise --train-samples to continue, or pass --skip-train to only evaluate"))
     if not tr.skip_train and state.iteration >= train_iters:
-        raise _alike(UserError(
+        raise alike_on_every_rank(UserError(
             f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
             f"{state.iteration} and --train-iters is {train_iters}; raise --train-iters to "
             f"continue, or pass --skip-train to only evaluate"))
@@ -764,9 +758,9 @@ def check_train_data(cfg: MegatronConfig, train_iter) -> None:
     """Training was asked for: there must be samples to train on (every rank builds the
     same datasets, so every rank raises)."""
     if not cfg.training.skip_train and train_iter is None:
-        raise _alike(DataError(f"nothing to train on: the training split is empty "
-                               f"({cfg.data.describe_split(0)}); give the training part a "
-                               "share of the data"))
+        raise alike_on_every_rank(DataError(
+            f"nothing to train on: the training split is empty ({cfg.data.describe_split(0)}); "
+            f"give the training part a share of the data"))
 
 
 def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
@@ -783,7 +777,7 @@ def check_eval_data(cfg: MegatronConfig, valid_iter) -> None:
                             "evaluates nothing; give --eval-iters a positive number of "
                             "batches")
     if valid_iter is None:
-        raise _alike(DataError(
+        raise alike_on_every_rank(DataError(
             f"nothing to evaluate: --skip-train only evaluates, and the validation split is "
             f"empty ({cfg.data.describe_split(1)}); give the validation part a share of the "
             f"data" + (" (--valid-data-path)" if cfg.data.split_data_paths else "")))

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from megatron.checkpointing import TrainState, check_state_fits, load_for_run, save_checkpoint
 from megatron.config import MegatronConfig
-from megatron.errors import CheckpointError
+from megatron.errors import CheckpointError, alike_on_every_rank
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.engine import PipelineEngine
 from megatron.training_log import print_rank_last
@@ -179,10 +179,8 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
                                           lambda n, unit: batch_sizes.samples_after(n)
                                           if unit == "samples" else batch_sizes.iterations(n))))
         except ValueError as exc:
-            err = CheckpointError(f"--load {tr.load}: {exc}")
             # every rank holds the same schedule and the same flags: one line per node
-            err.every_rank_alike = True
-            raise err from None
+            raise alike_on_every_rank(CheckpointError(f"--load {tr.load}: {exc}")) from None
     if not tr.no_load_rng and payload.get("rng_state") is not None:
         try:
             set_rng_state(payload["rng_state"])

@@ -288,7 +288,7 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
 def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
               valid_ds, reports, per_epoch, tokenizer) -> FinetuneResult:
     from megatron.checkpointing import find_checkpoint
-    from megatron.errors import UserError
+    from megatron.errors import UserError, alike_on_every_rank
     from megatron.initialize import barrier_with_message
     from megatron.training import (ExitRequests, NonFiniteError, TrainingResult,
                                    _save_checked, setup_model_and_optimizer, train)
@@ -317,11 +317,10 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
         # as pretraining says it (megatron.training): not a silent re-save of the last one
         end = (f"the end of --epochs {args.epochs} ({per_epoch} iterations each); raise "
                f"--epochs" if args.epochs else f"--train-iters {total}; raise --train-iters")
-        err = UserError(f"nothing to train: the checkpoint in --load {tr.load} is at "
-                        f"iteration {state.iteration}, {end} to continue, or pass --epochs 0 "
-                        f"to only evaluate")
-        err.every_rank_alike = True  # same flags and checkpoint: one line per node
-        raise err
+        # same flags and checkpoint: one line per node
+        raise alike_on_every_rank(UserError(
+            f"nothing to train: the checkpoint in --load {tr.load} is at iteration "
+            f"{state.iteration}, {end} to continue, or pass --epochs 0 to only evaluate"))
     logger = TrainingLogger(cfg, groups)
     logger.banner(engine, model)
     result = FinetuneResult(reports=reports, training=TrainingResult())

@@ -650,7 +650,8 @@ class PipelineEngine:
         then the optimizer's agreement all-reduce, which is left in flight.  The update
         itself is finished by ``_finish_steps`` when the new weights are first needed:
         before batch t+1 starts (flush/gpipe/none: at once) or before batch t+2 starts
-        (2BW), so under 2BW stages do not wait for each other at every step."""
+        (2BW), so under 2BW stages do not wait for each other at every step.  The first
+        stage under 2BW begins there too (below)."""
         t = self._global_batch(a, seg)
         if self.stage == 0 and self.schedule_at(t) == "2bw":
             # The first stage ends batch t's backward passes last, so its data-parallel
