@@ -13,6 +13,9 @@
   the real cause; one that says a peer did not answer in time (gloo "Timed out
   waiting"): one ``error: [rank R] a peer rank did not answer within
   --distributed-timeout-minutes ...`` line, exit code 1;
+* the reader of standard output went away (``tools/plan.py ... | head``): no traceback,
+  nothing more is written to it, exit code 141 (128 + SIGPIPE, what ``cat`` or ``yes``
+  report in the same pipe);
 * anything else is a bug: the normal traceback and exit code 1.
 
 ``--debug`` on the command line (removed before ``main`` sees it, so tools whose parser
@@ -40,6 +43,7 @@ DEBUG_FLAG = "--debug"
 DEBUG_ENV = "MEGATRON_DEBUG"
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 
 def debug_requested(argv: Optional[List[str]] = None) -> bool:
@@ -62,6 +66,13 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
         os.environ[DEBUG_ENV] = "1"  # spawned workers inherit it
     try:
         code = main() if argv is None else main(argv)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        if not _stdout_reader_gone():  # another pipe (a worker's, a socket): a real error
+            raise
+        if debug:
+            traceback.print_exc()
+        _stdout_gone()
     except UserError as err:
         exit_with_user_error(err, debug)
     except KeyboardInterrupt:
@@ -93,6 +104,31 @@ def run_entry_point(main: Callable[..., Any], argv: Optional[List[str]] = None) 
         # skip the teardown.
         _flush_and_exit(code)
     sys.exit(code)
+
+
+def _stdout_reader_gone() -> bool:
+    """Standard output is a pipe whose reading end is closed (poll reports an error)."""
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _stdout_gone() -> None:
+    """Standard output's reader closed the pipe: point the descriptor at /dev/null so
+    the interpreter's own final flush cannot fail again (Python would print 'Exception
+    ignored ... BrokenPipeError'), and exit as a process killed by SIGPIPE would."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no descriptor behind sys.stdout: nothing to redirect
+        pass
+    _exit(EXIT_BROKEN_PIPE)
 
 
 def _process_group_alive() -> bool:
