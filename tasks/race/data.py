@@ -109,9 +109,10 @@ def read_race(paths: Sequence[str]) -> Tuple[List[RaceExample], ReadReport]:
 
 
 def question_with_option(question: str, option: str) -> str:
-    """Fill a cloze gap ('_') with the option, else append the option to the question."""
+    """Fill every cloze gap ('_') with the option, else append the option to the question
+    (as Megatron-LM's RACE reader, so finetuning inputs and scores compare with its)."""
     if "_" in question:
-        return question.replace("_", option, 1)
+        return question.replace("_", option)
     return f"{question} {option}"
 
 

@@ -129,6 +129,8 @@ def test_pair_sample_layout_and_truncation():
     assert s["padding_mask"].tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
     assert question_with_option("Tom has a _ .", "cat") == "Tom has a cat ."
     assert question_with_option("Who is Tom?", "a boy") == "Who is Tom? a boy"
+    # every gap, as Megatron-LM's reader (str.replace without a count)
+    assert question_with_option("_ likes _ .", "Tom") == "Tom likes Tom ."
 
 
 def test_datasets_tokenize_with_bert_vocab():
