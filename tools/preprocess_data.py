@@ -282,10 +282,10 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
                 n_bytes += nbytes
                 n_docs += docs
                 for key, (tokens, seq_lengths, seqs_per_doc) in encoded.items():
-                    # A document without tokens would only add a zero-length sequence.
+                    # A document without tokens stays a document without sequences, as
+                    # in Megatron-LM, so document i of every --json-keys output is line i.
                     n_empty += seqs_per_doc.count(0)
-                    builders[key].add_documents(tokens, seq_lengths,
-                                                [n for n in seqs_per_doc if n])
+                    builders[key].add_documents(tokens, seq_lengths, seqs_per_doc)
                     n_tokens += int(tokens.size)
                 if n_docs >= next_log:
                     next_log = (n_docs // args.log_interval + 1) * args.log_interval
@@ -308,7 +308,8 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
             pool.join()
     elapsed = time.perf_counter() - start
     print(f"Done: {n_docs} documents, {n_tokens} tokens, {n_bytes} bytes in {elapsed:.3f} s "
-          f"({_progress(n_docs, n_tokens, n_bytes, elapsed)}); skipped {n_empty} empty.",
+          f"({_progress(n_docs, n_tokens, n_bytes, elapsed)}); {n_empty} empty (kept as "
+          f"documents without tokens).",
           flush=True)
     for key in args.json_keys:
         print(f"Wrote {output_prefix(args, key)}.bin/.idx", flush=True)

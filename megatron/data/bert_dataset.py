@@ -359,8 +359,9 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
     except RuntimeError as exc:
         if "enough sentences" not in str(exc):
             raise
-        # A corpus without sentence splitting has one sequence per document.
-        if len(ds) == len(ds.doc_idx) - 1:
+        # A corpus without sentence splitting has one sequence per document (none for an
+        # empty one).
+        if int(np.diff(ds.doc_idx).max(initial=0)) <= 1:
             hint = ("each document is one sequence: preprocess documents of several "
                     "sentences with tools/preprocess_data.py --split-sentences")
         else:

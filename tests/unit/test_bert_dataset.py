@@ -59,6 +59,17 @@ def test_cpp_mapping_equals_python_reference():
     assert compared >= 15
 
 
+def test_documents_without_sentences_change_no_sample():
+    """preprocess_data keeps empty documents (no sequences, as Megatron-LM): the mapping of
+    a corpus with them equals that of the same corpus without them, C++ and Python."""
+    sizes = np.array([5, 6, 7, 4, 5, 6, 9, 3], dtype=np.int32)
+    plain = np.array([0, 3, 6, 8], dtype=np.int64)
+    with_empty = np.array([0, 0, 3, 3, 3, 6, 8, 8], dtype=np.int64)
+    for build in (helpers.build_bert_mapping, build_bert_mapping_py):
+        np.testing.assert_array_equal(build(with_empty, sizes, 40, 30, 0.1, 7, 2),
+                                      build(plain, sizes, 40, 30, 0.1, 7, 2))
+
+
 def test_mapping_properties():
     rng = np.random.RandomState(1)
     docs = np.concatenate([[0], np.cumsum(rng.randint(1, 12, size=200))]).astype(np.int64)
@@ -284,7 +295,8 @@ def test_bert_corpus_without_sentence_split_is_one_error(tmp_path):
     for _ in range(5):
         b.add_item(np.arange(4, 40))
         b.end_document()  # one sequence per document: no sentence pairs possible
+    b.end_document()  # and an empty one, as preprocess_data keeps them
     b.finalize(str(tmp_path / "d.idx"))
     with pytest.raises(DataError, match="--split-sentences"):
-        BertDataset("train", IndexedDataset(str(tmp_path / "d")), 0, 5, 10, 32, 1, _info(100),
+        BertDataset("train", IndexedDataset(str(tmp_path / "d")), 0, 6, 10, 32, 1, _info(100),
                     MaskingConfig(), str(tmp_path / "cache"))

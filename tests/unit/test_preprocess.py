@@ -54,14 +54,20 @@ def test_round_trip_char_tokenizer_two_workers(tmp_path):
     assert "docs/s" in out.stderr and "MB/s" in out.stderr and "tokens/s" in out.stderr
     tok = build_tokenizer(DataConfig(tokenizer_type="CharTokenizer"))
     ds = IndexedDataset(str(tmp_path / "o/p_text_document"))
-    expected = [tok.tokenize(t) + [tok.eod] for t in TEXTS if t]  # empty documents dropped
+    expected = [tok.tokenize(t) + [tok.eod] for t in TEXTS if t]  # no sequence, no EOD
     assert ds.dtype == np.uint16
     assert len(ds) == len(expected)
     assert [ds[i].tolist() for i in range(len(ds))] == expected
-    assert ds.doc_idx.tolist() == list(range(len(expected) + 1))
+    # An empty document stays a document without sequences (as Megatron-LM), so document i
+    # of the text and the title outputs both come from line i.
+    seqs_per_doc = [1 if t else 0 for t in TEXTS]
+    assert ds.doc_idx.tolist() == [0] + np.cumsum(seqs_per_doc).tolist()
     titles = IndexedDataset(str(tmp_path / "o/p_title_document"))
+    assert len(titles.doc_idx) == len(ds.doc_idx) == len(TEXTS) + 1
     assert titles[7].tolist() == tok.tokenize("t7") + [tok.eod]
     assert tok.detokenize(ds[1].tolist()) == TEXTS[2]  # TEXTS[1] is empty
+    n_empty = sum(not t for t in TEXTS)
+    assert f"{n_empty} empty (kept as documents without tokens)" in out.stdout
     assert not [f for f in os.listdir(tmp_path / "o") if ".tmp" in f]
 
 
