@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tasks.arguments import add_task_args
 from tasks.data_utils import (ReadReport, TaskDataError, fail, refuse_corpus_flags,
-                              special_ids)
+                              special_ids, warn_ignored_task_flags)
 
 
 @dataclass
@@ -248,6 +248,7 @@ def _setup(task: FinetuneTask, argv: List[str]):
 
     raw = parse_args(argv, extra_args_provider=finetune_args)
     refuse_corpus_flags(raw, task.name)
+    warn_ignored_task_flags(raw, task.name, ("--overlapping-eval",))
     for flag, value in (("--rampup-batch-size", raw.rampup_batch_size),
                         ("--step-batch-size-schedule", raw.step_batch_size_schedule)):
         if value is not None:

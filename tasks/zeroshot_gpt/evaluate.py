@@ -25,7 +25,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 
 from tasks.arguments import add_task_args
-from tasks.data_utils import TaskDataError, fail, refuse_corpus_flags
+from tasks.data_utils import (TaskDataError, fail, refuse_corpus_flags,
+                              warn_ignored_task_flags)
 from tasks.zeroshot_gpt.datasets import (LMWindowDataset, PaddingWindows, count_words,
                                          read_wikitext, wikitext_detokenize)
 
@@ -76,6 +77,7 @@ def _setup(argv: List[str]):
 
     raw = parse_args(argv, extra_args_provider=add_task_args)
     refuse_corpus_flags(raw, "WIKITEXT103")
+    warn_ignored_task_flags(raw, "WIKITEXT103", ("--train-data", "--epochs", "--keep-last"))
     if not raw.valid_data:
         fail("--task WIKITEXT103 needs --valid-data (the WikiText test file)")
     if not (raw.load or raw.pretrained_checkpoint):
