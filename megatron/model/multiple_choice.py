@@ -43,8 +43,9 @@ class MultipleChoice(BertModel):
         mark_replicated_parameters(self)
 
     def stage_input_shape(self, micro_batch_size: int) -> Tuple[int, int, int]:
-        return (self.config.seq_length, micro_batch_size * self.num_choices,
-                self.config.hidden_size)
+        # b * C sequences per microbatch; under sequence parallelism this tensor rank's
+        # s/t positions of each, as for every other stage (``PipelineStage``)
+        return super().stage_input_shape(micro_batch_size * self.num_choices)
 
     def forward(self, input_ids: Optional[torch.Tensor], padding_mask: torch.Tensor,
                 tokentype_ids: Optional[torch.Tensor] = None,

@@ -399,7 +399,16 @@ class CoreAttention(nn.Module):
 
     def _manual(self, q, k, v, mask, p):
         compute = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.matmul(q, k.transpose(-1, -2)).to(compute) / math.sqrt(self.head_dim)
+        # 1/sqrt(d) applied inside the matmul, before its result is rounded to q's dtype
+        # (Megatron-LM's baddbmm with alpha): in fp16 the raw q.k of a wide head can
+        # pass 65504 while the scaled score is small
+        b, np_, sq, hn = q.shape
+        flat_q = q.reshape(b * np_, sq, hn)
+        flat_k = k.reshape(b * np_, k.size(2), hn)
+        scores = torch.baddbmm(flat_q.new_empty(b * np_, sq, k.size(2)), flat_q,
+                               flat_k.transpose(1, 2), beta=0.0,
+                               alpha=1.0 / math.sqrt(self.head_dim))
+        scores = scores.view(b, np_, sq, k.size(2)).to(compute)
         scores = scores.masked_fill(self.prepare_mask(mask, q.dtype, q.size(2), q.device),
                                     _MASK_FILL)
         probs = _SoftmaxKeptAs.apply(scores, v.dtype)
