@@ -53,10 +53,11 @@ class SkipMonitor:
 
     * ``limit`` skipped steps in a row stop the run (0: never).  With dynamic fp16 loss
       scaling the skips before the first applied step are the scale calibrating down
-      from --initial-loss-scale (dozens with the default 2^32) and do not count; any
-      later skip (loss-scale backoff included) does.
-    * dynamic fp16 only: an overflow of a batch that already ran at --min-loss-scale
-      stops the run at once (the scale cannot go lower; every later step would skip).
+      from --initial-loss-scale (dozens with the default 2^32) and do not count, unless
+      the batch already ran at --min-loss-scale (the scale cannot calibrate further);
+      any later skip (loss-scale backoff included) does.  An overflow at
+      --min-loss-scale is one more skipped step, as in Megatron-LM, not a stop: a
+      one-off spike must not end a run whose scale floor the user raised.
     * ``suspect``: the latest steps were skipped for a non-finite loss or gradients that
       no loss-scale backoff explains (any run but dynamic fp16): the weights produced
       them, so they are not checkpointed (``_save_checked``), and a run that ends so
@@ -85,23 +86,20 @@ class SkipMonitor:
         if not report.skipped:
             self.consecutive, self.applied_any = 0, True
             return
-        if (self.dynamic_fp16 and report.grad_scale <= self.min_loss_scale
-                and not math.isfinite(report.grad_norm)):
-            self.reason = (f"iteration {t}: gradients overflow at the minimum loss scale "
-                           f"{report.grad_scale:g} (--min-loss-scale), so every further step "
-                           "would be skipped; stopped without saving (lower --lr, or check "
-                           "the data and the last checkpoint)")
-            return
-        if self.dynamic_fp16 and not self.applied_any:
-            return
+        at_floor = self.dynamic_fp16 and report.grad_scale <= self.min_loss_scale
+        if self.dynamic_fp16 and not self.applied_any and not at_floor:
+            return  # the scale is still calibrating down
         if self.consecutive == 0:
             self.first_skipped = t
         self.consecutive += 1
         if self.limit and self.consecutive >= self.limit:
+            floor = (f" at the minimum loss scale {report.grad_scale:g} (--min-loss-scale)"
+                     if at_floor else "")
             self.reason = (f"{self.consecutive} optimizer steps in a row were skipped for "
-                           f"non-finite loss or gradients (iterations {self.first_skipped}-{t}, "
-                           f"--max-consecutive-skipped-steps {self.limit}); stopped without "
-                           "saving (lower --lr, or check the data and the last checkpoint)")
+                           f"non-finite loss or gradients{floor} (iterations "
+                           f"{self.first_skipped}-{t}, --max-consecutive-skipped-steps "
+                           f"{self.limit}); stopped without saving (lower --lr, or check the "
+                           "data and the last checkpoint)")
 
     def batches_before_verdict(self, steps_to_min_scale: Optional[int] = None
                                ) -> Optional[int]:
@@ -110,16 +108,16 @@ class SkipMonitor:
         that many batches ends exactly where one-batch segments would first stop.
 
         ``steps_to_min_scale``: dynamic fp16, the fewest updates until the loss scale can
-        be --min-loss-scale (``DynamicGradScaler.steps_to_min_scale``); the batch that
-        runs at that scale is the first whose overflow stops the run."""
+        be --min-loss-scale (``DynamicGradScaler.steps_to_min_scale``); before the first
+        applied step, skips count only from the batch that runs at that scale."""
         if self.reason is not None:
             return 1
-        bounds = []
-        if self.limit:
-            bounds.append(max(1, self.limit - self.consecutive))
-        if self.dynamic_fp16 and steps_to_min_scale is not None:
-            bounds.append(steps_to_min_scale + 1)
-        return min(bounds) if bounds else None
+        if not self.limit:
+            return None
+        left = max(1, self.limit - self.consecutive)
+        if self.dynamic_fp16 and not self.applied_any and self.consecutive == 0:
+            left += steps_to_min_scale or 0
+        return left
 
     @property
     def suspect(self) -> bool:

@@ -156,10 +156,22 @@ def test_skip_monitor_counts_floor_and_calibration():
     for t in range(21, 24):
         f.update(rep(t, True, scale=4096.0))
     assert f.reason and "3 optimizer steps" in f.reason
-    # ...but an overflow at the floor stops at once.
-    g = SkipMonitor(limit=0, dynamic_fp16=True, min_loss_scale=1.0)
+    # ...unless they ran at the floor, where the scale cannot calibrate further: those
+    # count; an overflow there is one more skip (as Megatron-LM), not a stop.
+    g = SkipMonitor(limit=3, dynamic_fp16=True, min_loss_scale=1.0)
     g.update(rep(0, True, scale=1.0, norm=float("inf")))
-    assert g.reason and "--min-loss-scale" in g.reason
+    g.update(rep(1, False, scale=1.0, norm=1.0))
+    g.update(rep(2, True, scale=1.0, norm=float("inf")))
+    assert g.reason is None
+    g.update(rep(3, True, scale=1.0, norm=float("inf")))
+    g.update(rep(4, True, scale=1.0, norm=float("inf")))
+    assert g.reason and "at the minimum loss scale 1 (--min-loss-scale)" in g.reason
+    assert "iterations 3-5" in g.reason
+    h = SkipMonitor(limit=2, dynamic_fp16=True, min_loss_scale=4.0)
+    for t, scale in enumerate([16.0, 8.0, 4.0, 4.0]):  # never applied, reaches the floor
+        h.update(rep(t, True, scale=scale))
+    assert h.reason and "iterations 3-4" in h.reason
+    assert not SkipMonitor(limit=0, dynamic_fp16=True).batches_before_verdict(0)
 
 
 def test_batches_before_verdict_is_the_first_batch_that_could_stop_the_run():
@@ -197,8 +209,10 @@ def test_batches_before_verdict_is_the_first_batch_that_could_stop_the_run():
         s.update(found_inf=True)
     assert s.scale == 2.0 ** 7 and s.steps_to_min_scale() == 0
     f = SkipMonitor(limit=10, dynamic_fp16=True, min_loss_scale=2.0 ** 7)
-    assert f.batches_before_verdict(steps_to_min_scale=3) == 4
-    assert f.batches_before_verdict(steps_to_min_scale=0) == 1  # its overflow stops the run
+    # before any applied step, skips count from the batch at the floor on
+    assert f.batches_before_verdict(steps_to_min_scale=3) == 13
+    assert f.batches_before_verdict(steps_to_min_scale=0) == 10
+    f.update(rep(0, False, scale=2.0 ** 10))
     assert f.batches_before_verdict(steps_to_min_scale=50) == 10
 
 
