@@ -169,9 +169,12 @@ def test_divide_and_tpinfo_errors():
 def test_flops_formula_hand_computed():
     cfg = ModelConfig(num_layers=2, hidden_size=6, num_attention_heads=2, seq_length=12,
                       padded_vocab_size=96)
-    # 24 * B s l h^2 = 24 * 3 * 12 * 2 * 36 = 62208; 1 + s/(6h) + V/(16 l h) = 1 + 1/3 + 1/2
-    forward = 62208 * (1 + 1 / 3 + 1 / 2)
-    assert gpt_forward_flops(cfg, 3, 12) == pytest.approx(forward)
-    assert gpt_flops_per_iteration(cfg, 3, 12) == pytest.approx(3 * forward)
-    assert gpt_flops_per_iteration(cfg, 3, 12, recompute=True) == pytest.approx(4 * forward)
-    assert 3 * forward == pytest.approx(342144.0)
+    # 24 * B s l h^2 = 24 * 3 * 12 * 2 * 36 = 62208; 1 + s/(6h) = 1 + 1/3: 82944 for the
+    # layers; the output layer 2 B s h V = 2 * 3 * 12 * 6 * 96 = 41472
+    layers, head = 62208 * (1 + 1 / 3), 41472.0
+    assert gpt_forward_flops(cfg, 3, 12) == pytest.approx(layers + head)
+    assert gpt_flops_per_iteration(cfg, 3, 12) == pytest.approx(3 * (layers + head))
+    # recomputation reruns the layers, not the output layer
+    assert gpt_flops_per_iteration(cfg, 3, 12, recompute=True) == pytest.approx(
+        4 * layers + 3 * head)
+    assert gpt_flops_per_iteration(cfg, 3, 12) == pytest.approx(373248.0)
