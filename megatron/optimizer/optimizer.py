@@ -603,6 +603,8 @@ class MegatronOptimizer:
                              "mixed precision): load with --no-load-optim, or call "
                              "reload_model_params after loading the model weights")
         torch_state = self.layout.from_saved(sd["optimizer"])
+        self._check_saved_tensors(torch_state, sd.get("fp32_masters") if self.use_masters
+                                  else None)
         self.optimizer.load_state_dict(self._format.local(torch_state)
                                        if self._format is not None else torch_state)
         if self.use_masters:
@@ -615,6 +617,50 @@ class MegatronOptimizer:
         self.scaler.load_state_dict(sd["grad_scaler"])
         if self.prediction is not None:
             self.prediction.load_state_dict(sd.get("weight_prediction"))
+
+    def _check_saved_tensors(self, torch_state: Dict[str, Any],
+                             masters: Optional[Sequence[Any]]) -> None:
+        """Every saved moment and fp32 master has its parameter's shape, and every step
+        count is one finite number >= 0.  torch's load_state_dict checks none of it, and
+        the fused kernels then read and write past the ends of a smaller tensor (a
+        crafted or damaged checkpoint corrupted the heap), while ``copy_`` would
+        broadcast one saved value over a whole master weight."""
+        state = torch_state.get("state", {})
+        groups = torch_state.get("param_groups", [])
+        if len(groups) != len(self.layout.members):
+            raise ValueError(f"optimizer checkpoint: {len(groups)} parameter groups, this "
+                             f"stage's optimizer has {len(self.layout.members)}")
+        for group, members in zip(groups, self.layout.members):
+            for saved_id, i in zip(group["params"], members):
+                entry = state.get(saved_id, {})
+                if not isinstance(entry, dict):
+                    raise ValueError(f"optimizer checkpoint: the state of parameter {i} is "
+                                     f"{type(entry).__name__}, expected a dict of tensors")
+                for key, value in entry.items():
+                    if key == "step":
+                        step = value.item() if (isinstance(value, torch.Tensor)
+                                                and value.numel() == 1) else value
+                        if isinstance(step, bool) or not isinstance(step, (int, float)) \
+                                or not math.isfinite(step) or step < 0:
+                            raise ValueError(f"optimizer checkpoint: parameter {i}'s step is "
+                                             f"{value!r}, expected one finite number >= 0")
+                    elif value is not None and (  # SGD without momentum keeps None
+                            not isinstance(value, torch.Tensor)
+                            or tuple(value.shape) != self._shapes[i]):
+                        got = (tuple(value.shape) if isinstance(value, torch.Tensor)
+                               else type(value).__name__)
+                        raise ValueError(f"optimizer checkpoint: parameter {i}'s {key} is "
+                                         f"{got}, expected a tensor of its shape "
+                                         f"{self._shapes[i]}")
+        if masters is not None:
+            if len(masters) != len(self._shapes):
+                raise ValueError(f"optimizer checkpoint holds {len(masters)} fp32 master "
+                                 f"weights, this stage has {len(self._shapes)} parameters")
+            for i, (m, shape) in enumerate(zip(masters, self._shapes)):
+                if not isinstance(m, torch.Tensor) or tuple(m.shape) != shape:
+                    got = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+                    raise ValueError(f"optimizer checkpoint: fp32 master weight {i} is {got}, "
+                                     f"expected {shape}")
 
     def reload_model_params(self, params: Sequence[nn.Parameter]) -> None:
         """Make the main parameters match ``params`` (the buffer holding the latest weights)."""

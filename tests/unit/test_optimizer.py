@@ -348,3 +348,57 @@ def test_distributed_optimizer_over_one_replica_is_the_plain_one():
                                  PrecisionConfig(), params)
     assert opt.shard is None
     assert [m.shape for m in opt.main_params] == [p.shape for p in params]
+
+
+@pytest.mark.parametrize("dtype,prec", [(torch.float32, {}), (torch.bfloat16, dict(bf16=True))])
+@pytest.mark.parametrize("damage,match", [
+    (lambda sd: sd["optimizer"]["state"][0].update(exp_avg=torch.zeros(1)),
+     r"parameter 0's exp_avg is \(1,\), expected a tensor of its shape \(6, 4\)"),
+    (lambda sd: sd["optimizer"]["state"][4].update(exp_avg_sq=torch.zeros(6, 3)),
+     r"exp_avg_sq is \(6, 3\)"),
+    (lambda sd: sd["optimizer"]["state"][1].update(exp_avg="x"), r"exp_avg is str"),
+    (lambda sd: sd["optimizer"]["state"][2].update(step=torch.tensor(-1.0)), "step is"),
+    (lambda sd: sd["optimizer"]["state"][2].update(step=torch.tensor(float("nan"))), "step is"),
+    # saved ids list the decayed matrices first: saved id 3 is parameter 2
+    (lambda sd: sd["optimizer"]["state"].update({3: [1, 2]}), "state of parameter 2 is list"),
+])
+def test_load_state_dict_rejects_tensors_of_another_shape(dtype, prec, damage, match):
+    """torch's load_state_dict takes moments of any shape: the fused Adam kernel then
+    read and wrote past a smaller tensor's end (a bf16 run aborted with heap corruption)."""
+    params = make_params(dtype)
+    opt = get_megatron_optimizer(opt_cfg("adam"), PrecisionConfig(**prec), params)
+    run_steps(opt, params, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    damage(sd)
+    fresh = get_megatron_optimizer(opt_cfg("adam"), PrecisionConfig(**prec), make_params(dtype))
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(sd)
+
+
+def test_load_state_dict_rejects_fp32_masters_of_another_shape():
+    """``copy_`` would broadcast a saved scalar over the whole master weight."""
+    params = make_params(torch.bfloat16)
+    opt = get_megatron_optimizer(opt_cfg("adam"), PrecisionConfig(bf16=True), params)
+    run_steps(opt, params, 1)
+    for bad, match in ((torch.tensor(3.0), r"fp32 master weight 0 is \(\)"),
+                       (None, "fp32 master weight 0 is NoneType")):
+        sd = copy.deepcopy(opt.state_dict())
+        sd["fp32_masters"][0] = bad
+        fresh = get_megatron_optimizer(opt_cfg("adam"), PrecisionConfig(bf16=True),
+                                       make_params(torch.bfloat16))
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["fp32_masters"] = sd["fp32_masters"][:-1]
+    with pytest.raises(ValueError, match="holds 5 fp32 master weights, this stage has 6"):
+        get_megatron_optimizer(opt_cfg("adam"), PrecisionConfig(bf16=True),
+                               make_params(torch.bfloat16)).load_state_dict(sd)
+
+
+def test_sgd_without_momentum_state_round_trips():
+    params = make_params(torch.float32)
+    cfg = opt_cfg("sgd", sgd_momentum=0.0)
+    opt = get_megatron_optimizer(cfg, PrecisionConfig(), params)
+    run_steps(opt, params, 2)
+    get_megatron_optimizer(cfg, PrecisionConfig(), make_params(torch.float32)).load_state_dict(
+        copy.deepcopy(opt.state_dict()))
