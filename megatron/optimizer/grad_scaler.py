@@ -15,6 +15,8 @@ Semantics of ``DynamicGradScaler`` follow Megatron-LM:
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Dict
 
 
@@ -113,9 +115,14 @@ class DynamicGradScaler:
         if sd.get("kind") != "dynamic":
             # Switching from a static to a dynamic scale keeps our initial scale.
             return
-        self._scale = float(sd["scale"])
-        self._growth_tracker = int(sd["growth_tracker"])
-        self._hysteresis_tracker = int(sd["hysteresis_tracker"])
+        scale = float(sd["scale"])
+        growth, hysteresis = int(sd["growth_tracker"]), int(sd["hysteresis_tracker"])
+        if not (math.isfinite(scale) and scale > 0) or growth < 0 or hysteresis < 0:
+            raise ValueError(f"grad scaler state: scale {sd['scale']!r}, growth tracker "
+                             f"{sd['growth_tracker']!r}, hysteresis tracker "
+                             f"{sd['hysteresis_tracker']!r}; expected a finite scale > 0 and "
+                             f"counters >= 0")
+        self._scale, self._growth_tracker, self._hysteresis_tracker = scale, growth, hysteresis
 
 
 GradScaler = ConstantGradScaler | DynamicGradScaler

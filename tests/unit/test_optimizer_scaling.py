@@ -66,6 +66,16 @@ def test_dynamic_scaler_hysteresis_backoff_growth_and_floor():
         assert s.scale == t.scale
 
 
+@pytest.mark.parametrize("field,value", [("scale", float("nan")), ("scale", 0.0),
+                                         ("scale", -4.0), ("growth_tracker", -1),
+                                         ("hysteresis_tracker", -2)])
+def test_scaler_state_out_of_range_is_refused(field, value):
+    s = DynamicGradScaler(initial_scale=2.0 ** 8, min_scale=1.0)
+    sd = {**s.state_dict(), field: value}
+    with pytest.raises(ValueError, match="grad scaler state: .*expected a finite scale > 0"):
+        DynamicGradScaler(initial_scale=2.0 ** 8, min_scale=1.0).load_state_dict(sd)
+
+
 def test_scaler_input_validation_and_constant_scaler():
     with pytest.raises(ValueError, match="--min-loss-scale"):
         DynamicGradScaler(initial_scale=4.0, min_scale=8.0)
