@@ -16,7 +16,6 @@ Semantics of ``DynamicGradScaler`` follow Megatron-LM:
 from __future__ import annotations
 
 import math
-
 from typing import Any, Dict
 
 
