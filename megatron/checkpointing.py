@@ -316,13 +316,28 @@ def load_payload(stem: str, map_location: Any = "cpu", *, allow_unsafe: bool = F
 
 
 # -- the previous (pickle) format ---------------------------------------------------------------
-def _legacy_allowed_globals() -> list:
-    """What an old payload needs beyond torch's weights-only defaults: numpy arrays and
-    scalars (numpy RNG state).  Nothing that can run code."""
+def numpy_safe_globals() -> list:
+    """What numpy RNG state in a pickle needs beyond torch's weights-only defaults: numpy
+    arrays, dtypes and scalars.  Nothing that can run code."""
     core = getattr(np, "_core", None) or np.core
     allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, core.multiarray.scalar]
     allowed += [type(np.dtype(t)) for t in ("u4", "i8", "f8", "u1", "f4", "i4", "b1")]
     return allowed
+
+
+def weights_only_refusal(exc: BaseException) -> Tuple[Optional[str], str]:
+    """(the pickled global torch's weights-only unpickler refused, or None; its reason)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    culprit = re.search(r"GLOBAL (\S+)", text)
+    # torch's own reason sits between "WeightsUnpickler error:" and its advice
+    reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", text, re.S)
+    why = (reason.group(1).splitlines()[0] if reason
+           else (text.strip().splitlines() or [type(exc).__name__])[-1])
+    return (culprit.group(1) if culprit else None), why
+
+
+_MEGATRON_LM_HINT = ("; a checkpoint written by NVIDIA Megatron-LM itself imports with "
+                     "tools/checkpoint_util.py --from-megatron DIR --save CKPT " + UNSAFE_FLAG)
 
 
 def _load_legacy(path: str, map_location: Any, allow_unsafe: bool) -> Any:
@@ -330,26 +345,27 @@ def _load_legacy(path: str, map_location: Any, allow_unsafe: bool) -> Any:
         raise CheckpointError(
             f"{path} is in the old pickle checkpoint format, which can run arbitrary code when "
             f"loaded, so it is refused; if you trust its source pass {UNSAFE_FLAG} (loads it "
-            f"with torch.load(weights_only=True)) and save again to convert it")
+            f"with torch.load(weights_only=True)) and save again to convert it"
+            f"{_MEGATRON_LM_HINT}")
     print(f"WARNING: loading {path} in the old pickle format because of {UNSAFE_FLAG} "
           f"(weights-only unpickler, allow-listed globals only)", flush=True)
     # torch < 2.5 has no safe_globals: its weights-only defaults, without numpy, apply
     allow = getattr(torch.serialization, "safe_globals", None)
     try:
-        with allow(_legacy_allowed_globals()) if allow else contextlib.nullcontext(), \
+        with allow(numpy_safe_globals()) if allow else contextlib.nullcontext(), \
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")  # pickle-protocol chatter: the error says it all
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is one user error
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
-        culprit = re.search(r"GLOBAL (\S+)", text)
-        # torch's own reason sits between "WeightsUnpickler error:" and its advice
-        reason = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", text, re.S)
-        why = (f"it references {culprit.group(1)}, which is not on the allow-list"
-               if culprit else reason.group(1).splitlines()[0] if reason
-               else (text.strip().splitlines() or [type(exc).__name__])[-1])
+        culprit, why = weights_only_refusal(exc)
+        if culprit:
+            why = f"it references {culprit}, which is not on the allow-list"
+        # Megatron-LM pickles its args (argparse.Namespace) and its own enums
+        hint = (_MEGATRON_LM_HINT if culprit and (culprit == "argparse.Namespace"
+                                                  or culprit.startswith("megatron."))
+                else "")
         raise CheckpointError(f"{path}: refused to load this old pickle checkpoint even with "
-                              f"{UNSAFE_FLAG}: {why}") from None
+                              f"{UNSAFE_FLAG}: {why}{hint}") from None
 
 
 # -- manifest -----------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullS
 from megatron.checkpointing import split_text
 from megatron.errors import CheckpointError, UserError
 from megatron.hf_interop import (_ATTN, _GELU_EXACT, _GELU_TANH, _LLAMA_FAMILY, _RELU_SQUARED,
-                                 _say, qkv_groups_to_ours, qkv_hf_to_ours)
+                                 say, qkv_groups_to_ours, qkv_hf_to_ours)
 from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
                                         LLAMA3_ORIGINAL_CONTEXT, flag_number)
 
@@ -539,16 +539,16 @@ def _import_tokenizer(hf_dir: str, vocab: int) -> Dict[str, Any]:
     try:
         size = HuggingFaceTokenizer(spec).vocab_size
     except ValueError as exc:
-        _say(f"note: no tokenizer recorded: {exc}")
+        say(f"note: no tokenizer recorded: {exc}")
         return {}
     if size != vocab:
-        _say(f"note: no tokenizer recorded: the tokenizer in {hf_dir} has {size} tokens, the "
+        say(f"note: no tokenizer recorded: the tokenizer in {hf_dir} has {size} tokens, the "
              f"model's vocab_size is {vocab}; pass your tokenizer's flags when training")
         return {}
     return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": spec}
 
 
-def _model_flags(model_cfg: Dict[str, Any]) -> str:
+def model_flags(model_cfg: Dict[str, Any]) -> str:
     """The trainer's model flags for an imported config (Megatron-LM's spellings)."""
     flags = [f"--num-layers {model_cfg['num_layers']}",
              f"--hidden-size {model_cfg['hidden_size']}",
@@ -629,7 +629,7 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
            f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
            f"{tokenizer['tokenizer_model']}" if kind_of == "HuggingFaceTokenizer" else
            f"--tokenizer-type NullTokenizer --vocab-size {vocab}")
-    _say(f"train with: {_model_flags(model_cfg)} "
+    say(f"train with: {model_flags(model_cfg)} "
          f"--make-vocab-size-divisible-by {divisible_by} "
          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}{split} {tok} "
          f"--load {save} [--finetune]")

@@ -83,7 +83,7 @@ _RELU_SQUARED = "relu2"
 """transformers' relu(x)^2 (``ReLUSquaredActivation``): our --squared-relu."""
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     print(f"checkpoint_util.py: {line}", file=sys.stderr)
 
 
@@ -692,7 +692,7 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
         check_true_vocab(true_vocab, padded, config, vocab_flag)
     vocab = true_vocab_size(config, true_vocab)
     if vocab is None or vocab > padded:
-        _say(f"note: unpadded vocabulary size unknown (pass --true-vocab-size); exporting "
+        say(f"note: unpadded vocabulary size unknown (pass --true-vocab-size); exporting "
              f"all {padded} rows")
         vocab = padded
     read = _ReadNames(full)
@@ -717,7 +717,7 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     scaling = hf_config.get("rope_scaling") or {}
     positions = hf_config.get("max_position_embeddings")
     if scaling.get("original_max_position_embeddings", 0) >= (positions or 0) > 0:
-        _say(f"note: config.json keeps max_position_embeddings {positions} (the model's); "
+        say(f"note: config.json keeps max_position_embeddings {positions} (the model's); "
              f"transformers warns that original_max_position_embeddings "
              f"{scaling['original_max_position_embeddings']} should be below it, which "
              f"changes nothing it computes (the llama3 frequencies do not depend on it)")
@@ -751,7 +751,7 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _say(note)
+    say(note)
     return out_dir
 
 

@@ -1,6 +1,6 @@
 """Reshard a checkpoint to another (t, d, w) layout, or move it to/from Hugging Face.
 
-Three workflows (``python tools/checkpoint_util.py --help``)::
+Four workflows (``python tools/checkpoint_util.py --help``)::
 
     # 1. reshard the FULL training state and resume at another layout
     python tools/checkpoint_util.py --load ckpt_t1_d2 --save ckpt_t2_d1 \\
@@ -12,6 +12,10 @@ Three workflows (``python tools/checkpoint_util.py --help``)::
     #    --load OUT [--finetune] and the model flags the script prints
     python tools/checkpoint_util.py --from-hf gpt2_dir --save ckpt_gpt2 \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    # 4. import a Megatron-LM (legacy torch.save) GPT or BERT checkpoint; its files are
+    #    pickles, so reading them needs --allow-unsafe-checkpoint (weights-only unpickler)
+    python tools/checkpoint_util.py --from-megatron megatron_run --save ckpt_mlm \\
+        --allow-unsafe-checkpoint
 
 Resharding carries the whole training state: iteration, consumed samples, model and
 2BW shadow weights, Adam moments and fp32 masters (split and merged like their
@@ -25,7 +29,8 @@ empty one), and ``--to-hf`` must be a new or empty directory.
 
 The work is done by ``megatron.checkpoint_merge`` (weights of any layout -> one full
 state dict -> any stage), ``megatron.checkpoint_convert`` (the full training state),
-``megatron.hf_interop`` and ``megatron.hf_import`` (transformers, both ways); this script
+``megatron.hf_interop`` and ``megatron.hf_import`` (transformers, both ways),
+``megatron.megatron_lm_import`` (Megatron-LM's own checkpoints); this script
 is their command line, and re-exports their functions for older imports (``from
 tools.checkpoint_util import load_into_stage``).
 """
@@ -60,6 +65,9 @@ _EPILOG = """workflows:
   export    --load CKPT --to-hf HF_DIR          (GPT-2, Llama, Qwen2/3 or Megatron-BERT)
   import    --from-hf HF_DIR --save OUT --target-tensor-parallel-size T
             --target-pipeline-parallel-size D   (then train with --load OUT [--finetune])
+  megatron  --from-megatron MLM_DIR --save OUT --allow-unsafe-checkpoint
+            [--target-tensor-parallel-size T --target-pipeline-parallel-size D]
+            (a Megatron-LM legacy GPT/BERT checkpoint; then --load OUT --finetune)
 """
 
 
@@ -76,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-hf", metavar="DIR", help="import a Hugging Face GPT-2, Llama, "
                    "Qwen2 or Qwen3 directory (model.safetensors + config.json) into a checkpoint at "
                    "--save")
+    p.add_argument("--from-megatron", metavar="DIR", help="import a checkpoint written by "
+                   "NVIDIA Megatron-LM's legacy GPT/BERT models (its --save directory, an "
+                   "iter_N/release directory or one model_optim_rng.pt) into a checkpoint at "
+                   "--save; its files are pickles: needs --allow-unsafe-checkpoint")
+    p.add_argument("--num-attention-heads", type=int, default=None, metavar="N",
+                   help="--from-megatron: the heads of a checkpoint that records no args "
+                        "(early releases; GPT-345M and BERT-345M have 16)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None, metavar="T",
                    help="t of the written checkpoint (default: the source's; 1 for import)")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None, metavar="D",
@@ -95,12 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unpadded vocabulary size, when the tokenizer files recorded in the "
                         "checkpoint are not on this machine (needed to re-pad for a new t)")
     p.add_argument("--allow-unsafe-checkpoint", action="store_true",
-                   help="read an old pickle (.pt) checkpoint, or a --from-hf "
-                        "pytorch_model.bin; unpickling can run code, so only for files you "
-                        "trust; the output is written in the current format")
+                   help="read an old pickle (.pt) checkpoint, a --from-hf "
+                        "pytorch_model.bin or a --from-megatron checkpoint; unpickling can run "
+                        "code, so only for files you trust (read with a weights-only "
+                        "unpickler); the output is written in the current format")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
                    help="the vocabulary padding unit the resumed/finetuning run will use "
-                        "(default: the source checkpoint's; 128 for import).  The padded "
+                        "(default: the source checkpoint's; 128 for --from-hf; for "
+                        "--from-megatron the one keeping its padded rows).  The padded "
                         "size is a multiple of N x t: halve N when doubling t to keep it, "
                         "and with it the exact losses")
     return p
@@ -108,24 +125,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _workflow(args: argparse.Namespace) -> str:
     """Check the flags of the chosen workflow (one UserError naming the flags the user
-    gave) and say which: "import", "export" or "reshard"."""
+    gave) and say which: "import" (--from-hf), "megatron" (--from-megatron), "export"
+    or "reshard"."""
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                  "target_data_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    imports = args.from_hf or args.from_megatron
     modes = [m for m, on in (("--to-hf", args.to_hf), ("--from-hf", args.from_hf),
-                             ("--save", args.save and not args.from_hf)) if on]
+                             ("--from-megatron", args.from_megatron),
+                             ("--save", args.save and not imports)) if on]
     if len(modes) != 1:
         raise UserError("choose one workflow: --load X --save Y (reshard), --load X --to-hf Y "
-                        "(export) or --from-hf X --save Y (import)")
-    if args.from_hf:
-        if not args.save:
-            raise UserError("--from-hf needs --save (where to write the checkpoint)")
-        if args.load:
-            raise UserError("--load applies to resharding and --to-hf; --from-hf reads the "
-                            "Hugging Face directory it names")
-        return "import"
+                        "(export), --from-hf X --save Y (import) or --from-megatron X --save Y "
+                        "(Megatron-LM import)")
+    if args.num_attention_heads is not None and not args.from_megatron:
+        raise UserError("--num-attention-heads applies to --from-megatron only")
+    for flag, source, what, workflow in (
+            ("--from-megatron", args.from_megatron, "Megatron-LM checkpoint", "megatron"),
+            ("--from-hf", args.from_hf, "Hugging Face directory", "import")):
+        if source:
+            if not args.save:
+                raise UserError(f"{flag} needs --save (where to write the checkpoint)")
+            if args.load:
+                raise UserError(f"--load applies to resharding and --to-hf; {flag} reads the "
+                                f"{what} it names")
+            return workflow
     if not args.load:
         raise UserError(f"{modes[0]} needs --load CHECKPOINT")
     if args.to_hf:
@@ -152,6 +178,19 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                             allow_unsafe=args.allow_unsafe_checkpoint,
                             first=args.target_decoder_first_pipeline_num_layers,
                             last=args.target_decoder_last_pipeline_num_layers)
+        elif workflow == "megatron":
+            from megatron.megatron_lm_import import import_megatron_lm
+            check_save_path(args.from_megatron, args.save, load_flag="--from-megatron")
+            out = import_megatron_lm(args.from_megatron, args.save,
+                                     tp=args.target_tensor_parallel_size or 1,
+                                     pp=args.target_pipeline_parallel_size or 1,
+                                     divisible_by=args.make_vocab_size_divisible_by,
+                                     allow_unsafe=args.allow_unsafe_checkpoint,
+                                     iteration=args.iteration,
+                                     true_vocab=args.true_vocab_size,
+                                     num_attention_heads=args.num_attention_heads,
+                                     first=args.target_decoder_first_pipeline_num_layers,
+                                     last=args.target_decoder_last_pipeline_num_layers)
         elif workflow == "export":
             from megatron.hf_interop import check_export_path, export_hf
             check_export_path(args.load, args.to_hf)
