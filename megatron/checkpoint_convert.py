@@ -222,9 +222,10 @@ def _stage_optimizer_by_name(opt: Dict[str, Any], names: List[str], where: str
 
 
 def read_full_state(root: str, iteration: Optional[int] = None, *,
-                    allow_unsafe: bool = False) -> FullState:
-    """Merge every file of a checkpoint into one layout-free ``FullState``."""
-    ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe)
+                    allow_unsafe: bool = False, flag: str = "--load") -> FullState:
+    """Merge every file of a checkpoint into one layout-free ``FullState``; ``flag``
+    names the option ``root`` came from in errors."""
+    ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe, flag=flag)
     first = ckpt.payloads[(0, 0)]
     layout = first.get("layout") or {}
     data = int(layout.get("data") or 1)

@@ -145,22 +145,24 @@ def rank_dirs(base: str) -> Dict[Tuple[int, int], str]:
 
 
 def read_checkpoint(root: str, iteration: Optional[int] = None, *,
-                    allow_unsafe: bool = False) -> CheckpointShards:
+                    allow_unsafe: bool = False, flag: str = "checkpoint") -> CheckpointShards:
     """Load all shards under ``root`` (latest iteration unless given).  ``allow_unsafe``:
-    also read old pickle checkpoints (--allow-unsafe-checkpoint; trusted files only)."""
+    also read old pickle checkpoints (--allow-unsafe-checkpoint; trusted files only).
+    ``flag``: the option ``root`` came from (``--load``...), named by the errors about
+    ``root`` itself."""
     if not os.path.isdir(root):
-        raise CheckpointError(f"checkpoint {root}: expected a directory written by --save, "
-                              f"found {'a file' if os.path.exists(root) else 'nothing'}")
+        raise CheckpointError(f"{flag} {root}: expected a checkpoint directory written by "
+                              f"--save, found {'a file' if os.path.exists(root) else 'nothing'}")
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
-            refuse_hf_model_dir(root, "checkpoint")
-            refuse_iteration_dir(root, "checkpoint")
-            raise CheckpointError(f"checkpoint {root}: no {TRACKER}; is this a directory "
+            refuse_hf_model_dir(root, flag)
+            refuse_iteration_dir(root, flag)
+            raise CheckpointError(f"{flag} {root}: no {TRACKER}; is this a directory "
                                   f"written by --save?")
     base = iteration_dir(root, iteration)
     if not os.path.isdir(base):
-        raise CheckpointError(f"checkpoint {root}: iteration directory {base} is missing")
+        raise CheckpointError(f"{flag} {root}: iteration directory {base} is missing")
     dirs = rank_dirs(base)
     if not dirs:
         raise CheckpointError(f"checkpoint {base}: no mp_rank_TT or mp_rank_TT_PPP directories")
@@ -418,12 +420,7 @@ def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp
     ``allow_unsafe``: also read old pickle checkpoints (--allow-unsafe-checkpoint).
     """
     try:
-        try:
-            ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe)
-        except CheckpointError as exc:
-            if flag == "checkpoint":
-                raise
-            raise CheckpointError(f"{flag}: {exc}") from None
+        ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe, flag=flag)
         config = getattr(module, "config", None)
         if flag != "checkpoint" and config is not None:
             from megatron.checkpointing import check_model_shape

@@ -129,7 +129,8 @@ def recorded_config(load: str, iteration: Optional[int], allow_unsafe: bool = Fa
             return recorded_config_at(iteration_dir(load, it))
     except (OSError, UserError):
         pass
-    return read_checkpoint(load, iteration, allow_unsafe=allow_unsafe).config or {}
+    return read_checkpoint(load, iteration, allow_unsafe=allow_unsafe,
+                           flag="--load").config or {}
 
 
 def _pick_dtype(name: str, stored: torch.dtype, device: torch.device) -> torch.dtype:

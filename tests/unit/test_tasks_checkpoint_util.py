@@ -423,9 +423,26 @@ def test_pretrained_checkpoint_of_another_vocabulary_is_refused():
 def test_a_missing_pretrained_checkpoint_names_the_flag(tmp_path):
     model = GPTModel(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                  seq_length=16, padded_vocab_size=64), TPInfo.single())
-    with pytest.raises(CheckpointError, match=r"^--pretrained-checkpoint: .*nockpt"):
+    with pytest.raises(CheckpointError, match=r"^--pretrained-checkpoint \S*nockpt: expected a "
+                                              r"checkpoint directory written by --save"):
         load_into_stage(model, str(tmp_path / "nockpt"), layer_offset=0, tp_rank=0, tp_size=1,
                         flag="--pretrained-checkpoint")
+
+
+@pytest.mark.parametrize("workflow", [["--save", "out"], ["--to-hf", "hf"]])
+def test_checkpoint_util_names_load_for_a_missing_or_foreign_directory(tmp_path, capsys,
+                                                                      workflow):
+    """The shared reader said 'checkpoint X'; the user typed --load X."""
+    from tools.checkpoint_util import main
+
+    workflow = [workflow[0], str(tmp_path / workflow[1])]
+    (tmp_path / "empty").mkdir()
+    for load, words in ((tmp_path / "nope", "expected a checkpoint directory written by --save"),
+                        (tmp_path / "empty", "no latest_checkpointed_iteration.txt")):
+        with pytest.raises(SystemExit):
+            main(["--load", str(load)] + workflow)
+        err = capsys.readouterr().err
+        assert f"error: --load {load}: {words}" in err, err
 
 
 def test_a_checkpoint_of_another_model_kind_is_one_line_naming_the_flag(tmp_path):

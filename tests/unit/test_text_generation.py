@@ -197,4 +197,4 @@ def test_the_script_prints_one_error_line_and_exits_2(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: checkpoint ") and "missing" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: --load ") and "missing" in lines[0]
