@@ -78,8 +78,8 @@ from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullS
                                          check_save_path, recorded_split,
                                          target_stage_counts, true_vocab_size, write_layout)
 from megatron.checkpoint_merge import partition_dim_by_name
-from megatron.checkpointing import (TRACKER, UNSAFE_FLAG, hf_model_files, numpy_safe_globals,
-                                    split_text, weights_only_refusal)
+from megatron.checkpoint_payload import numpy_safe_globals, weights_only_refusal
+from megatron.checkpointing import TRACKER, UNSAFE_FLAG, hf_model_files, split_text
 from megatron.errors import CheckpointError, UserError
 from megatron.hf_import import model_flags
 from megatron.hf_interop import say
