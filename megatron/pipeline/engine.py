@@ -581,8 +581,13 @@ class PipelineEngine:
         t = self._global_batch(a, seg)
         x, data, rng = seg.stash.pop(mb)
         out = seg.outputs.pop(mb)
+        # The module must hold this batch's weights again: under 2BW a forward of the
+        # next batch (the other buffer) may have run since this microbatch's forward,
+        # and recomputation -- the whole stage here, or checkpointed layers
+        # (--recompute-method) inside autograd's backward -- rebuilds activations from
+        # the parameters installed now.
+        self.weights.install(self.buffer_for(t))
         if self.stage_recompute:
-            self.weights.install(self.buffer_for(t))
             saved = self._get_rng_state() if self._get_rng_state else None
             if rng is not None:
                 self._set_rng_state(rng)
