@@ -134,6 +134,12 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
                        consumed_train_samples=payload["consumed_train_samples"],
                        consumed_valid_samples=payload["consumed_valid_samples"])
     engine.set_iteration(state.iteration)
+    if (engine.weights.num_buffers == 2 and payload.get("model_shadow") is None
+            and state.iteration > engine.flush_warmup_iters):
+        # One weight version (a Flush run's checkpoint): 2BW restarts from W(t), as
+        # after a flush warm-up of t batches, so batches t and t+1 both use (and are
+        # reported at) version t.
+        engine.flush_warmup_iters = state.iteration
     load_model_states(engine, payload["model"], payload.get("model_shadow"),
                        source=f"--load {tr.load}")
     if not tr.no_load_optim and payload.get("optimizer") is None and state.iteration > 0:

@@ -74,3 +74,20 @@ def test_train_samples_counts_samples_across_a_batch_size_change(tmp_path):
 
     with pytest.raises(UserError, match="--train-samples is 64"):
         _one_process(base + ["--load", ckpt])
+
+
+def test_flush_checkpoint_resumed_under_2bw_is_a_flush_warmup(tmp_path):
+    """A Flush checkpoint holds one weight version: 2BW restarts from it as after
+    --2bw-mitigation warmup's Flush batches (batches t and t+1 on W(t)), in losses and
+    in the versions it reports (they said t-1 for batch t)."""
+    ckpt = str(tmp_path / "ckpt")
+    six = ["--train-iters", "6"]
+    configs = [("warmup", _argv("2bw", *six, "--2bw-mitigation", "warmup",
+                                "--2bw-flush-warmup-iters", "3"), None),
+               ("flush", _argv("flush", *six, "--save", ckpt, "--exit-interval", "3"), None),
+               ("2bw", _argv("2bw", *six, "--save", ckpt, "--load", ckpt), None)]
+    res = run_distributed(train_configs, 2, args=(configs,), timeout=300)[-1]
+    warm, resumed = res["warmup"], res["2bw"]
+    assert resumed["versions"] == warm["versions"][3:] == [3, 3, 4]
+    for t in (4, 5, 6):
+        assert resumed["losses"][t] == warm["losses"][t], (t, resumed["losses"], warm["losses"])
