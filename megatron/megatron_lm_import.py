@@ -509,14 +509,17 @@ def _layer_counts(src: _Source, shards: Dict[Tuple[int, int], _Shard]) -> List[i
     return counts
 
 
-def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Dict[str, Any]],
-             version: float, src_iteration: Any, heads_flag: Optional[int],
-             notes: List[str]) -> MegatronModel:
-    first = src.files[(0, 0)]
+_Found = Dict[str, List[Tuple[torch.Tensor, str, str]]]
+"""Global name -> every tensor rank's part, with its Megatron-LM name and file."""
+
+
+def _global_tensors(src: _Source, shards: Dict[Tuple[int, int], _Shard]
+                    ) -> Tuple[_Found, List[int], List[int]]:
+    """Every stage's tensors under global layer numbers; the stages' layer counts and
+    first layers."""
     counts = _layer_counts(src, shards)
     offsets = [sum(counts[:p]) for p in range(src.pp)]
-    # stage-local names -> global, with every tensor rank's part and its origin
-    found: Dict[str, List[Tuple[torch.Tensor, str, str]]] = {}
+    found: _Found = {}
     for p in range(src.pp):
         for t in range(src.tp):
             shard = shards[(t, p)]
@@ -527,17 +530,15 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
                     raise CheckpointError(f"{FLAG} {shard.path}: {shard.source[name]!r} is also "
                                           f"in {found[g][0][2]}: two stages hold one tensor")
                 found.setdefault(g, []).append((tensor, shard.source[name], shard.path))
-    is_bert = any(k.startswith(("lm_head.", "binary_head.")) for k in found)
-    args = a or {}
-    _refuse_args(args, first, is_bert)
-    if WORD_EMBEDDING not in found:
-        raise CheckpointError(f"{FLAG} {first}: no word embedding "
-                              f"(language_model.embedding.word_embeddings.weight)")
-    emb = found[WORD_EMBEDDING][0][0]
-    hidden = _int_arg(args, "hidden_size", first) or emb.shape[1]
+    return found, counts, offsets
+
+
+def _heads(args: Dict[str, Any], recorded: bool, first: str, heads_flag: Optional[int],
+           tp: int, notes: List[str]) -> int:
     heads = _int_arg(args, "num_attention_heads", first)
     if heads is None:
-        what = "no args (an early release?)" if a is None else "no num_attention_heads in its args"
+        what = ("no args (an early release?)" if not recorded
+                else "no num_attention_heads in its args")
         if heads_flag is None:
             raise UserError(f"{FLAG} {first}: the checkpoint records {what}; give "
                             f"--num-attention-heads N (GPT-345M and BERT-345M: 16)")
@@ -545,13 +546,29 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
         notes.append(f"note: the checkpoint records {what}: --num-attention-heads {heads} as "
                      f"given; sizes from the tensors"
                      + ("; the tanh GELU (--openai-gelu), LayerNorm epsilon 1e-5 and learned "
-                        "positions of those versions" if a is None else ""))
+                        "positions of those versions" if not recorded else ""))
     elif heads_flag is not None and heads_flag != heads:
         raise UserError(f"--num-attention-heads {heads_flag}: the checkpoint's args record "
                         f"num_attention_heads {heads}; leave the flag out")
-    if heads % src.tp:
+    if heads % tp:
         raise CheckpointError(f"{FLAG} {first}: {heads} attention heads do not split over "
-                              f"{src.tp} tensor ranks")
+                              f"{tp} tensor ranks")
+    return heads
+
+
+def _architecture(found: _Found, args: Dict[str, Any], recorded: bool, src: _Source,
+                  counts: List[int], version: float, heads_flag: Optional[int],
+                  notes: List[str]) -> _Arch:
+    """The model the tensors and ``args`` describe, checked against each other."""
+    first = src.files[(0, 0)]
+    is_bert = any(k.startswith(("lm_head.", "binary_head.")) for k in found)
+    _refuse_args(args, first, is_bert)
+    if WORD_EMBEDDING not in found:
+        raise CheckpointError(f"{FLAG} {first}: no word embedding "
+                              f"(language_model.embedding.word_embeddings.weight)")
+    emb = found[WORD_EMBEDDING][0][0]
+    hidden = _int_arg(args, "hidden_size", first) or emb.shape[1]
+    heads = _heads(args, recorded, first, heads_flag, src.tp, notes)
     groups = heads
     if args.get("group_query_attention"):
         groups = _int_arg(args, "num_query_groups", first) or heads
@@ -573,10 +590,9 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
     ffn = _int_arg(args, "ffn_hidden_size", first)
     if ffn is None:
         ffn = (h4[0][0].shape[0] * src.tp // (2 if swiglu else 1)) if h4 else 4 * hidden
-    rope = _rope(args)
     pos_table = found.get("embedding.position_embeddings.weight")
     positions = None
-    if not rope:
+    if not _rope(args):
         positions = (_int_arg(args, "max_position_embeddings", first)
                      or (pos_table[0][0].shape[0] if pos_table else None))
         if positions is None:
@@ -613,11 +629,16 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
     if is_bert and tt is None:
         notes.append("note: a BERT without token types (no binary head); its token-type table "
                      "is written as zeros, which adds nothing, as this trainer's BERT has one")
-    expected = _expected_shapes(arch)
-    sizes = (f"args: num_layers {arch.layers}, hidden_size {hidden}, num_attention_heads "
-             f"{heads}, num_query_groups {groups}, kv_channels {kv}, ffn_hidden_size {ffn}, "
-             f"padded vocabulary {arch.vocab_rows}" + (f", max_position_embeddings {positions}"
-                                                      if positions else "")
+    return arch
+
+
+def _check_tensors(found: _Found, arch: _Arch, expected: Dict[str, Tuple[int, ...]],
+                   src: _Source, offsets: List[int]) -> None:
+    """Every tensor has the shape ``arch`` gives it on its rank, and none is missing."""
+    sizes = (f"args: num_layers {arch.layers}, hidden_size {arch.hidden}, num_attention_heads "
+             f"{arch.heads}, num_query_groups {arch.groups}, kv_channels {arch.kv}, "
+             f"ffn_hidden_size {arch.ffn}, padded vocabulary {arch.vocab_rows}"
+             + (f", max_position_embeddings {arch.positions}" if arch.positions else "")
              + f"; tensor size {src.tp}")
     for g, parts in found.items():
         if g not in expected:
@@ -638,9 +659,20 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
         raise CheckpointError(f"{FLAG} {src.files[(0, stage)]}: missing {missing[0]} "
                               f"({len(missing)} tensor(s) the args imply are absent; "
                               f"{_what_args_say(arch)})")
+
+
+def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Dict[str, Any]],
+             version: float, src_iteration: Any, heads_flag: Optional[int],
+             notes: List[str]) -> MegatronModel:
+    found, counts, offsets = _global_tensors(src, shards)
+    args = a or {}
+    arch = _architecture(found, args, a is not None, src, counts, version, heads_flag, notes)
+    expected = _expected_shapes(arch)
+    _check_tensors(found, arch, expected, src, offsets)
+    emb = found[WORD_EMBEDDING][0][0]
     full: Dict[str, torch.Tensor] = {}
     for g in expected:
-        if g == "embedding.tokentype_embeddings.weight" and tt is None:
+        if g == "embedding.tokentype_embeddings.weight" and g not in found:
             full[g] = torch.zeros(expected[g], dtype=emb.dtype)
             continue
         full[g] = _merge(g, [p[0] for p in found[g]], arch, version).contiguous().clone()
