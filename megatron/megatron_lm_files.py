@@ -67,6 +67,12 @@ def _safe_globals() -> List[Any]:
     return allowed
 
 
+def _torch_version() -> Tuple[int, int]:
+    major, minor = (re.match(r"(\d+)\.(\d+)", torch.__version__) or re.match("(0)(0)", "00")
+                    ).groups()
+    return int(major), int(minor)
+
+
 def load_megatron_file(path: str, allow_unsafe: bool) -> Any:
     """The object a Megatron-LM ``model_optim_rng.pt`` holds, read only through
     ``torch.load(weights_only=True)`` with ``_safe_globals`` (plus an inert
@@ -79,6 +85,10 @@ def load_megatron_file(path: str, allow_unsafe: bool) -> Any:
             f"{UNSAFE_FLAG} (it is then read with torch.load(weights_only=True), allowing only "
             f"tensors, argparse.Namespace, numpy arrays and inert records of Megatron-LM's "
             f"own classes)")
+    if _torch_version() < (2, 6):
+        raise CheckpointError(
+            f"{FLAG} {path}: reading a Megatron-LM checkpoint needs torch >= 2.6 (its "
+            f"weights-only unpickler's allow-list by name), found torch {torch.__version__}")
     stand_ins: Dict[str, type] = {}
     mmap = zipfile.is_zipfile(path)  # torch >= 1.6 files: tensors are read when used
     while True:

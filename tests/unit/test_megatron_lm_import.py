@@ -779,3 +779,14 @@ def test_trainer_load_of_a_megatron_lm_file_points_at_the_import(tmp_path):
             load_payload(stem, allow_unsafe=allow)
         if allow:
             assert "argparse.Namespace" in str(info.value)
+
+
+def test_torch_without_named_allow_list_is_named(tmp_path, capsys, monkeypatch):
+    """torch < 2.6 cannot allow-list a global under another name (the stand-ins, numpy's
+    moved modules): one line naming the version instead of an unpickling error."""
+    import megatron.megatron_lm_files as files
+
+    monkeypatch.setattr(files, "_torch_version", lambda: (2, 5))
+    _, src = _small(tmp_path)
+    line = _error(capsys, ["--from-megatron", src, "--save", str(tmp_path / "o"), UNSAFE])
+    assert "needs torch >= 2.6" in line and "found torch" in line
