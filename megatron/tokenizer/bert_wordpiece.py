@@ -5,6 +5,13 @@ text is cleaned, CJK ideographs become single-character words, lower-casing also
 accents, punctuation is split off, and each word is split greedily into the longest
 vocabulary pieces (continuations spelled ``##piece``); a word that cannot be covered,
 or is longer than 100 characters, becomes ``[UNK]``.
+
+Where the references differ: the 100-character limit is transformers' (Google's release
+and Megatron-LM's copy of it allow 200, so a word of 101-200 characters is ``[UNK]``
+here and pieces there); control characters are Google's and Megatron-LM's ``Cc``/``Cf``
+(transformers also drops private-use, unassigned and surrogate code points, which give
+``[UNK]`` here); and ``[CLS]`` etc. written in the text are split like any word, as in
+Megatron-LM (transformers keeps them whole as special tokens).
 """
 from __future__ import annotations
 

@@ -12,7 +12,12 @@ normalisation differs from Python's ``unicodedata``.  ``GuardedEncoder`` therefo
 sends pure-ASCII text straight to the fast backend and, for other text, probes each
 distinct non-ASCII character once (both backends encode a few short contexts around
 it; the verdict is cached).  Text containing a character the backends disagree on is
-encoded by the Python path, so the ids are the Python ids either way.
+encoded by the Python path, so the ids are the Python ids either way.  For GPT-2 the
+probe also compares where the two pre-tokenisers split (``split_check``): the ``regex``
+module and the Rust library classify characters by different Unicode versions, and a
+letter for one that is "other" for the other merges to the same ids in the probe yet
+splits a following contraction differently (U+058C before ``'ll``).  A character the backend
+cannot take at all (a lone surrogate) is one it disagrees on.
 """
 from __future__ import annotations
 
@@ -44,11 +49,14 @@ def want_fast(fast: Optional[bool], name: str) -> bool:
 
 
 def build_guarded(fast: Optional[bool], name: str, build_backend: Callable[[], object],
-                  reference: Callable[[str], List[int]]) -> Optional["GuardedEncoder"]:
+                  reference: Callable[[str], List[int]],
+                  split_check: Optional[Callable[[object, str], bool]] = None,
+                  ) -> Optional["GuardedEncoder"]:
     """The guarded fast encoder, or None for the Python path.
 
     With ``fast=None`` a backend that cannot be built (e.g. a hand-made merges file the
     Rust BPE rejects) quietly leaves the Python path in charge; ``fast=True`` raises.
+    ``split_check(backend, probe)`` is an extra per-character test (see GuardedEncoder).
     """
     if not want_fast(fast, name):
         return None
@@ -59,7 +67,7 @@ def build_guarded(fast: Optional[bool], name: str, build_backend: Callable[[], o
             raise ValueError(f"{name}: the 'tokenizers' backend could not be built from "
                              f"these vocabulary files ({exc})") from None
         return None
-    return GuardedEncoder(backend, reference)
+    return GuardedEncoder(backend, reference, split_check)
 
 
 def _probe_texts(ch: str) -> str:
@@ -71,9 +79,12 @@ def _probe_texts(ch: str) -> str:
 class GuardedEncoder:
     """Encode with a ``tokenizers.Tokenizer`` where it provably matches ``reference``."""
 
-    def __init__(self, backend, reference: Callable[[str], List[int]]) -> None:
+    def __init__(self, backend, reference: Callable[[str], List[int]],
+                 split_check: Optional[Callable[[object, str], bool]] = None) -> None:
         self._backend = backend
         self._reference = reference
+        # Optional extra test of a probe text, e.g. that both pre-tokenisers split it alike.
+        self._split_check = split_check
         self._safe: Dict[str, bool] = {}
         # encode_batch_fast (tokenizers >= 0.20) skips offset tracking we never use.
         self._batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
@@ -82,8 +93,13 @@ class GuardedEncoder:
         ok = self._safe.get(ch)
         if ok is None:
             probe = _probe_texts(ch)
-            ok = self._backend.encode(probe, add_special_tokens=False).ids == \
-                self._reference(probe)
+            try:
+                ok = self._backend.encode(probe, add_special_tokens=False).ids == \
+                    self._reference(probe)
+                if ok and self._split_check is not None:
+                    ok = bool(self._split_check(self._backend, probe))
+            except Exception:  # noqa: BLE001 - e.g. a lone surrogate: the Python path decides
+                ok = False
             self._safe[ch] = ok
         return ok
 
@@ -148,6 +164,15 @@ def gpt2_backend(encoder: Dict[str, int], merges: Sequence[tuple]):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def same_pretokenization(pattern) -> Callable[[object, str], bool]:
+    """A ``split_check`` for GPT-2: the compiled split ``pattern`` and the backend's
+    pre-tokenizer cut ``text`` at the same character offsets."""
+    def check(backend, text: str) -> bool:
+        ours = [m.span() for m in pattern.finditer(text)]
+        return ours == [span for _, span in backend.pre_tokenizer.pre_tokenize_str(text)]
+    return check
 
 
 def wordpiece_backend(vocab: Dict[str, int], lower_case: bool, unk: str,

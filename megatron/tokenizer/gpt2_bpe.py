@@ -14,7 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import regex
 
 from megatron.tokenizer.base import MegatronTokenizer, check_file
-from megatron.tokenizer.fast import FastEncoded, build_guarded, gpt2_backend
+from megatron.tokenizer.fast import (FastEncoded, build_guarded, gpt2_backend,
+                                     same_pretokenization)
 
 # Contractions first, then runs of letters / digits / other symbols each with at most
 # one leading space, then whitespace.  ``\s+(?!\S)`` leaves the last space of a run to
@@ -115,7 +116,8 @@ class GPT2BPETokenizer(FastEncoded, MegatronTokenizer):
         self.cache: Dict[str, List[str]] = {}
         self._eod_id = encoder[EOD_TOKEN]
         self._fast = build_guarded(fast, "GPT2BPETokenizer",
-                                   lambda: gpt2_backend(encoder, merges), self.tokenize_python)
+                                   lambda: gpt2_backend(encoder, merges), self.tokenize_python,
+                                   split_check=same_pretokenization(self.pattern))
 
     @property
     def backend(self) -> str:

@@ -92,7 +92,10 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         return list(self.hf(text)["input_ids"])
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return [list(ids) for ids in self.hf(list(texts))["input_ids"]]
+        texts = list(texts)
+        if not texts:  # transformers raises IndexError on an empty batch
+            return []
+        return [list(ids) for ids in self.hf(texts)["input_ids"]]
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode([int(i) for i in token_ids])

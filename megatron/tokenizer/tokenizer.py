@@ -24,18 +24,25 @@ TOKENIZER_TYPES = (
 )
 
 # Pieces accepted as a SentencePiece model's end-of-document, in order of preference:
-# tools/train_tokenizer.py adds "<eod>"; stock models have "</s>".
+# tools/train_tokenizer.py adds "<eod>"; stock models have "</s>".  A model with neither
+# uses its EOS id, whatever the piece is called (Gemma's "<eos>").
 SENTENCEPIECE_EOD_PIECES = ("<eod>", "</s>")
 
 
 class SentencePieceTokenizer(MegatronTokenizer):
-    """GPT-style tokenizer over a SentencePiece model (``--tokenizer-model``)."""
+    """GPT-style tokenizer over a SentencePiece model (``--tokenizer-model``).
 
-    def __init__(self, model_file: str) -> None:
-        super().__init__("SentencePieceTokenizer")
+    ``eod_is_eos`` (``--tokenizer-type GPTSentencePieceTokenizer``) takes the model's EOS
+    id as the end-of-document, as Megatron-LM's type of that name does; otherwise a
+    ``<eod>`` piece comes first (see ``SENTENCEPIECE_EOD_PIECES``).
+    """
+
+    def __init__(self, model_file: str, eod_is_eos: bool = False) -> None:
+        name = "GPTSentencePieceTokenizer" if eod_is_eos else "SentencePieceTokenizer"
+        super().__init__(name)
         import sentencepiece  # optional dependency: only needed for this tokenizer
 
-        check_file(model_file, "--tokenizer-model", "SentencePieceTokenizer")
+        check_file(model_file, "--tokenizer-model", name)
         self.sp = sentencepiece.SentencePieceProcessor()
         try:
             self.sp.Load(model_file)
@@ -43,19 +50,26 @@ class SentencePieceTokenizer(MegatronTokenizer):
             raise ValueError(
                 f"--tokenizer-model {model_file!r}: not a SentencePiece model: {exc}"
             ) from None
-        self._eod_id = self._find_eod(model_file)
+        self._eod_id = self._find_eod(model_file, eod_is_eos)
         self._vocab: Optional[Dict[str, int]] = None
         self._inv_vocab: Optional[Dict[int, str]] = None
 
-    def _find_eod(self, model_file: str) -> int:
+    def _find_eod(self, model_file: str, eod_is_eos: bool) -> int:
+        eos = self.sp.eos_id()
+        has_eos = 0 <= eos < self.sp.GetPieceSize() and not self.sp.IsUnknown(eos)
+        if eod_is_eos and has_eos:
+            return eos
         for piece in SENTENCEPIECE_EOD_PIECES:
             pid = self.sp.PieceToId(piece)
             # Unknown pieces map to the unk id, so confirm the id really spells the piece.
             if self.sp.IdToPiece(pid) == piece and not self.sp.IsUnknown(pid):
                 return pid
+        if has_eos:
+            return eos
         raise ValueError(
             f"--tokenizer-model {model_file!r}: no end-of-document piece; expected one of "
-            f"{list(SENTENCEPIECE_EOD_PIECES)} (train with tools/train_tokenizer.py, which adds <eod>)"
+            f"{list(SENTENCEPIECE_EOD_PIECES)} or an EOS id (train with "
+            f"tools/train_tokenizer.py, which adds <eod>)"
         )
 
     @property
@@ -191,7 +205,8 @@ def build_tokenizer(
         tokenizer = GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file, fast=fast)
     elif kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         check_file(cfg.tokenizer_model, "--tokenizer-model", kind)
-        tokenizer = SentencePieceTokenizer(cfg.tokenizer_model)
+        tokenizer = SentencePieceTokenizer(cfg.tokenizer_model,
+                                           eod_is_eos=kind == "GPTSentencePieceTokenizer")
     elif kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         check_file(cfg.vocab_file, "--vocab-file", kind)
         tokenizer = BertWordPieceTokenizer(cfg.vocab_file, lower_case=kind.endswith("LowerCase"),
