@@ -43,8 +43,15 @@ def add_bert_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Fraction of tokens to predict (80%% [MASK], 10%% random, 10%% kept).")
     g.add_argument("--short-seq-prob", type=float, default=0.1,
                    help="Probability that a sample gets a random shorter target length.")
-    g.add_argument("--whole-word-masking", action="store_true",
-                   help="Mask whole words (a WordPiece token and its ## continuations).")
+    g.add_argument("--whole-word-masking", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="Mask whole words (a WordPiece token and its ## continuations), as "
+                        "Megatron-LM always does (the default); --no-whole-word-masking "
+                        "masks single WordPiece tokens.")
+    g.add_argument("--masking-max-ngram", type=int, default=3,
+                   help="Mask n-grams of up to N consecutive words, P(n) ~ 1/n, as "
+                        "Megatron-LM (3, its fixed value); 1 masks single words as "
+                        "Google's BERT.")
     # Read by megatron.arguments.build_config: word + position + token-type embeddings.
     parser.set_defaults(num_tokentypes=2)
     return parser
@@ -62,13 +69,16 @@ def masking_from_args(argv: Optional[Sequence[str]]) -> MaskingConfig:
         problem = f"--mask-prob must be in (0, 1), got {args.mask_prob}"
     elif not 0.0 <= args.short_seq_prob <= 1.0:
         problem = f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}"
+    elif args.masking_max_ngram < 1:
+        problem = f"--masking-max-ngram must be >= 1, got {args.masking_max_ngram}"
     if problem:
         from megatron.errors import exit_once_per_node
 
         exit_once_per_node(f"error: {problem}")  # every rank has it: one line per node
     return MaskingConfig(masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
                          binary_head=not args.bert_no_binary_head,
-                         whole_word_masking=args.whole_word_masking)
+                         whole_word_masking=args.whole_word_masking,
+                         max_ngram=args.masking_max_ngram)
 
 
 def model_provider(cfg: MegatronConfig, groups: ParallelGroups, pre_process: bool,

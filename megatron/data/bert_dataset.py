@@ -2,17 +2,25 @@
 
 The corpus is a sentence-level indexed dataset (``tools/preprocess_data.py
 --split-sentences``): one sequence per sentence, documents as runs of sentences.
+Samples follow Megatron-LM's BERT dataset (legacy ``megatron/data/bert_dataset.py`` and
+``megatron/core/datasets/bert_dataset.py``, which agree):
 
 * The **mapping** (built once by the C++ helper ``build_bert_mapping``, cached as .npy)
   lists samples as runs of consecutive sentences of one document with a target length:
   usually ``max_seq_length - 3`` tokens, with probability ``short_seq_prob`` a shorter
-  random one so the model also sees short inputs.  ``build_bert_mapping_py`` is the pure
-  Python reference the tests compare it with.
+  random one so the model also sees short inputs.  A document's last run keeps every
+  sentence left; documents with a sentence over 512 tokens are skipped.  Whole epochs
+  are shuffled together and the first ``num_samples`` kept, so a run shorter than an
+  epoch still samples every document.  ``build_bert_mapping_py`` is the pure Python
+  reference the tests compare it with.
 * A **sample** (``build_training_sample``) splits its sentences at a random point into
   A and B, swaps them with probability 1/2 (sentence-order prediction: label
-  ``is_random``), truncates the pair to the target length, lays it out as
-  ``[CLS] A [SEP] B [SEP]`` and masks 15% of the tokens (80% [MASK], 10% random token,
-  10% unchanged), optionally whole words at a time (WordPiece ``##`` continuations).
+  ``is_random``), truncates the longer side (front or back at random) to the target
+  length, lays it out as ``[CLS] A [SEP] B [SEP]`` and masks up to 15% of the tokens
+  (at most ``mask_prob * target length``): whole words, in n-grams of 1-3 words
+  (P ~ 1/n); 80% [MASK], 10% a random non-special id, 10% unchanged.  With the same
+  mapping row and seed a sample is Megatron-LM's, but for the random ids (Megatron-LM
+  draws them from the whole vocabulary, special tokens included).
 
 Sample i draws its randomness from ``RandomState(seed + i)`` only, so it does not depend
 on the order samples are read in, on workers or on resumption.
@@ -40,7 +48,10 @@ from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
 _SPLIT_NAMES = ("train", "valid", "test")
-_MAPPING_VERSION = 1
+_MAPPING_VERSION = 2
+# Megatron-LM skips documents (of two or more sentences) with a sentence longer than this
+# many tokens: one would be cut to pieces by truncation anyway.
+LONG_SENTENCE_LEN = 512
 _MASK64 = (1 << 64) - 1
 
 
@@ -113,7 +124,7 @@ class SplitMix64:
 
 def build_bert_mapping_py(docs: np.ndarray, sizes: np.ndarray, max_num_samples: int,
                           max_num_tokens: int, short_seq_prob: float, seed: int,
-                          min_num_sent: int) -> np.ndarray:
+                          min_num_sent: int, long_sentence_len: int = 512) -> np.ndarray:
     """Pure-Python reference of ``helpers.build_bert_mapping`` (identical output)."""
     rng = SplitMix64(seed)
 
@@ -123,31 +134,32 @@ def build_bert_mapping_py(docs: np.ndarray, sizes: np.ndarray, max_num_samples: 
         return max_num_tokens
 
     rows: List[Tuple[int, int, int]] = []
-    while len(rows) < max_num_samples:
+    while len(rows) < max_num_samples:  # whole epochs
         before = len(rows)
         for d in range(len(docs) - 1):
-            if len(rows) >= max_num_samples:
-                break
             first, last = int(docs[d]), int(docs[d + 1])
             if last - first < min_num_sent:
                 continue
+            if (last - first > 1 and long_sentence_len > 0
+                    and int(np.max(sizes[first:last])) > long_sentence_len):
+                continue
             tgt, start, length = target(), first, 0
             for s in range(first, last):
-                if len(rows) >= max_num_samples:
-                    break
                 length += int(sizes[s])
                 n = s - start + 1
-                if (length >= tgt and n >= min_num_sent) or s == last - 1:
+                remaining = last - s - 1
+                if (length >= tgt and n >= min_num_sent and remaining > 1) or remaining == 0:
                     if n >= min_num_sent:
                         rows.append((start, s + 1, tgt))
                     start, length, tgt = s + 1, 0, target()
         if len(rows) == before:
             raise RuntimeError(f"build_bert_mapping: no document has enough sentences (need "
-                               f"{min_num_sent} per sample)")
+                               f"{min_num_sent} per sample, each of at most "
+                               f"{long_sentence_len} tokens)")
     for i in range(len(rows) - 1, 0, -1):
         j = rng.below(i + 1)
         rows[i], rows[j] = rows[j], rows[i]
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    return np.asarray(rows[:max_num_samples], dtype=np.int64).reshape(-1, 3)
 
 
 # ------------------------------------------------------------------ sample construction
@@ -166,50 +178,77 @@ def truncate_pair(a: List[int], b: List[int], max_num_tokens: int,
 
 
 def create_masked_lm_predictions(tokens: List[int], info: BertVocabInfo, masked_lm_prob: float,
-                                 max_predictions: int, rng: np.random.RandomState,
-                                 whole_word_masking: bool = False
+                                 max_predictions: float, rng: np.random.RandomState,
+                                 whole_word_masking: bool = True, max_ngram: int = 3
                                  ) -> Tuple[List[int], List[int], List[int]]:
-    """(tokens with masks applied, masked positions, original ids at those positions)."""
-    groups: List[List[int]] = []
+    """(tokens with masks applied, masked positions, original ids at those positions).
+
+    Megatron-LM's masking: the candidates are words (a WordPiece token and the ``##``
+    pieces after it; single tokens without ``whole_word_masking``), [CLS]/[SEP] never.
+    Candidates are visited in random order; each starts an n-gram of n consecutive
+    candidates, n drawn from 1..max_ngram with P(n) ~ 1/n and shortened
+    while it would pass the budget, ``min(max_predictions, max(1, round(len(tokens) *
+    masked_lm_prob)))`` positions (a float budget, as Megatron-LM's).  Each chosen
+    position becomes [MASK] (80%), stays (10%) or a random non-special id (10%).
+    """
+    words: List[List[int]] = []
     for i, tok in enumerate(tokens):
         if tok == info.cls or tok == info.sep:
             continue
-        if (whole_word_masking and groups and info.is_continuation is not None
-                and groups[-1][-1] == i - 1 and info.is_continuation[tok]):
-            groups[-1].append(i)
+        # A '##' piece joins the word before it.  As in Megatron-LM that is also the
+        # last word of A when B starts with a '##' piece (B truncated at the front, or
+        # swapped): the two are masked together, which keeps samples identical to
+        # Megatron-LM's for the same mapping row and seed.
+        if (whole_word_masking and words and info.is_continuation is not None
+                and info.is_continuation[tok]):
+            words[-1].append(i)
         else:
-            groups.append([i])
-    num_to_predict = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))))
-    order = rng.permutation(len(groups))
-    chosen: List[int] = []
-    for g in order:
-        if len(chosen) >= num_to_predict:
-            break
-        if len(chosen) + len(groups[g]) > num_to_predict:
-            continue
-        chosen.extend(groups[g])
-    chosen.sort()
+            words.append([i])
     output = list(tokens)
-    labels = []
-    for pos in chosen:
-        labels.append(tokens[pos])
-        r = rng.random_sample()
-        if r < 0.8:
-            output[pos] = info.mask
-        elif r >= 0.9:
-            output[pos] = int(info.random_ids[rng.randint(len(info.random_ids))])
-    return output, chosen, labels
+    budget = min(float(max_predictions),
+                 float(max(1, int(round(len(tokens) * masked_lm_prob)))))
+    sizes = np.arange(1, max(1, int(max_ngram)) + 1, dtype=np.int64)
+    # Megatron-LM draws n with the same odds at every start, near the end too, where the
+    # n-gram is cut short by the last word.
+    p = (1.0 / sizes) / (1.0 / sizes).sum()
+    starts = list(range(len(words)))
+    rng.shuffle(starts)
+    covered = set()
+    chosen: List[int] = []
+    labels_at: Dict[int, int] = {}
+    for w in starts:
+        if len(chosen) >= budget:
+            break
+        n = int(rng.choice(sizes, p=p))
+        span = [i for word in words[w:w + n] for i in word]
+        while len(chosen) + len(span) > budget and n > 1:
+            n -= 1
+            span = [i for word in words[w:w + n] for i in word]
+        if len(chosen) + len(span) > budget or any(i in covered for i in span):
+            continue
+        for pos in span:
+            covered.add(pos)
+            labels_at[pos] = tokens[pos]
+            chosen.append(pos)
+            if rng.random_sample() < 0.8:
+                output[pos] = info.mask
+            elif rng.random_sample() >= 0.5:
+                output[pos] = int(info.random_ids[rng.randint(len(info.random_ids))])
+    chosen.sort()
+    return output, chosen, [labels_at[pos] for pos in chosen]
 
 
 def build_training_sample(sentences: Sequence[np.ndarray], target_seq_length: int,
                           max_seq_length: int, info: BertVocabInfo, masked_lm_prob: float,
                           rng: np.random.RandomState, binary_head: bool = True,
-                          whole_word_masking: bool = False) -> Dict[str, np.ndarray]:
+                          whole_word_masking: bool = True,
+                          max_ngram: int = 3) -> Dict[str, np.ndarray]:
     """One padded BERT sample from a run of sentences (see the module docstring)."""
     if binary_head and len(sentences) < 2:
         raise ValueError("a sentence-order sample needs at least two sentences")
     if binary_head:
-        a_end = 1 + rng.randint(len(sentences) - 1)
+        # A gets sentences [0, a_end), a_end uniform in [1, n - 1] (no draw for n = 2)
+        a_end = 1 if len(sentences) == 2 else int(rng.randint(1, len(sentences)))
         a = [int(t) for s in sentences[:a_end] for t in s]
         b = [int(t) for s in sentences[a_end:] for t in s]
         is_random = bool(rng.random_sample() < 0.5)
@@ -226,9 +265,11 @@ def build_training_sample(sentences: Sequence[np.ndarray], target_seq_length: in
     if binary_head:
         tokens += b + [info.sep]
         types += [1] * (len(b) + 1)
-    max_predictions = max(1, int(masked_lm_prob * max_seq_length))
+    # Megatron-LM caps the predictions at mask_prob x the sample's target length (a
+    # float), e.g. 18 of 128 tokens (not 19) at --seq-length 128.
+    max_predictions = masked_lm_prob * min(int(target_seq_length), max_seq_length - specials)
     masked, positions, labels = create_masked_lm_predictions(
-        tokens, info, masked_lm_prob, max_predictions, rng, whole_word_masking)
+        tokens, info, masked_lm_prob, max_predictions, rng, whole_word_masking, max_ngram)
     n = len(masked)
     pad = max_seq_length - n
     out_labels = np.full(max_seq_length, -1, dtype=np.int64)
@@ -253,7 +294,10 @@ class MaskingConfig:
     masked_lm_prob: float = 0.15
     short_seq_prob: float = 0.1
     binary_head: bool = True
-    whole_word_masking: bool = False
+    whole_word_masking: bool = True
+    """Mask whole words (Megatron-LM always does)."""
+    max_ngram: int = 3
+    """Mask n-grams of up to this many words, P(n) ~ 1/n (Megatron-LM's 3); 1 = BERT's."""
 
 
 # ---------------------------------------------------------------------------- datasets
@@ -297,7 +341,8 @@ class BertDataset(torch.utils.data.Dataset):
         rng = np.random.RandomState((self.seed + idx) % 2 ** 32)
         m = self.masking
         return build_training_sample(sentences, target, self.max_seq_length, self.info,
-                                     m.masked_lm_prob, rng, m.binary_head, m.whole_word_masking)
+                                     m.masked_lm_prob, rng, m.binary_head, m.whole_word_masking,
+                                     m.max_ngram)
 
 
 class MockBertDataset(torch.utils.data.Dataset):
@@ -324,7 +369,8 @@ class MockBertDataset(torch.utils.data.Dataset):
                      for _ in range(n_sent)]
         m = self.masking
         return build_training_sample(sentences, target, self.max_seq_length, self.info,
-                                     m.masked_lm_prob, rng, m.binary_head, m.whole_word_masking)
+                                     m.masked_lm_prob, rng, m.binary_head, m.whole_word_masking,
+                                     m.max_ngram)
 
 
 def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
@@ -337,7 +383,7 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
         "prefix": os.path.abspath(ds.prefix), "num_sequences": len(ds),
         "docs": hashlib.md5(docs.tobytes()).hexdigest(), "num_samples": num_samples,
         "max_num_tokens": max_num_tokens, "short_seq_prob": masking.short_seq_prob,
-        "min_num_sent": min_num_sent, "seed": seed,
+        "min_num_sent": min_num_sent, "seed": seed, "long_sentence_len": LONG_SENTENCE_LEN,
     }
     key = cache_key(description)
     cache = index_cache_dir(ds.prefix, data_cache_path)
@@ -355,7 +401,8 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
               f"or from another dataset); rebuilding it", file=sys.stderr, flush=True)
     try:
         mapping = helpers.build_bert_mapping(docs, ds.sizes, num_samples, max_num_tokens,
-                                             masking.short_seq_prob, seed, min_num_sent)
+                                             masking.short_seq_prob, seed, min_num_sent,
+                                             LONG_SENTENCE_LEN)
     except RuntimeError as exc:
         if "enough sentences" not in str(exc):
             raise
@@ -366,7 +413,9 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
                     "sentences with tools/preprocess_data.py --split-sentences")
         else:
             hint = (f"the dataset is split into sentences, but the split's {len(docs) - 1} "
-                    f"documents are too short; give it documents of several sentences")
+                    f"documents are too short or have a sentence of more than "
+                    f"{LONG_SENTENCE_LEN} tokens (skipped, as by Megatron-LM); give it "
+                    f"documents of several sentences")
         raise DataError(f"{ds.prefix}: the {name} split has no document with {min_num_sent} "
                         f"or more sentences, which sentence-pair samples need; {hint}") from None
     try:

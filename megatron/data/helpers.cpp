@@ -167,13 +167,26 @@ py::tuple build_blending_indices(const WeightsArray& weights, int64_t size) {
 // BERT sentence-pair sample mapping.
 //
 // A sample is a run of consecutive sentences of one document: (first sentence, end
-// sentence (exclusive), target length).  Each document is cut greedily: sentences are
-// added until their tokens reach the target length (max_num_tokens, or with probability
-// short_seq_prob a uniform length in [2, max_num_tokens]); a run with fewer than
-// min_num_sent sentences (2 when the sentence-order head needs an A and a B part) is
-// dropped.  Documents are walked epoch after epoch until max_num_samples samples exist,
-// then the samples are shuffled.  All randomness comes from SplitMix64 so that the pure
-// Python reference (megatron/data/bert_dataset.py) reproduces the mapping exactly.
+// sentence (exclusive), target length).  The rules are Megatron-LM's (its build_mapping):
+//
+// * a document is skipped if it has fewer than min_num_sent sentences (2 when the
+//   sentence-order head needs an A and a B part), or if it has two or more sentences and
+//   one of them is longer than long_sentence_len tokens (512 in Megatron-LM);
+// * a document is cut greedily: sentences are added until their tokens reach the target
+//   length (max_num_tokens, or with probability short_seq_prob a uniform length in
+//   [2, max_num_tokens]) and the run has min_num_sent sentences, but never so that a
+//   single sentence is left over: the document's last run takes every remaining
+//   sentence, so no sentence of a used document is dropped;
+// * documents are walked in whole epochs: once max_num_samples samples exist the epoch
+//   in progress is still completed, all samples are shuffled together and the first
+//   max_num_samples are returned.  A run that needs fewer samples than one epoch holds
+//   thus draws them from every document of its split (what Megatron-LM's training reads:
+//   the first samples of its shuffled whole-epoch mapping), not from the first documents.
+//
+// All randomness comes from SplitMix64 so that the pure Python reference
+// (megatron/data/bert_dataset.py) reproduces the mapping exactly.
+
+constexpr int64_t kBertMappingVersion = 2;
 
 class SplitMix64 {
  public:
@@ -202,12 +215,12 @@ int64_t draw_target(SplitMix64& rng, int64_t max_num_tokens, double short_seq_pr
 void fill_bert_mapping(const int64_t* docs, int64_t num_docs, const int32_t* sizes,
                        int64_t num_sizes, int64_t max_num_samples, int64_t max_num_tokens,
                        double short_seq_prob, uint64_t seed, int64_t min_num_sent,
-                       std::vector<int64_t>& out) {
+                       int64_t long_sentence_len, std::vector<int64_t>& out) {
   SplitMix64 rng(seed);
   int64_t count = 0;
-  while (count < max_num_samples) {
+  while (count < max_num_samples) {  // one whole epoch per pass
     const int64_t before = count;
-    for (int64_t d = 0; d < num_docs && count < max_num_samples; ++d) {
+    for (int64_t d = 0; d < num_docs; ++d) {
       const int64_t first = docs[d];
       const int64_t last = docs[d + 1];
       if (first < 0 || last > num_sizes || last < first) {
@@ -215,13 +228,24 @@ void fill_bert_mapping(const int64_t* docs, int64_t num_docs, const int32_t* siz
                                  "sizes array");
       }
       if (last - first < min_num_sent) continue;
+      if (last - first > 1 && long_sentence_len > 0) {
+        bool long_sentence = false;
+        for (int64_t s = first; s < last; ++s) {
+          if (sizes[s] > long_sentence_len) {
+            long_sentence = true;
+            break;
+          }
+        }
+        if (long_sentence) continue;
+      }
       int64_t target = draw_target(rng, max_num_tokens, short_seq_prob);
       int64_t start = first;
       int64_t length = 0;
-      for (int64_t s = first; s < last && count < max_num_samples; ++s) {
+      for (int64_t s = first; s < last; ++s) {
         length += sizes[s];
         const int64_t n = s - start + 1;
-        if ((length >= target && n >= min_num_sent) || s == last - 1) {
+        const int64_t remaining = last - s - 1;
+        if ((length >= target && n >= min_num_sent && remaining > 1) || remaining == 0) {
           if (n >= min_num_sent) {
             out.push_back(start);
             out.push_back(s + 1);
@@ -236,18 +260,21 @@ void fill_bert_mapping(const int64_t* docs, int64_t num_docs, const int32_t* siz
     }
     if (count == before) {
       throw std::runtime_error("build_bert_mapping: no document has enough sentences (need " +
-                               std::to_string(min_num_sent) + " per sample)");
+                               std::to_string(min_num_sent) + " per sample, each of at most " +
+                               std::to_string(long_sentence_len) + " tokens)");
     }
   }
   for (int64_t i = count - 1; i > 0; --i) {  // Fisher-Yates over whole rows
     const int64_t j = rng.below(i + 1);
     for (int k = 0; k < 3; ++k) std::swap(out[3 * i + k], out[3 * j + k]);
   }
+  out.resize(static_cast<size_t>(3 * std::min(count, max_num_samples)));
 }
 
 py::array build_bert_mapping(const DocIdxArray& docs, const SizesArray& sizes,
                              int64_t max_num_samples, int64_t max_num_tokens,
-                             double short_seq_prob, uint64_t seed, int64_t min_num_sent) {
+                             double short_seq_prob, uint64_t seed, int64_t min_num_sent,
+                             int64_t long_sentence_len) {
   if (docs.ndim() != 1 || sizes.ndim() != 1 || docs.shape(0) < 1) {
     throw std::invalid_argument("build_bert_mapping: docs (non-empty) and sizes must be 1-D");
   }
@@ -264,7 +291,7 @@ py::array build_bert_mapping(const DocIdxArray& docs, const SizesArray& sizes,
     py::gil_scoped_release release;
     fill_bert_mapping(docs.data(), docs.shape(0) - 1, sizes.data(), sizes.shape(0),
                       max_num_samples, max_num_tokens, short_seq_prob, seed, min_num_sent,
-                      rows);
+                      long_sentence_len, rows);
   }
   const int64_t n = static_cast<int64_t>(rows.size() / 3);
   py::array_t<int64_t> out({n, static_cast<int64_t>(3)});
@@ -283,6 +310,7 @@ PYBIND11_MODULE(helpers_cpp, m) {
         "Return (dataset_index, dataset_sample_index) of a weighted greedy interleave.");
   m.def("build_bert_mapping", &build_bert_mapping, py::arg("docs"), py::arg("sizes"),
         py::arg("max_num_samples"), py::arg("max_num_tokens"), py::arg("short_seq_prob"),
-        py::arg("seed"), py::arg("min_num_sent"),
+        py::arg("seed"), py::arg("min_num_sent"), py::arg("long_sentence_len"),
         "Return [n, 3] (first sentence, end sentence, target length) BERT samples.");
+  m.attr("bert_mapping_version") = kBertMappingVersion;
 }

@@ -26,6 +26,9 @@ import numpy as np
 _SOURCE = Path(__file__).with_name("helpers.cpp")
 _MODULE_NAME = "megatron.data.helpers_cpp"
 _module: Optional[ModuleType] = None
+# The build_bert_mapping rules this Python expects of the compiled helpers (helpers.cpp
+# exports its own as bert_mapping_version).
+BERT_MAPPING_VERSION = 2
 _thread_lock = threading.Lock()
 
 
@@ -156,23 +159,28 @@ class _FileLock:
 
 def build_bert_mapping(docs: np.ndarray, sizes: np.ndarray, max_num_samples: int,
                        max_num_tokens: int, short_seq_prob: float, seed: int,
-                       min_num_sent: int) -> np.ndarray:
+                       min_num_sent: int, long_sentence_len: int = 512) -> np.ndarray:
     """[n, 3] int64 rows (first sentence, end sentence, target length) of BERT samples.
 
     ``docs``: sentence boundaries of the documents to use (document i is sentences
-    docs[i]..docs[i+1]); ``sizes``: tokens per sentence.  See helpers.cpp and the pure
-    Python reference ``megatron.data.bert_dataset.build_bert_mapping_py``.
+    docs[i]..docs[i+1]); ``sizes``: tokens per sentence.  Documents with a sentence of
+    more than ``long_sentence_len`` tokens are skipped (Megatron-LM: 512; 0 = keep all).
+    The samples of whole epochs are shuffled together and the first ``max_num_samples``
+    returned.  See helpers.cpp and the pure Python reference
+    ``megatron.data.bert_dataset.build_bert_mapping_py``.
     """
     module = get_module()
-    if not hasattr(module, "build_bert_mapping"):
+    if getattr(module, "bert_mapping_version", 1) < BERT_MAPPING_VERSION:
         # A second library of the same name cannot be loaded into this process, so a
         # stale build can only be fixed by rebuilding it.
         raise RuntimeError(
             f"the compiled dataset helpers {getattr(module, '__file__', module)} predate "
-            f"build_bert_mapping (megatron/data/helpers.cpp changed since they were built): "
-            f"rebuild them with `pip install -e .` (or `python setup.py build_ext --inplace`), "
-            f"or delete that file so they are compiled on first use")
+            f"build_bert_mapping version {BERT_MAPPING_VERSION} (megatron/data/helpers.cpp "
+            f"changed since they were built): rebuild them with `pip install -e .` (or "
+            f"`python setup.py build_ext --inplace`), or delete that file so they are "
+            f"compiled on first use")
     return module.build_bert_mapping(np.asarray(docs, dtype=np.int64),
                                      np.asarray(sizes, dtype=np.int32), int(max_num_samples),
                                      int(max_num_tokens), float(short_seq_prob),
-                                     int(seed) & ((1 << 64) - 1), int(min_num_sent))
+                                     int(seed) & ((1 << 64) - 1), int(min_num_sent),
+                                     int(long_sentence_len))

@@ -95,7 +95,11 @@ def test_mapping_of_single_sentence_documents_needs_no_binary_head():
     with pytest.raises(RuntimeError, match="enough sentences"):
         helpers.build_bert_mapping(docs, sizes, 4, 20, 0.0, 1, 2)
     ok = helpers.build_bert_mapping(docs, sizes, 12, 20, 0.0, 1, 1)
-    assert sorted(ok[:, 0].tolist()) == sorted([0, 1, 2, 3, 4] * 2 + [0, 1])
+    # whole epochs shuffled together (as Megatron-LM), the first 12 kept: every document
+    # two or three times
+    assert ok.shape == (12, 3)
+    counts = np.bincount(ok[:, 0], minlength=5)
+    assert counts.min() >= 2 and counts.max() <= 3
 
 
 # ------------------------------------------------------------------------ sample layout
@@ -144,7 +148,8 @@ def test_no_binary_head_is_one_segment():
 
 
 def test_masking_statistics():
-    """About 15% of tokens predicted; of those 80% [MASK], 10% random, 10% unchanged."""
+    """Up to 15% of tokens predicted (Megatron-LM's cap: 0.15 x the target length, 18 of
+    128 here); of those 80% [MASK], 10% random, 10% unchanged."""
     info = _info(vocab=1000)
     rng = np.random.RandomState(0)
     predicted = real = masked = unchanged = randomised = 0
@@ -159,7 +164,7 @@ def test_masking_statistics():
         masked += int(np.sum(s["text"][sel] == info.mask))
         unchanged += int(np.sum(s["text"][sel] == s["labels"][sel]))
         randomised += int(np.sum((s["text"][sel] != info.mask) & (s["text"][sel] != s["labels"][sel])))
-    assert abs(predicted / real - 0.15) < 0.005
+    assert abs(predicted / real - 18 / 128) < 0.006
     assert abs(masked / predicted - 0.8) < 0.02
     # a random replacement can draw the original id (p = 1/996): count it as unchanged
     assert abs(unchanged / predicted - 0.1) < 0.015
