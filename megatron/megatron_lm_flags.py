@@ -80,7 +80,9 @@ class CompatFlag:
 
 
 _FUSION = "picks a fused kernel of Megatron-LM: none here, the arithmetic is the same"
-_TB = "a TensorBoard option of Megatron-LM: --tensorboard-dir writes this trainer's scalars"
+_TB = ("a TensorBoard option of Megatron-LM: --tensorboard-dir always writes Megatron-LM's "
+       "scalars at every iteration (validation ppl, batch size, learning rate, loss scale, "
+       "iteration-time included)")
 
 FLAGS: Tuple[CompatFlag, ...] = (
     # ---- already how this trainer works
@@ -98,7 +100,8 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--no-query-key-layer-scaling", "ignored", "no query-key layer scaling is done"),
     CompatFlag("--check-for-nan-in-loss-and-grad", "ignored",
                "non-finite losses and gradients are always checked (--max-consecutive-skipped-steps)"),
-    CompatFlag("--log-throughput", "ignored", "TFLOP/s per device is in every log line"),
+    CompatFlag("--log-throughput", "ignored",
+               "Megatron-LM's throughput per GPU (TFLOP/s/GPU) is in every log line"),
     CompatFlag("--fp16-lm-cross-entropy", "ignored",
                "the language-model loss is computed in fp32 (slightly more accurate)"),
     CompatFlag("--use-cpu-initialization", "ignored",
@@ -154,10 +157,12 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "per-phase timers are not logged (--timeline-file traces every pipeline action)",
                nargs=None),
     CompatFlag("--timing-log-option", "ignored", "per-phase timers are not logged", nargs=None),
-    CompatFlag("--log-timers-to-tensorboard", "ignored", _TB),
+    CompatFlag("--log-timers-to-tensorboard", "ignored",
+               "per-phase timer scalars are not written (iteration-time and throughput are)"),
     CompatFlag("--log-validation-ppl-to-tensorboard", "ignored", _TB),
-    CompatFlag("--log-memory-to-tensorboard", "ignored", _TB),
-    CompatFlag("--log-world-size-to-tensorboard", "ignored", _TB),
+    CompatFlag("--log-memory-to-tensorboard", "ignored", "the mem-* scalars are not written"),
+    CompatFlag("--log-world-size-to-tensorboard", "ignored",
+               "the world-size scalar is not written"),
     CompatFlag("--log-batch-size-to-tensorboard", "ignored", _TB),
     CompatFlag("--no-log-learning-rate-to-tensorboard", "ignored", _TB),
     CompatFlag("--no-log-loss-scale-to-tensorboard", "ignored", _TB),

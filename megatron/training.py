@@ -354,17 +354,33 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
 
 
 def evaluate_and_print(engine: PipelineEngine, iterator, eval_iters: int, label: str,
-                       iteration: int, logger: TrainingLogger) -> Optional[Dict[str, float]]:
+                       iteration: int, logger: TrainingLogger, *,
+                       samples: Optional[int] = None, at_end: bool = False,
+                       to_tensorboard: bool = True) -> Optional[Dict[str, float]]:
+    """Megatron-LM's ``evaluate_and_print_results``: the line
+    `` validation loss at iteration N | lm loss value: X | lm loss PPL: Y | `` between
+    two rules of its length (at the end ``iteration N on validation set`` or ``on test
+    set``, the test split's line starting ``validation loss`` too), and the TensorBoard
+    scalars ``lm loss validation`` and ``lm loss validation ppl`` against the iteration,
+    their `` vs samples`` twins against ``samples`` (the consumed training samples).
+    The test split's scalars are ``lm loss test`` (Megatron-LM writes them over the
+    validation ones)."""
     losses = engine.evaluate(iterator, eval_iters)
     if losses:
-        parts = []
+        prefix = f"iteration {iteration}" + (f" on {label} set" if at_end else "")
+        line = f" validation loss at {prefix} | "
         for k, v in losses.items():
             # min(20, nan) is 20: a NaN loss would print a perfectly normal-looking PPL.
-            ppl = f"{math.exp(min(20.0, v)):.6E}" if math.isfinite(v) else "nan"
-            parts.append(f"{k} value: {v:.6E} | {k} PPL: {ppl}")
-            logger.scalar(f"{label}/{k}", v, iteration)
-        print_rank_last(f"{'-' * 80}\n {label} loss at iteration {iteration} | "
-                        + " | ".join(parts) + f"\n{'-' * 80}")
+            ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
+            shown = f"{ppl:.6E}" if math.isfinite(ppl) else "nan"
+            line += f"{k} value: {v:.6E} | {k} PPL: {shown} | "
+            if to_tensorboard:
+                for name, value in ((f"{k} {label}", v), (f"{k} {label} ppl", ppl)):
+                    logger.scalar(name, value, iteration)
+                    if samples is not None:
+                        logger.scalar(f"{name} vs samples", value, samples)
+        rule = "-" * (len(line) + 1)
+        print_rank_last(f"{rule}\n{line}\n{rule}")
     return losses
 
 
@@ -533,7 +549,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
             with logger.paused():
                 losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
-                                            it, logger)
+                                            it, logger, samples=state.consumed_train_samples)
             state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size
             if losses:
                 result.eval_losses[it] = losses
@@ -672,17 +688,22 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         logger.close()
         raise NonFiniteError(result.nonfinite_ending)
     if not result.exited_early:
-        # an evaluation-only run (--skip-train) trained nothing to be at the end of
-        when = "" if cfg.training.skip_train else " (end of training)"
+        # as Megatron-LM: 'iteration N on validation set' / 'on test set'; an
+        # evaluation-only run (--skip-train) writes no TensorBoard scalars
+        tb = not cfg.training.skip_train
         if valid_iter is not None and cfg.training.eval_iters:
             losses = evaluate_and_print(engine, valid_iter, cfg.training.eval_iters,
-                                        f"validation{when}", state.iteration, logger)
+                                        "validation", state.iteration, logger,
+                                        samples=state.consumed_train_samples, at_end=True,
+                                        to_tensorboard=tb)
             state.consumed_valid_samples += cfg.training.eval_iters * cfg.training.global_batch_size
             if losses:
                 result.eval_losses[state.iteration] = losses
         if test_iter is not None and cfg.training.eval_iters:
             losses = evaluate_and_print(engine, test_iter, cfg.training.eval_iters,
-                                        f"test{when}", state.iteration, logger)
+                                        "test", state.iteration, logger,
+                                        samples=state.consumed_train_samples, at_end=True,
+                                        to_tensorboard=tb)
             if losses:
                 result.test_losses[state.iteration] = losses
         if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (

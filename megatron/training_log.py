@@ -120,6 +120,14 @@ class TrainingLogger:
         if self.writer is not None:
             self.writer.add_scalar(name, value, step)
 
+    def scalars(self, name: str, value: float, iteration: int,
+                samples: Optional[int]) -> None:
+        """Megatron-LM's pair: ``name`` against the iteration and ``name vs samples``
+        against the consumed training samples."""
+        self.scalar(name, value, iteration)
+        if samples is not None:
+            self.scalar(f"{name} vs samples", value, samples)
+
     def on_step(self, report, state, batch_size: Optional[int] = None,
                 decoupled_lr: Optional[float] = None,
                 weight_decay: Optional[float] = None) -> None:
@@ -129,7 +137,7 @@ class TrainingLogger:
         printed after the regular rate as Megatron-LM does.
         ``weight_decay``: the step's weight decay where it changes during training
         (--weight-decay-incr-style), printed after the rates and written to TensorBoard
-        as ``train/weight_decay``."""
+        as ``weight-decay``."""
         if not self.active:
             return
         self.decoupled_lr = decoupled_lr
@@ -142,25 +150,30 @@ class TrainingLogger:
         if self.is_nan_iteration(report):
             self.nan += 1
         finite = report.losses and all(math.isfinite(v) for v in report.losses.values())
-        if finite:  # a NaN batch (skipped) must not turn the interval's average into NaN
+        # As Megatron-LM: the interval's loss is the mean over the iterations applied; a
+        # skipped one (an fp16 overflow, or a NaN batch) adds neither its loss nor a count.
+        if finite and not report.skipped:
             for k, v in report.losses.items():
                 self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
             self.loss_count += 1
+        it, samples = state.iteration, state.consumed_train_samples
         if report.losses:
             self.loss_keys.update(report.losses)
-            for k, v in report.losses.items():
-                self.scalar(f"train/{k}", v, state.iteration)
-        self.scalar("train/lr", report.lr, state.iteration)
+            for k, v in report.losses.items():  # the iteration's own loss, not the average
+                self.scalars(k, v, it, samples)
+        self.scalars("learning-rate", report.lr, it, samples)
         if decoupled_lr is not None:
-            self.scalar("train/decoupled_lr", decoupled_lr, state.iteration)
+            self.scalar("decoupled-learning-rate", decoupled_lr, it)
         if weight_decay is not None:
-            self.scalar("train/weight_decay", weight_decay, state.iteration)
-        self.scalar("train/loss_scale", report.loss_scale, state.iteration)
-        self.scalar("train/grad_norm", report.grad_norm, state.iteration)
+            self.scalars("weight-decay", weight_decay, it, samples)
+        self.scalars("batch-size", self.last_batch, it, samples)
+        self.scalars("loss-scale", report.loss_scale, it, samples)
+        if report.grad_norm is not None:
+            self.scalars("grad-norm", report.grad_norm, it, samples)
         if report.num_zeros is not None:
-            self.scalar("train/num_zeros", report.num_zeros, state.iteration)
+            self.scalars("num-zeros", report.num_zeros, it, samples)
         if report.params_norm is not None:
-            self.scalar("train/params_norm", report.params_norm, state.iteration)
+            self.scalars("params-norm", report.params_norm, it, samples)
         interval = self.cfg.training.log_interval
         if state.iteration % interval == 0:
             self._print(report, state)
@@ -174,6 +187,8 @@ class TrainingLogger:
         return grad_nan and not self.cfg.precision.fp16
 
     def _print(self, report, state) -> None:
+        """Megatron-LM's line: its fields in its order and number formats; ours
+        (samples/s, weight decay) sit between them."""
         tr = self.cfg.training
         elapsed = time.perf_counter() - self.t_last
         per_iter = elapsed / max(self.steps, 1)
@@ -181,29 +196,34 @@ class TrainingLogger:
         total = self.total_iterations if self.total_iterations is not None else tr.train_iters
         parts = [f" iteration {state.iteration:8d}/{total or 0:8d}",
                  f"consumed samples: {state.consumed_train_samples:12d}",
-                 f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
-                 f"samples/s: {samples_per_s:.2f}"]
-        if tr.batch_schedule:  # Megatron-LM prints it on every line
-            parts.append(f"global batch size: {self.last_batch:5d}")
+                 f"elapsed time per iteration (ms): {per_iter * 1000:.1f}"]
+        self.scalar("iteration-time", per_iter, state.iteration)
         if self.flops and elapsed > 0:  # flops of a full batch, per sample trained
             tflops = self.flops / tr.global_batch_size * self.samples / elapsed / self.world / 1e12
-            parts.append(f"TFLOP/s per device: {tflops:.4g}")
+            # fixed-point, as Megatron-LM's {:.1f}; below 1 with the digits a CPU run needs
+            shown = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}"
+            parts.append(f"throughput per GPU (TFLOP/s/GPU): {shown}")
+            self.scalar("throughput", tflops, state.iteration)
+        parts.append(f"samples/s: {samples_per_s:.2f}")
         parts.append(f"learning rate: {report.lr:.6E}")
         if self.decoupled_lr is not None:
             parts.append(f"decoupled learning rate: {self.decoupled_lr:.6E}")
+        parts.append(f"global batch size: {self.last_batch:5d}")  # on every line, as Megatron-LM
         if self.weight_decay is not None:
             parts.append(f"weight decay: {self.weight_decay:.6E}")
         for k in list(self.loss_sums) + sorted(self.loss_keys - set(self.loss_sums)):
             if k in self.loss_sums:
                 parts.append(f"{k}: {self.loss_sums[k] / max(self.loss_count, 1):.6E}")
-            else:  # every batch of the interval had a non-finite loss (all skipped)
+            else:  # no iteration of the interval was applied with a finite loss
                 parts.append(f"{k}: nan")
-        parts += [f"loss scale: {report.loss_scale:.1f}",
-                  f"grad norm: {report.grad_norm:.3f}",
-                  *([f"num zeros: {report.num_zeros}"] if report.num_zeros is not None else []),
-                  *([f"params norm: {report.params_norm:.3f}"]
-                    if report.params_norm is not None else []),
-                  f"number of skipped iterations: {self.skipped:3d}",
+        parts.append(f"loss scale: {report.loss_scale:.1f}")
+        if report.grad_norm is not None:
+            parts.append(f"grad norm: {report.grad_norm:.3f}")
+        if report.num_zeros is not None:
+            parts.append(f"num zeros: {float(report.num_zeros):.1f}")  # Megatron-LM's float
+        if report.params_norm is not None:
+            parts.append(f"params norm: {report.params_norm:.3f}")
+        parts += [f"number of skipped iterations: {self.skipped:3d}",
                   f"number of nan iterations: {self.nan:3d}"]
         print(" | ".join(parts) + " |", flush=True)
         self._reset()

@@ -23,10 +23,10 @@ def test_evaluation_and_saves_are_not_counted_as_iteration_time(tmp_path, monkey
 
     evaluate, save = training.evaluate_and_print, training._save_checked
 
-    def slow_evaluate(engine, iterator, eval_iters, label, iteration, logger):
+    def slow_evaluate(engine, iterator, eval_iters, label, iteration, logger, **kw):
         if iteration == 2:
             time.sleep(PAUSE)
-        return evaluate(engine, iterator, eval_iters, label, iteration, logger)
+        return evaluate(engine, iterator, eval_iters, label, iteration, logger, **kw)
 
     def slow_save(cfg, groups, engine, optimizer, scheduler, state, monitor=None):
         if state.iteration == 2:

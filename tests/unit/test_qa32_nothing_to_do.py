@@ -73,19 +73,21 @@ def test_sequence_parallel_at_t_1_is_dropped_with_a_note(capsys):
 
 def test_an_evaluation_only_run_does_not_say_end_of_training(capsys):
     """--skip-train evaluates the validation and test splits once, labelled without
-    '(end of training)': nothing was trained (helper-38's note); a training run keeps
-    the label."""
+    '(end of training)': nothing was trained (helper-38's note).  Both runs label the
+    final evaluations as Megatron-LM does, 'iteration N on validation set' and
+    'iteration N on test set' (helper-49)."""
     import pretrain_gpt
     from megatron.training import pretrain
 
     result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                       pretrain_gpt.forward_step, argv=TINY + ["--skip-train"])
     out = capsys.readouterr().out
-    assert " validation loss at iteration 0 |" in out and " test loss at iteration 0 |" in out
+    assert " validation loss at iteration 0 on validation set |" in out
+    assert " validation loss at iteration 0 on test set |" in out
     assert "end of training" not in out
     assert list(result.eval_losses) == [0] and list(result.test_losses) == [0]
     pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
              pretrain_gpt.forward_step, argv=TINY + ["--train-iters", "1"])
     out = capsys.readouterr().out
-    assert " validation (end of training) loss at iteration 1 |" in out
-    assert " test (end of training) loss at iteration 1 |" in out
+    assert " validation loss at iteration 1 on validation set |" in out
+    assert " validation loss at iteration 1 on test set |" in out
