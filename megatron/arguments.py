@@ -529,6 +529,12 @@ def parse_args(argv: Optional[List[str]] = None,
     else:
         args = parser.parse_args(rewritten)
     args.megatron_lm_conflicts = conflicts
+    for action in parser._actions:  # noqa: SLF001 - our flags first, then the compat ones
+        long_names = [o for o in action.option_strings if o.startswith("--")]
+        if long_names:
+            _FLAG_NAMES.setdefault(action.dest, long_names[0])
+            for option in action.option_strings:
+                _OPTION_NAMES.setdefault(option, _FLAG_NAMES[action.dest])
     args.megatron_lm_notes = (["note: Megatron-LM's older flag names read as: "
                                + "; ".join(renamed)] if renamed else [])
     given = {t.split("=", 1)[0] for t in rewritten if t.startswith("--")}
@@ -652,16 +658,48 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         log_params_norm=args.log_params_norm,
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
+    # what initialize_distributed compares across ranks
+    parallel.command_line = command_line_values(args)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,
                           optimizer=optimizer, data=data, training=training)
 
 
 def _world_size_from_env() -> int:
+    """torchrun's WORLD_SIZE.  The rest of its variables (RANK, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT) are checked by ``initialize_distributed``, still before any rank waits."""
     raw = os.environ.get("WORLD_SIZE", "1")
     try:
         return int(raw)
     except ValueError:
         raise ArgumentError(f"environment variable WORLD_SIZE must be an integer, got '{raw}'") from None
+
+
+PER_RANK_DESTS = frozenset({"launcher_local_rank", "debug", "flags_given",
+                            "megatron_lm_notes", "megatron_lm_conflicts"})
+"""What may differ between the ranks of one job: the legacy launcher's --local-rank,
+--debug, and the parser's bookkeeping."""
+
+_FLAG_NAMES: dict = {}
+"""dest -> the flag that sets it (its first --long name), filled by every parse_args."""
+_OPTION_NAMES: dict = {}
+"""each option string (--norm-epsilon) -> that name of its dest's flag (--layernorm-epsilon)."""
+
+
+def command_line_values(args: argparse.Namespace) -> dict:
+    """What every rank of a job must agree on: each validated value (the flags and what
+    was derived from them, a checkpoint's --use-checkpoint-args values included) by its
+    flag's name, as text, and the flags this rank's command line gave.  Compared across
+    ranks at start-up (``megatron.initialize.check_same_command_line``)."""
+    values = {}
+    for dest, value in vars(args).items():
+        if dest in PER_RANK_DESTS:
+            continue
+        name = _FLAG_NAMES.get(dest, f"{dest} (derived)")
+        text = value if isinstance(value, str) else repr(value)
+        # an object without a value repr (<... at 0x7f...>) differs on every rank
+        values[name] = type(value).__name__ if " at 0x" in text else text
+    given = sorted({_OPTION_NAMES.get(a, a) for a in getattr(args, "flags_given", ())})
+    return {"values": values, "given": given}
 
 
 def parse_and_validate(argv: Optional[List[str]] = None,

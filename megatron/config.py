@@ -206,6 +206,10 @@ class ParallelConfig:
     """'gloo' or 'nccl'; None picks nccl when CUDA is available, else gloo."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective or p2p op may wait before the run fails with an error."""
+    command_line: Optional[dict] = field(default=None, compare=False, repr=False)
+    """This rank's validated flag values (``megatron.arguments.command_line_values``),
+    compared across ranks at start-up; None skips the check.  Not a setting of the run:
+    ``MegatronConfig.to_dict`` (what a checkpoint records) leaves it out."""
 
     def stage_layers(self, num_layers: int, pp_rank: int) -> range:
         """Global layer numbers of pipeline stage ``pp_rank`` (this run's stage split)."""
@@ -476,5 +480,6 @@ class MegatronConfig:
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             out[f.name] = {k: (str(v) if isinstance(v, torch.dtype) else v)
-                           for k, v in dataclasses.asdict(sub).items()}
+                           for k, v in dataclasses.asdict(sub).items()
+                           if k != "command_line"}
         return out

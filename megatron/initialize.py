@@ -15,13 +15,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.config import ParallelConfig
+from megatron.errors import UserError
 from megatron.parallel_state import ParallelGroups, RankLayout
 
 
@@ -38,6 +39,169 @@ class DistributedEnv:
         return cls(rank=int(os.environ.get("RANK", "0")),
                    world_size=int(os.environ.get("WORLD_SIZE", "1")),
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+LAUNCH_HINT = "launch with torchrun (e.g. torchrun --nproc-per-node 4 pretrain_gpt.py ...)"
+
+
+def check_launch_environment(environ=None, group_exists: bool = False) -> int:
+    """The world size torchrun's variables describe; raises ``ArgumentError`` naming the
+    variable where they are partial or inconsistent.  Pure (reads ``environ``, default
+    ``os.environ``), so every rank runs it before any process group exists.
+
+    No variable at all is one process (``python pretrain_gpt.py``), and so is RANK=0
+    alone.  Otherwise RANK must lie in [0, WORLD_SIZE): a RANK without WORLD_SIZE used to
+    train alone as a world of 1, and a WORLD_SIZE without RANK waited as rank 0 for
+    --distributed-timeout-minutes.  A world of more than one rank needs MASTER_ADDR and
+    MASTER_PORT, unless a process group already exists (``group_exists``: a test harness
+    or an embedding program made it, and its own rendezvous is done)."""
+    from megatron.argument_checks import ArgumentError
+
+    env = os.environ if environ is None else environ
+
+    def own(err: ArgumentError) -> ArgumentError:
+        # this rank's own RANK / LOCAL_RANK: it prints the line itself (its node's local
+        # rank 0 may have valid values, and a bad LOCAL_RANK cannot say which rank that is)
+        err.every_rank_alike = False
+        return err
+
+    def integer(key: str, default: str) -> int:
+        raw = env.get(key, default)
+        try:
+            return int(raw)
+        except ValueError:
+            err = ArgumentError(f"environment variable {key} must be an integer, got '{raw}'")
+            raise (own(err) if key in ("RANK", "LOCAL_RANK") else err) from None
+
+    world = integer("WORLD_SIZE", "1")
+    if world < 1:
+        raise ArgumentError(f"environment variable WORLD_SIZE must be a positive integer, "
+                            f"got {world}")
+    if group_exists:
+        return world
+    integer("LOCAL_RANK", "0")
+    if world > 1 and "RANK" not in env:
+        raise ArgumentError(f"WORLD_SIZE={world} but RANK is not set: every process of a "
+                            f"job needs its own RANK in [0, {world}); {LAUNCH_HINT}")
+    rank = integer("RANK", "0")
+    if not 0 <= rank < world:
+        where = (f"WORLD_SIZE={world}" if "WORLD_SIZE" in env
+                 else "WORLD_SIZE is not set, so the world is this one process")
+        raise own(ArgumentError(
+            f"RANK={rank} is outside the world of {world} rank(s) ({where}); set WORLD_SIZE "
+            f"to the number of processes of the job and RANK in [0, WORLD_SIZE) on each, or "
+            f"neither for one process; {LAUNCH_HINT}"))
+    if world > 1:
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            if not env.get(key, "").strip():
+                raise ArgumentError(f"WORLD_SIZE={world} but {key} is not set (the address "
+                                    f"and port of rank 0, the same on every rank); "
+                                    f"{LAUNCH_HINT}")
+        port = env["MASTER_PORT"].strip()
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ArgumentError(f"environment variable MASTER_PORT must be a TCP port "
+                                f"number in [1, 65535], got '{port}'")
+    return world
+
+
+class LaunchError(UserError):
+    """The ranks could not meet: rank 0's port is taken, or a peer never joined."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _rendezvous_error(exc: BaseException, env: "DistributedEnv",
+                      timeout_minutes: float) -> Optional[LaunchError]:
+    """``init_process_group``'s store errors as one line naming the variables and the
+    flag, or None for an error this does not recognise (kept with its traceback)."""
+    text = " ".join(str(exc).split())
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return LaunchError(
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')} is already in use on this machine "
+            f"(rank 0 listens there for its peers; another job, or a previous run still "
+            f"exiting, holds it): choose a free port (torchrun --master-port) for every "
+            f"rank", exit_code=2)
+    if "waiting for clients" in text:
+        joined = text.split("waiting for clients.", 1)[1].split("clients joined", 1)[0].strip()
+        count = joined.split("/", 1)[0].strip() if "/" in joined else "fewer"
+        return LaunchError(
+            f"rank {env.rank}: only {count} of WORLD_SIZE={env.world_size} ranks joined at "
+            f"{where} within --distributed-timeout-minutes {timeout_minutes:g}: a rank did "
+            f"not start, failed before joining, or was given another MASTER_ADDR, "
+            f"MASTER_PORT or WORLD_SIZE (see its own log)", exit_code=1)
+    if "timed out" in text.lower() and ("connect" in text.lower() or "client" in text.lower()):
+        return LaunchError(
+            f"rank {env.rank}: could not reach rank 0 at {where} within "
+            f"--distributed-timeout-minutes {timeout_minutes:g}: rank 0 did not start, "
+            f"failed before listening, or runs with another MASTER_ADDR / MASTER_PORT "
+            f"(see its own log)", exit_code=1)
+    return None
+
+
+def check_same_command_line(mine: Optional[Dict[str, object]]) -> None:
+    """Every rank of the default process group ran the same command line (``mine``: this
+    rank's ``megatron.arguments.command_line_values``, None to skip).  Two nodes started
+    with different flags trained silently and inconsistently before: another --seed gave
+    the replicas other weights, another --num-layers another stage split.  One
+    all-gather of a few kilobytes; every rank raises the same one-line ``UserError``
+    naming the flags that differ and which ranks had which value.  Runs before any
+    other group is built, so no rank waits in a group its peers do not create."""
+    if mine is None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    everyone: List[Optional[Dict[str, object]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    message = command_line_difference(everyone)
+    if message is not None:
+        from megatron.errors import alike_on_every_rank
+
+        raise alike_on_every_rank(UserError(message))
+
+
+def _rank_ranges(ranks: List[int]) -> str:
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def command_line_difference(everyone: List[Optional[Dict[str, object]]],
+                            shown: int = 4) -> Optional[str]:
+    """One line naming the flags whose values differ between ranks, or None.
+
+    Each entry: {"values": {name: repr of its value}, "given": [flags on the command
+    line]}.  Flags given on some rank's command line come first; values derived from
+    them (a stage split, a batch count) only when no given flag differs."""
+    values = [e["values"] for e in everyone]  # type: ignore[index]
+    given = set().union(*(e["given"] for e in everyone))  # type: ignore[index]
+    names = sorted(set().union(*values))
+    differ = [n for n in names if len({v.get(n, "<absent>") for v in values}) > 1]
+    if not differ:
+        return None
+    flags = [n for n in differ if n in given] or differ
+    parts = []
+    for name in flags[:shown]:
+        by_value: Dict[str, List[int]] = {}
+        for rank, v in enumerate(values):
+            by_value.setdefault(str(v.get(name, "<absent>")), []).append(rank)
+        shown_values = [f"{_short(value)} on {_rank_ranges(ranks)}"
+                        for value, ranks in sorted(by_value.items(), key=lambda kv: kv[1][0])]
+        parts.append(f"{name} is " + " and ".join(shown_values))
+    more = len(flags) - shown
+    return ("the ranks of this job were started with different command lines (every rank "
+            "needs the same flags: start each node's torchrun with the same command): "
+            + "; ".join(parts) + (f"; and {more} more" if more > 0 else ""))
+
+
+def _short(value: str, limit: int = 60) -> str:
+    return value if len(value) <= limit else value[:limit - 3] + "..."
 
 
 def default_backend() -> str:
@@ -95,22 +259,32 @@ def initialize_distributed(parallel: ParallelConfig) -> tuple[ParallelGroups, to
     was already created by a test harness) and every parallel group from the layout.
 
     The timeout bounds every collective and p2p wait: a rank whose peer died raises
-    instead of hanging forever.
+    instead of hanging forever.  It bounds the rendezvous of a hand-made launch too
+    (torchrun's agents meet before the workers start, under torchrun's own
+    ``--rdzv-conf timeout=``).
+
+    Before any wait: torchrun's variables must make a whole launch
+    (``check_launch_environment``).  Then: rank 0's port taken or a peer that never
+    joins is one ``LaunchError`` line, and every rank checks that all ran the same
+    command line (``check_same_command_line``) before the parallel groups are built.
     """
+    check_launch_environment(group_exists=dist.is_initialized())
     env = DistributedEnv.from_environ()
     existing = dist.get_backend() if dist.is_initialized() else None
     backend = resolve_backend(parallel.distributed_backend, existing)
     device = device_for(env.local_rank, backend)
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     if not dist.is_initialized() and env.world_size > 1:
-        for key in ("MASTER_ADDR", "MASTER_PORT"):
-            if key not in os.environ:
-                raise RuntimeError(f"WORLD_SIZE={env.world_size} but {key} is not set: launch with "
-                                   "torchrun (e.g. torchrun --nproc-per-node 4 pretrain_gpt.py ...)")
         kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
         if backend == "nccl":
             kwargs["device_id"] = device
-        dist.init_process_group(**kwargs)
+        try:
+            dist.init_process_group(**kwargs)
+        except dist.DistError as exc:
+            err = _rendezvous_error(exc, env, parallel.distributed_timeout_minutes)
+            if err is None:
+                raise
+            raise err from exc
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
@@ -118,6 +292,7 @@ def initialize_distributed(parallel: ParallelConfig) -> tuple[ParallelGroups, to
     if world != parallel.world_size:
         raise RuntimeError(f"the process group has {world} ranks but the configuration was "
                            f"validated for {parallel.world_size}")
+    check_same_command_line(parallel.command_line)
     layout = RankLayout(world_size=world, tensor=parallel.tensor_model_parallel_size,
                         pipeline=parallel.pipeline_model_parallel_size)
     groups = ParallelGroups.build(layout, rank)
