@@ -614,6 +614,10 @@ def initialize_megatron(args, cfg: MegatronConfig):
     if vocab:
         cfg.model.padded_vocab_size = vocab_size_with_padding(
             vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    if cfg.training.save and not cfg.training.skip_train and _global_rank() == 0:
+        from megatron.save_lock import lock_save_dir
+
+        lock_save_dir(cfg.training.save)  # another run saving there stops here
     exit_when_parent_dies()
     groups, device = initialize_distributed(cfg.parallel)
     if device.type == "cpu" and cfg.training.host_malloc_tuning:
@@ -621,6 +625,17 @@ def initialize_megatron(args, cfg: MegatronConfig):
     _warn_precision(cfg, groups, device)
     set_random_seed(cfg.training.seed, groups, device)
     return tokenizer, groups, device
+
+
+def _global_rank() -> int:
+    """This process's rank in the job: its process group's, else torchrun's RANK (the
+    check of the launch variables comes later, in initialize_distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step: Callable, *,
@@ -640,12 +655,18 @@ def pretrain(datasets_provider: Callable, model_provider: Callable, forward_step
                                    extra_args_provider=extra_args_provider,
                                    default_tokenizer=default_tokenizer,
                                    per_token_loss=per_token_loss)
-    tokenizer, groups, device = initialize_megatron(args, cfg)
-    result = _pretrain(cfg, tokenizer, groups, device, datasets_provider, model_provider,
-                       forward_step, flops_per_iteration, fault_injection)
-    # A second pretrain in this process starts from a clean slate.  Not on an error
-    # path: a group whose worker still waits in a collective could not be torn down.
-    groups.destroy()
+    try:
+        tokenizer, groups, device = initialize_megatron(args, cfg)
+        result = _pretrain(cfg, tokenizer, groups, device, datasets_provider, model_provider,
+                           forward_step, flops_per_iteration, fault_injection)
+        # A second pretrain in this process starts from a clean slate.  Not on an error
+        # path: a group whose worker still waits in a collective could not be torn down.
+        groups.destroy()
+    finally:
+        if cfg.training.save:
+            from megatron.save_lock import release_save_dir
+
+            release_save_dir(cfg.training.save)
     return result
 
 

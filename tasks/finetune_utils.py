@@ -280,9 +280,15 @@ def _setup(task: FinetuneTask, argv: List[str]):
 def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> FinetuneResult:
     """Run a finetuning task end to end; returns this rank's result."""
     argv = list(argv if argv is not None else sys.argv[1:])
+    from megatron.save_lock import release_save_dir
+
     setup = _setup(task, argv)
-    result = _finetune(task, *setup)
-    setup[2].destroy()  # the process groups (megatron.training.pretrain says why not on errors)
+    try:
+        result = _finetune(task, *setup)
+        setup[2].destroy()  # process groups (megatron.training.pretrain says why not on errors)
+    finally:
+        if setup[1].training.save:  # the --save lock initialize_megatron took
+            release_save_dir(setup[1].training.save)
     return result
 
 
