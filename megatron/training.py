@@ -375,10 +375,8 @@ def evaluate_and_print(engine: PipelineEngine, iterator, eval_iters: int, label:
             shown = f"{ppl:.6E}" if math.isfinite(ppl) else "nan"
             line += f"{k} value: {v:.6E} | {k} PPL: {shown} | "
             if to_tensorboard:
-                for name, value in ((f"{k} {label}", v), (f"{k} {label} ppl", ppl)):
-                    logger.scalar(name, value, iteration)
-                    if samples is not None:
-                        logger.scalar(f"{name} vs samples", value, samples)
+                logger.scalars(f"{k} {label}", v, iteration, samples)
+                logger.scalars(f"{k} {label} ppl", ppl, iteration, samples)
         rule = "-" * (len(line) + 1)
         print_rank_last(f"{rule}\n{line}\n{rule}")
     return losses

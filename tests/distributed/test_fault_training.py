@@ -227,6 +227,9 @@ def test_validation_nan_prints_nan_not_a_ppl(capsys):
         def scalar(self, *a):
             pass
 
+        def scalars(self, *a):
+            pass
+
     evaluate_and_print(Engine(), None, 1, "validation", 3, Logger())
     out = capsys.readouterr().out
     assert "lm loss PPL: nan" in out and "E+08" not in out
