@@ -168,15 +168,16 @@ def maybe_load(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngi
     else:
         optimizer.reload_model_params(engine.weights.params(engine.latest_buffer))
         engine.set_iteration(state.iteration)
-    if payload.get("lr_scheduler") is not None:
+    # evaluation only (--skip-train) takes no step: the schedule is neither compared with
+    # this run's flags nor adopted (a checkpoint trained with --decoupled-lr, say, must
+    # evaluate without it)
+    if payload.get("lr_scheduler") is not None and not tr.skip_train:
         oc = cfg.optimizer
         batch_sizes = tr.batch_sizes()
         try:
             scheduler.load_state_dict(payload["lr_scheduler"],
                                       override=oc.override_opt_param_scheduler,
-                                      # evaluation only: no step, nothing to disagree on
-                                      use_checkpoint=(oc.use_checkpoint_opt_param_scheduler
-                                                      or tr.skip_train),
+                                      use_checkpoint=oc.use_checkpoint_opt_param_scheduler,
                                       samples_per_iteration=(
                                           state.consumed_train_samples / state.iteration
                                           if state.iteration else tr.global_batch_size),

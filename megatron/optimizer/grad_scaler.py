@@ -12,6 +12,11 @@ Semantics of ``DynamicGradScaler`` follow Megatron-LM:
 * after ``growth_interval`` consecutive clean steps the scale is multiplied by
   ``growth_factor`` and the hysteresis budget is refilled;
 * the scale never drops below ``min_scale``.
+
+The hysteresis tracker is not floored: every overflow after the budget is spent takes it
+one lower (-3 after five overflows with ``--hysteresis 2``), as Megatron-LM's does, and a
+checkpoint stores it so; any integer loads.  A growth tracker at or past the window (a
+resume with a shorter ``--loss-scale-window``) grows the scale at the next clean step.
 """
 from __future__ import annotations
 
@@ -101,7 +106,7 @@ class DynamicGradScaler:
                 self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             return
         self._growth_tracker += 1
-        if self._growth_tracker == self.growth_interval:
+        if self._growth_tracker >= self.growth_interval:
             self._growth_tracker = 0
             self._hysteresis_tracker = self.hysteresis
             self._scale = self._scale * self.growth_factor
@@ -116,11 +121,12 @@ class DynamicGradScaler:
             return
         scale = float(sd["scale"])
         growth, hysteresis = int(sd["growth_tracker"]), int(sd["hysteresis_tracker"])
-        if not (math.isfinite(scale) and scale > 0) or growth < 0 or hysteresis < 0:
+        # the hysteresis tracker is below 0 after repeated overflows (module docstring)
+        if not (math.isfinite(scale) and scale > 0) or growth < 0:
             raise ValueError(f"grad scaler state: scale {sd['scale']!r}, growth tracker "
                              f"{sd['growth_tracker']!r}, hysteresis tracker "
                              f"{sd['hysteresis_tracker']!r}; expected a finite scale > 0 and "
-                             f"counters >= 0")
+                             f"a growth tracker >= 0")
         self._scale, self._growth_tracker, self._hysteresis_tracker = scale, growth, hysteresis
 
 

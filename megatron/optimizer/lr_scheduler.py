@@ -8,9 +8,13 @@ the warmup), so after warmup the decay ratio is
 ``warmup_init`` (Megatron-LM's --lr-warmup-init, default 0) at step 0 to ``max_lr`` at
 ``step == warmup_steps`` (the decoupled schedule's warmup starts from it too).
 
-* ``inverse-square-root``: after warmup, ``max_lr * sqrt(warmup_steps / step)`` (warmup
-  counted as at least 1), never below ``min_lr``; ``min_lr`` after ``decay_steps``, as
-  every decaying style (Megatron-LM checks ``step > decay_steps`` first).
+* ``inverse-square-root``: after warmup, ``max_lr * sqrt(warmup_steps / step)``, never
+  below ``min_lr``; ``min_lr`` after ``decay_steps``, as every decaying style (Megatron-LM
+  checks ``step > decay_steps`` first).  Warmup and step are counted as at least one
+  SAMPLE (``min_count``), as Megatron-LM, whose schedule always counts samples: without
+  warmup the rate after k iterations of b samples is ``max_lr / sqrt(k b)``, so an
+  iteration-counted schedule is given ``min_count = 1 / b`` (``from_config``'s
+  ``global_batch_size``); with warmup the ratio is the same in either unit.
 * ``WSD``: ``max_lr`` until the last ``wsd_decay_steps`` steps before ``decay_steps``,
   then an anneal to ``min_lr`` over them, shaped by ``wsd_decay_style``: ``linear``
   (1 - r), ``cosine``, ``exponential`` (2 * 0.5^r - 1) or ``minus_sqrt`` (1 - sqrt r),
@@ -90,7 +94,8 @@ class OptimizerParamScheduler:
                  decoupled_min_lr: Optional[float] = None,
                  start_wd: Optional[float] = None, end_wd: Optional[float] = None,
                  wd_incr_steps: Optional[int] = None,
-                 wd_incr_style: str = "constant", warmup_init: float = 0.0) -> None:
+                 wd_incr_style: str = "constant", warmup_init: float = 0.0,
+                 min_count: float = 1.0) -> None:
         _check_wd(start_wd, end_wd, wd_incr_steps, wd_incr_style)
         if unit not in UNITS:
             raise ValueError(f"lr scheduler unit must be one of {', '.join(UNITS)}, got {unit!r}")
@@ -107,6 +112,9 @@ class OptimizerParamScheduler:
                              f"{decay_steps - warmup_steps} {unit} (the decay after warmup): "
                              f"--lr-wsd-decay-iters/--lr-wsd-decay-samples, got "
                              f"{wsd_decay_steps}")
+        if not 0.0 < min_count <= 1.0:
+            raise ValueError(f"lr scheduler: min_count (one sample in {unit}) must be in "
+                             f"(0, 1], got {min_count}")
         if max_lr < 0.0 or min_lr < 0.0 or min_lr > max_lr:
             raise ValueError(f"learning rates need 0 <= --min-lr <= --lr, got min_lr={min_lr}, "
                              f"lr={max_lr}")
@@ -147,11 +155,18 @@ class OptimizerParamScheduler:
         self.warmup_init = float(warmup_init)
         """Rate at step 0, where the warmup starts (--lr-warmup-init)."""
         self.unit = unit
+        self.min_count = float(min_count)
+        """One sample in ``unit``: the least warmup and step inverse-square-root divides
+        by (1 in samples, 1 / the global batch size in iterations).  Not saved: it
+        follows this run's batch size, as Megatron-LM's sample counts do."""
         self.num_steps = 0
 
     @classmethod
-    def from_config(cls, opt_cfg: Any, train_iters: Optional[int]) -> "OptimizerParamScheduler":
-        """Build from an ``OptimizerConfig``; decay defaults to the whole run."""
+    def from_config(cls, opt_cfg: Any, train_iters: Optional[int],
+                    global_batch_size: Optional[int] = None) -> "OptimizerParamScheduler":
+        """Build from an ``OptimizerConfig``; decay defaults to the whole run.
+        ``global_batch_size``: the samples of an iteration, for inverse-square-root's
+        floor of one sample in an iteration-counted schedule (None: one iteration)."""
         wsd_style = getattr(opt_cfg, "lr_wsd_decay_style", "exponential")
         decoupled = dict(decoupled_lr=getattr(opt_cfg, "decoupled_lr", None),
                          decoupled_min_lr=getattr(opt_cfg, "decoupled_min_lr", None))
@@ -172,7 +187,9 @@ class OptimizerParamScheduler:
         return cls(opt_cfg.lr, opt_cfg.min_lr, opt_cfg.lr_warmup_iters, decay,
                    opt_cfg.lr_decay_style,
                    wsd_decay_steps=getattr(opt_cfg, "lr_wsd_decay_iters", None),
-                   wsd_decay_style=wsd_style, **decoupled)
+                   wsd_decay_style=wsd_style,
+                   min_count=1.0 / global_batch_size if global_batch_size else 1.0,
+                   **decoupled)
 
     def get_lr(self, step: Optional[int] = None) -> float:
         """Learning rate at ``step`` (default: the current step counter)."""
@@ -212,7 +229,8 @@ class OptimizerParamScheduler:
         if step > self.decay_steps:  # before inverse-square-root too, as Megatron-LM
             return min_lr
         if self.decay_style == "inverse-square-root":
-            lr = max_lr * math.sqrt(max(self.warmup_steps, 1) / max(step, 1))
+            floor = self.min_count
+            lr = max_lr * math.sqrt(max(self.warmup_steps, floor) / max(step, floor))
             return max(min_lr, lr)
         if self.decay_style == "WSD":
             anneal_start = self.decay_steps - self.wsd_decay_steps
