@@ -295,6 +295,12 @@ def true_vocab_size(config: Optional[dict], override: Optional[int] = None) -> O
     if override:
         return override
     data = (config or {}).get("data") or {}
+    if data.get("tokenizer_vocab_size"):
+        return int(data["tokenizer_vocab_size"])
+    if data.get("tokenizer_type") == "NullTokenizer" and data.get("vocab_size"):
+        # recorded before tokenizer_vocab_size: this trainer's NullTokenizer then had
+        # --vocab-size ids, end of document included
+        return int(data["vocab_size"])
     try:
         from megatron.config import DataConfig
         from megatron.tokenizer import build_tokenizer

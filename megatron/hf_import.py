@@ -11,7 +11,10 @@ pickled code) becomes an iteration-0 checkpoint of any (t, d) layout, usable wit
 training run needs (for Llama: ``--normalization RMSNorm --position-embedding-type rope
 --swiglu ...``; Llama 3.1/3.2's ``llama3`` RoPE adds ``--use-rope-scaling
 --rope-scaling-factor F``, Qwen3 ``--qk-layernorm``, a ``head_dim`` other than hidden /
-heads ``--kv-channels``).
+heads ``--kv-channels``).  Tokenizer files of the model's vocabulary size are recorded
+(GPT-2's vocab.json + merges.txt, or any AutoTokenizer directory); otherwise
+``--tokenizer-type NullTokenizer --vocab-size V-1`` for a vocab_size of V (its
+end-of-document id V-1 comes on top of its V-1 data ids: exactly the V rows written).
 """
 from __future__ import annotations
 
@@ -525,10 +528,16 @@ def _import_tokenizer(hf_dir: str, vocab: int) -> Dict[str, Any]:
                      "merge_file": os.path.abspath(os.path.join(hf_dir, "merges.txt"))}
         from megatron.tokenizer import GPT2BPETokenizer
         try:
-            GPT2BPETokenizer(tokenizer["vocab_file"], tokenizer["merge_file"], fast=False)
+            size = GPT2BPETokenizer(tokenizer["vocab_file"], tokenizer["merge_file"],
+                                    fast=False).vocab_size
         except ValueError as exc:
             raise CheckpointError(f"--from-hf {hf_dir}: its vocab.json/merges.txt do not load "
                                   f"as a GPT-2 tokenizer ({exc})") from None
+        if size != vocab:  # a model padded past its tokenizer (50304 rows over 50257)
+            say(f"note: no tokenizer recorded: the vocab.json in {hf_dir} has {size} tokens, "
+                f"the model's vocab_size is {vocab}; pass your tokenizer's flags when "
+                f"training")
+            return {}
         return tokenizer
     if not any(os.path.isfile(os.path.join(hf_dir, f))
                for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -610,9 +619,14 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
     full, model_cfg, vocab = _IMPORTERS[kind](hf_dir, divisible_by, tp, allow_unsafe)
     layers = model_cfg["num_layers"]
     # without tokenizer files: NullTokenizer, as the printed flags say (and
-    # --use-checkpoint-args reads)
-    tokenizer = {"make_vocab_size_divisible_by": divisible_by, "vocab_size": vocab,
-                 "tokenizer_type": "NullTokenizer", **_import_tokenizer(hf_dir, vocab)}
+    # --use-checkpoint-args reads).  Its --vocab-size N means N data ids and the
+    # end-of-document id N on top: N = vocab - 1 gives the model's vocab ids (the last
+    # one the eod), so a training run pads them to the rows written here.
+    # tokenizer_vocab_size: the real size, as a training run records it (the export
+    # drops the padding rows by it without loading the tokenizer).
+    tokenizer = {"make_vocab_size_divisible_by": divisible_by, "tokenizer_vocab_size": vocab,
+                 **(_import_tokenizer(hf_dir, vocab)
+                    or {"tokenizer_type": "NullTokenizer", "vocab_size": vocab - 1})}
     config = {"model": model_cfg, "data": tokenizer}
     ckpt = CheckpointShards(root=hf_dir, iteration=0, tensor=1, pipeline=1, num_layers=layers)
     state = FullState(iteration=0, model=full, shadow=None, optimizer=None,
@@ -628,7 +642,7 @@ def import_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1,
            f"--merge-file {tokenizer['merge_file']}" if kind_of == "GPT2BPETokenizer" else
            f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model "
            f"{tokenizer['tokenizer_model']}" if kind_of == "HuggingFaceTokenizer" else
-           f"--tokenizer-type NullTokenizer --vocab-size {vocab}")
+           f"--tokenizer-type NullTokenizer --vocab-size {tokenizer['vocab_size']}")
     say(f"train with: {model_flags(model_cfg)} "
          f"--make-vocab-size-divisible-by {divisible_by} "
          f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}{split} {tok} "

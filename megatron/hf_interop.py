@@ -51,7 +51,10 @@ as ``DIR.tmp.PID`` and renamed to DIR at the end, so a failed export leaves no D
   tokenizer's real size.
 * Tokenizer files: GPT-2 BPE -> ``vocab.json`` + ``merges.txt``; BERT WordPiece ->
   ``vocab.txt``; a HuggingFaceTokenizer -> its ``save_pretrained`` files; any other
-  tokenizer (NullTokenizer, SentencePiece) writes none and says so.
+  tokenizer (NullTokenizer, SentencePiece) writes none and says so.  A GPT's config.json
+  bos/eos ids are its tokenizer's (``_special_token_ids``: the recorded vocab.json's
+  <|endoftext|>, a HuggingFaceTokenizer's own), else null.
+* PipeDream-2BW checkpoints: ``model`` (the newest weights) is exported, not the shadow.
 
 Import (``--from-hf DIR --save OUT``): ``megatron.hf_import``, which reads the
 weight layouts this module writes.
@@ -385,18 +388,33 @@ def bert_to_hf(full: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], vocab: 
     return out, config
 
 
-def _special_token_ids(data_cfg: Dict[str, Any]) -> Dict[str, Optional[int]]:
-    """bos/eos ids for a Llama config.json from a HuggingFaceTokenizer the checkpoint
-    records (its own special tokens); {} (the null ids gpt_to_llama wrote) otherwise."""
-    if data_cfg.get("tokenizer_type") != "HuggingFaceTokenizer":
-        return {}
-    from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+_GPT2_EOT, _GPT2_EOT_ID = "<|endoftext|>", 50256
 
-    try:
-        hf = HuggingFaceTokenizer(data_cfg.get("tokenizer_model")).hf
-    except (ValueError, TypeError):  # not on this machine: _tokenizer_files says so
-        return {}
-    return {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
+
+def _special_token_ids(data_cfg: Dict[str, Any], vocab: int) -> Dict[str, Optional[int]]:
+    """bos/eos ids for a GPT's config.json from the tokenizer the checkpoint records:
+    GPT2BPETokenizer's <|endoftext|> id in its vocab.json (the trainer's end of document;
+    GPT-2's 50256 only when that file is not on this machine), a HuggingFaceTokenizer's
+    own special tokens; {} (null ids) otherwise.  An id outside the exported ``vocab``
+    rows is null too (transformers warns about it and generation could never emit it)."""
+    kind = data_cfg.get("tokenizer_type")
+    ids: Dict[str, Optional[int]] = {}
+    if kind == "GPT2BPETokenizer":
+        try:
+            with open(str(data_cfg.get("vocab_file")), encoding="utf-8") as fh:
+                eot = json.load(fh).get(_GPT2_EOT)
+        except (OSError, ValueError, AttributeError):  # not here, or not a vocab.json
+            eot = _GPT2_EOT_ID
+        ids = {"bos_token_id": eot, "eos_token_id": eot}
+    elif kind == "HuggingFaceTokenizer":
+        from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+
+        try:
+            hf = HuggingFaceTokenizer(data_cfg.get("tokenizer_model")).hf
+        except (ValueError, TypeError):  # not on this machine: _tokenizer_files says so
+            return {}
+        ids = {"bos_token_id": hf.bos_token_id, "eos_token_id": hf.eos_token_id}
+    return {k: (v if type(v) is int and 0 <= v < vocab else None) for k, v in ids.items()}
 
 
 def _tokenizer_files(data_cfg: Dict[str, Any], out_dir: str, n_positions: int) -> str:
@@ -722,13 +740,11 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
              f"{scaling['original_max_position_embeddings']} should be below it, which "
              f"changes nothing it computes (the llama3 frequencies do not depend on it)")
     data_cfg = config.get("data") or {}
-    if data_cfg.get("tokenizer_type") == "GPT2BPETokenizer" and not is_bert:
-        hf_config.update(bos_token_id=50256, eos_token_id=50256)
-    elif not is_bert:
+    if not is_bert:
         # GPT2Config's defaults (50256) are GPT-2's ids, outside a smaller vocabulary
         # (transformers warns on loading): the tokenizer's own ids where known, else null
         hf_config.update({"bos_token_id": None, "eos_token_id": None,
-                          **_special_token_ids(data_cfg)})
+                          **_special_token_ids(data_cfg, vocab)})
     check_export_path(None, out_dir)  # again: the checkpoint took a while to read
     # a sibling, so the final rename stays on one file system (atomic)
     staging = f"{os.path.abspath(out_dir)}.tmp.{os.getpid()}"

@@ -436,7 +436,8 @@ def _tokenizer(a: Optional[Dict[str, Any]], notes: List[str]) -> Dict[str, Any]:
         if isinstance(a.get(key), str):
             out[key] = a[key]
     if kind == "NullTokenizer" and type(a.get("vocab_size")) is int:
-        out["vocab_size"] = a["vocab_size"] + 1  # Megatron-LM's adds the end-of-document id
+        # the same convention here: --vocab-size data ids, the end-of-document id on top
+        out["vocab_size"], out["tokenizer_vocab_size"] = a["vocab_size"], a["vocab_size"] + 1
     missing = [out[k] for k in ("vocab_file", "merge_file", "tokenizer_model")
                if k in out and not os.path.exists(out[k])]
     if missing:
@@ -810,8 +811,8 @@ def import_megatron_lm(path: str, save: str, *, tp: int = 1, pp: int = 1,
     data = {"make_vocab_size_divisible_by": divisible_by, **m.data_cfg}
     config = {"model": m.model_cfg, "data": data}
     real = true_vocab or true_vocab_size(config)
-    if real is not None and "vocab_size" not in data:
-        data["vocab_size"] = int(real)
+    if real is not None and not data.get("tokenizer_vocab_size"):
+        data["tokenizer_vocab_size"] = int(real)
     layers = m.model_cfg["num_layers"]
     ckpt = CheckpointShards(root=m.source.iter_dir, iteration=0, tensor=1, pipeline=1,
                             num_layers=layers)

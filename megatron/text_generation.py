@@ -94,8 +94,11 @@ def build_checkpoint_tokenizer(data_cfg: Dict[str, Any], overrides: Dict[str, Op
             takes = " and ".join(f for k, f in TOKENIZER_FILE_FLAGS if k in reads)
             raise UserError(f"{flag} {overrides[key]}: the checkpoint's tokenizer is {kind}, "
                             f"which reads {takes or 'no tokenizer file'}; leave {flag} out")
+    vocab = data_cfg.get("vocab_size")
+    if kind == "NullTokenizer" and vocab and not data_cfg.get("tokenizer_vocab_size"):
+        vocab = int(vocab) - 1  # saved when --vocab-size N meant N ids, eod N - 1
     fields = {"tokenizer_type": kind,
-              "vocab_size": data_cfg.get("vocab_size"),
+              "vocab_size": vocab,
               "make_vocab_size_divisible_by": int(
                   data_cfg.get("make_vocab_size_divisible_by") or 128)}
     for key, flag in TOKENIZER_FILE_FLAGS:

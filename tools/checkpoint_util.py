@@ -40,7 +40,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -123,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refuse_unread(args: argparse.Namespace, mode: str, flags: Dict[str, str],
+                   why: str = "") -> None:
+    """One UserError for the first of ``flags`` (flag -> the workflows that read it) given
+    to workflow ``mode``, which does not read it: a flag that would silently do nothing."""
+    for flag, where in flags.items():
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise UserError(f"{flag} applies to {where}, not {mode}{why}")
+
+
 def _workflow(args: argparse.Namespace) -> str:
     """Check the flags of the chosen workflow (one UserError naming the flags the user
     gave) and say which: "import" (--from-hf), "megatron" (--from-megatron), "export"
@@ -151,6 +160,12 @@ def _workflow(args: argparse.Namespace) -> str:
             if args.load:
                 raise UserError(f"--load applies to resharding and --to-hf; {flag} reads the "
                                 f"{what} it names")
+            if workflow == "import":  # config.json says the vocabulary; no RNG is written
+                _refuse_unread(args, "--from-hf", {
+                    "--iteration": "resharding, --to-hf and --from-megatron",
+                    "--true-vocab-size": "resharding, --to-hf and --from-megatron",
+                    "--target-data-parallel-size": "resharding (it picks the RNG files "
+                                                   "carried over)"})
             return workflow
     if not args.load:
         raise UserError(f"{modes[0]} needs --load CHECKPOINT")
@@ -161,6 +176,12 @@ def _workflow(args: argparse.Namespace) -> str:
         if split:
             raise UserError(f"{split[0]} applies to resharding and --from-hf, not --to-hf (a "
                             "transformers model has no pipeline stages)")
+        _refuse_unread(args, "--to-hf", {
+            "--target-tensor-parallel-size": "resharding and the imports",
+            "--target-pipeline-parallel-size": "resharding and the imports",
+            "--target-data-parallel-size": "resharding",
+            "--make-vocab-size-divisible-by": "resharding and the imports"},
+            " (a transformers model has one layout and no padding rows)")
         return "export"
     return "reshard"
 

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece model; HuggingFaceTokenizer: a tokenizer directory "
                         "(save_pretrained's) or a model name")
-    g.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: data ids 0..N-1; end of document N")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
     g = p.add_argument_group("output data")

@@ -81,8 +81,9 @@ class BertVocabInfo:
             special = None
         if special is None:
             if size < 8:
-                raise ValueError(f"BERT with {type(tokenizer).__name__} needs --vocab-size >= 8 "
-                                 f"(ids 0-3 are reserved for [PAD] [CLS] [SEP] [MASK])")
+                raise ValueError(f"BERT with {type(tokenizer).__name__} needs 8 or more ids "
+                                 f"(--vocab-size 7 or more with NullTokenizer; ids 0-3 are "
+                                 f"reserved for [PAD] [CLS] [SEP] [MASK]), got {size}")
             return cls(cls=1, sep=2, mask=3, pad=0, vocab_size=size,
                        random_ids=np.arange(4, size, dtype=np.int64))
         c, s, m, p = (int(x) for x in special)

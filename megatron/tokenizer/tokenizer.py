@@ -105,17 +105,21 @@ class SentencePieceTokenizer(MegatronTokenizer):
 
 
 class NullTokenizer(MegatronTokenizer):
-    """Text is already ids: ``"3 1 4"`` -> ``[3, 1, 4]``.  The last id is the eod."""
+    """Text is already ids: ``"3 1 4"`` -> ``[3, 1, 4]``.
+
+    Megatron-LM's convention: ``--vocab-size N`` names the N data ids 0..N-1, and the
+    end-of-document id N comes on top, so the vocabulary has N + 1 ids (a dataset that
+    Megatron-LM's preprocess_data.py wrote with this tokenizer ends documents with N)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__("NullTokenizer")
-        if int(vocab_size) < 2:
-            raise ValueError(f"NullTokenizer: vocab_size must be >= 2, got {vocab_size}")
-        self._size = int(vocab_size)
+        if int(vocab_size) < 1:
+            raise ValueError(f"NullTokenizer: --vocab-size must be >= 1, got {vocab_size}")
+        self._data_ids = int(vocab_size)
 
     @property
     def vocab_size(self) -> int:
-        return self._size
+        return self._data_ids + 1
 
     def tokenize(self, text: str) -> List[int]:
         try:
@@ -124,11 +128,12 @@ class NullTokenizer(MegatronTokenizer):
             raise ValueError(
                 f"NullTokenizer: expected space-separated integers, got {text[:80]!r}"
             ) from None
-        bad = [i for i in ids if not 0 <= i < self._size]
+        bad = [i for i in ids if not 0 <= i <= self._data_ids]
         if bad:
-            raise ValueError(
-                f"NullTokenizer: ids must lie in [0, {self._size}), got {bad[:5]}"
-            )
+            raise ValueError(f"NullTokenizer: ids must lie in [0, {self._data_ids}] "
+                             f"(--vocab-size {self._data_ids}: data ids 0 to "
+                             f"{self._data_ids - 1}, end of document {self._data_ids}), "
+                             f"got {bad[:5]}")
         return ids
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -136,7 +141,7 @@ class NullTokenizer(MegatronTokenizer):
 
     @property
     def eod(self) -> int:
-        return self._size - 1
+        return self._data_ids
 
 
 class CharTokenizer(MegatronTokenizer):

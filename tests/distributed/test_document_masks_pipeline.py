@@ -20,8 +20,8 @@ from tests.dist_utils import run_distributed
 from tests.distributed.gpt_harness import TINY, summarize, train_configs
 
 STEPS = 4
-# A vocabulary of 8 ids makes id 7 (NullTokenizer's eod) one token in eight: about two
-# documents per sample of 16 tokens.
+# --vocab-size 8 makes id 8 (NullTokenizer's eod, the ninth id) one token in nine: about
+# two documents per sample of 16 tokens.
 SMALL_VOCAB = [a if a != "96" else "8" for a in TINY]
 FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 

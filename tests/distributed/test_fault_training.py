@@ -429,7 +429,7 @@ def test_token_id_outside_the_vocabulary_is_one_error_line_at_d2(tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     # one line per rank that got there first (torchrun stops the other at once)
     assert proc.returncode != 0 and 1 <= len(lines) <= 2, proc.stderr[-3000:]
-    assert all(re.search(r"c\.bin: token id 50\d\d .* outside the vocabulary \[0, 64\)", x)
+    assert all(re.search(r"c\.bin: token id 50\d\d .* outside the vocabulary \[0, 65\)", x)
                for x in lines), proc.stderr[-3000:]
     # torchrun's agent prints its own summary; the workers print no traceback, no grid
     assert "exitcode  : 2" in proc.stderr and "terminate called" not in proc.stderr

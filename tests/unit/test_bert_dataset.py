@@ -198,7 +198,7 @@ def test_vocab_info_without_special_tokens():
 
     info = BertVocabInfo.from_tokenizer(NullTokenizer(50))
     assert (info.pad, info.cls, info.sep, info.mask) == (0, 1, 2, 3)
-    assert info.random_ids.min() == 4 and info.random_ids.max() == 49
+    assert info.random_ids.min() == 4 and info.random_ids.max() == 50  # 51 ids, eod 50
 
 
 def test_mock_dataset_is_deterministic():

@@ -381,7 +381,7 @@ def test_log_num_zeros_in_grad_counts_the_unused_position_rows():
     after the zeros, as Megatron-LM orders them."""
     out = _run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                 "--micro-batch-size", "2", "--seq-length", "32", "--max-position-embeddings",
-                "64", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--vocab-size", "100",
+                "64", "--train-iters", "2", "--lr", "1e-2", "--mock-data", "--vocab-size", "100",
                 "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
                 "--log-num-zeros-in-grad", "--log-params-norm"])
     assert out.returncode == 0, out.stderr[-2000:]

@@ -346,7 +346,9 @@ def test_gpt_logits_equal_megatron_reference(tmp_path, capsys, version, tp, pp, 
     assert f"--tensor-model-parallel-size {target[0]}" in err and "--finetune" in err
     model, ckpt = _ours(out)
     assert (ckpt.tensor, ckpt.pipeline, ckpt.iteration) == (target[0], target[1], 0)
-    assert ckpt.config["data"]["vocab_size"] == REAL_VOCAB
+    # the same NullTokenizer convention as Megatron-LM's: --vocab-size 99, 100 ids
+    assert (ckpt.config["data"]["vocab_size"],
+            ckpt.config["data"]["tokenizer_vocab_size"]) == (REAL_VOCAB - 1, REAL_VOCAB)
     ids = _ids()
     with torch.no_grad():
         ours = model(ids, None, None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,11 +204,12 @@ def test_build_errors_name_the_flag_and_path(tmp_path):
 def test_null_tokenizer():
     tok = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"), 1, vocab_size=1000)
     assert isinstance(tok, NullTokenizer)
-    assert tok.vocab_size == 1000 and tok.eod == 999 and tok.padded_vocab_size == 1024
+    assert tok.vocab_size == 1001 and tok.eod == 1000 and tok.padded_vocab_size == 1024
     assert tok.tokenize(" 3 1  4\n999 ") == [3, 1, 4, 999]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"
-    with pytest.raises(ValueError, match=r"\[0, 1000\)"):
-        tok.tokenize("1 1000")
+    assert tok.tokenize("1 1000") == [1, 1000]  # the end-of-document id, as in Megatron-LM
+    with pytest.raises(ValueError, match=r"\[0, 1000\] \(--vocab-size 1000: data ids 0 to 999"):
+        tok.tokenize("1 1001")
     with pytest.raises(ValueError, match="space-separated integers"):
         tok.tokenize("1 two")
     with pytest.raises(NotImplementedError, match="CLS"):
@@ -239,3 +241,41 @@ def test_gpt2_bpe_files_of_two_tokenizers_are_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="the merges make the token 'ab', which --vocab-file "
                                          "lacks.*--vocab-file, --merge-file"):
         tok.tokenize("cab")
+
+
+def test_null_tokenizer_checkpoints_record_their_vocabulary(tmp_path):
+    """A checkpoint records the tokenizer's size (tokenizer_vocab_size): converters read it
+    without tokenizer files.  One saved before that (NullTokenizer --vocab-size N then had
+    N ids, eod N - 1) keeps its meaning: N ids for export, eod N - 1 for generation."""
+    from megatron.checkpoint_convert import true_vocab_size
+    from megatron.text_generation import build_checkpoint_tokenizer
+
+    new = {"tokenizer_type": "NullTokenizer", "vocab_size": 96, "tokenizer_vocab_size": 97}
+    old = {"tokenizer_type": "NullTokenizer", "vocab_size": 96}
+    assert true_vocab_size({"data": new}) == 97 and true_vocab_size({"data": old}) == 96
+    assert build_checkpoint_tokenizer(new, {}).eod == 96
+    tok = build_checkpoint_tokenizer(old, {})
+    assert (tok.vocab_size, tok.eod) == (96, 95)
+
+
+def test_training_records_the_null_tokenizer_vocabulary(tmp_path):
+    """--vocab-size 100 trains 101 ids (eod 100) and the checkpoint says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron.checkpointing import read_saved_config
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DEBUG"}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run(
+        [sys.executable, str(root / "pretrain_gpt.py"), "--num-layers", "1", "--hidden-size",
+         "32", "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings",
+         "16", "--vocab-size", "100", "--mock-data", "--micro-batch-size", "2",
+         "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0", "--num-workers", "0",
+         "--save", str(tmp_path / "ck")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = read_saved_config(str(tmp_path / "ck"))[1]["data"]
+    assert (data["tokenizer_type"], data["vocab_size"], data["tokenizer_vocab_size"]) == (
+        "NullTokenizer", 100, 101)
