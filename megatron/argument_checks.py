@@ -828,6 +828,10 @@ def _check_checkpoint_and_logging(args: argparse.Namespace) -> None:
     if args.save_interval is not None:
         _require(args.save is not None, "--save-interval needs --save (a checkpoint directory)")
         _require(args.save_interval > 0, f"--save-interval must be positive, got {args.save_interval}")
+    for dest in ("tensorboard_log_interval", "tensorboard_queue_size"):
+        v = getattr(args, dest, None)
+        if v is not None:  # an entry point's own parser may lack them
+            _require(v >= 1, f"{_flag(dest)} must be >= 1, got {v}")
     for dest in ("log_interval", "eval_interval"):
         v = getattr(args, dest)
         _require(v > 0, f"{_flag(dest)} must be positive, got {v}")

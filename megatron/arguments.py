@@ -28,6 +28,7 @@ from megatron.config import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
+    TensorBoardOptions,
     TrainingConfig,
 )
 
@@ -372,6 +373,33 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Exit after an iteration divisible by this (drains the pipeline first).")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs here.")
+    # Megatron-LM's selection of TensorBoard scalars (megatron/training_log.py writes them)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="Write the per-iteration TensorBoard scalars (losses, learning rate, "
+                        "loss scale, grad norm, ...) on iterations divisible by this.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="Events the TensorBoard writer queues before an add forces a flush "
+                        "to disk (SummaryWriter's max_queue).")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="Also write iteration-time, throughput and the per-phase times of the "
+                        "logging rank's pipeline actions (forward-compute-time, "
+                        "backward-compute-time, ..., optimizer-time).")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="Also write the global batch size (batch-size).")
+    g.add_argument("--no-log-learning-rate-to-tensorboard", "--no-log-learnig-rate-to-tensorboard",
+                   dest="log_learning_rate_to_tensorboard", action="store_false",
+                   help="Do not write learning-rate (nor decoupled-learning-rate).  The second "
+                        "spelling is Megatron-LM's own.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", help="Do not write loss-scale.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Also write the validation perplexity ('lm loss validation ppl').")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Also write torch.cuda's memory counters (mem-reserved-bytes, "
+                        "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count); "
+                        "a CPU run writes none and says so once.")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="Also write the number of ranks (world-size).")
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
                    help="Count the zero gradient elements of each step over the model "
                         "replica (each parameter once) and log them as 'num zeros'.")
@@ -658,6 +686,14 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         log_params_norm=args.log_params_norm,
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
+    # Megatron-LM's TensorBoard selection flags
+    training.tensorboard = TensorBoardOptions(
+        log_interval=args.tensorboard_log_interval, queue_size=args.tensorboard_queue_size,
+        timers=args.log_timers_to_tensorboard, batch_size=args.log_batch_size_to_tensorboard,
+        learning_rate=args.log_learning_rate_to_tensorboard,
+        loss_scale=args.log_loss_scale_to_tensorboard,
+        validation_ppl=args.log_validation_ppl_to_tensorboard,
+        memory=args.log_memory_to_tensorboard, world_size=args.log_world_size_to_tensorboard)
     # what initialize_distributed compares across ranks
     parallel.command_line = command_line_values(args)
     return MegatronConfig(model=model, parallel=parallel, precision=precision,

@@ -359,7 +359,12 @@ class DataConfig:
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
-    """Vocabulary size for NullTokenizer (no vocabulary file)."""
+    """--vocab-size: NullTokenizer's data ids (its end-of-document id comes on top, as in
+    Megatron-LM, so it has vocab_size + 1 ids)."""
+    tokenizer_vocab_size: int = 0
+    """The tokenizer's vocabulary before padding, set at start-up and recorded in
+    checkpoints, so converters need no tokenizer files (0: not known, e.g. a checkpoint
+    saved before it was recorded)."""
     make_vocab_size_divisible_by: int = 128
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
@@ -386,6 +391,32 @@ class DataConfig:
         return f"{flag} {' '.join(paths)}" if paths else f"no {flag}"
 
 
+@dataclass(frozen=True)
+class TensorBoardOptions:
+    """Which TensorBoard scalars a run writes: Megatron-LM's flags, with its defaults.
+
+    ``log_interval`` (--tensorboard-log-interval): the per-iteration scalars (losses,
+    learning-rate, batch-size, loss-scale, world-size, grad-norm, num-zeros, params-norm,
+    weight-decay, mem-*, the per-phase timers) are written on iterations divisible by it.
+    iteration-time and throughput go with the log line (--log-interval) and the
+    validation scalars with each evaluation, as in Megatron-LM.
+    ``queue_size`` (--tensorboard-queue-size): SummaryWriter's max_queue.
+    ``timers`` (--log-timers-to-tensorboard): iteration-time, throughput and the
+    per-phase times (``megatron.training_log.PHASE_TIMERS``).  ``batch_size``,
+    ``world_size``, ``memory``, ``validation_ppl``: their scalars, off by default;
+    ``learning_rate`` and ``loss_scale``: on by default (--no-log-...-to-tensorboard)."""
+
+    log_interval: int = 1
+    queue_size: int = 1000
+    timers: bool = False
+    batch_size: bool = False
+    learning_rate: bool = True
+    loss_scale: bool = True
+    validation_ppl: bool = False
+    memory: bool = False
+    world_size: bool = False
+
+
 @dataclass(kw_only=True)
 class TrainingConfig:
     """Batches, length of training, logging, evaluation and checkpoints."""
@@ -408,6 +439,8 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: Optional[int] = None
     tensorboard_dir: Optional[str] = None
+    tensorboard: TensorBoardOptions = field(default_factory=TensorBoardOptions)
+    """Which scalars --tensorboard-dir gets (Megatron-LM's selection flags)."""
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None

@@ -80,9 +80,6 @@ class CompatFlag:
 
 
 _FUSION = "picks a fused kernel of Megatron-LM: none here, the arithmetic is the same"
-_TB = ("a TensorBoard option of Megatron-LM: --tensorboard-dir always writes Megatron-LM's "
-       "scalars at every iteration (validation ppl, batch size, learning rate, loss scale, "
-       "iteration-time included)")
 
 FLAGS: Tuple[CompatFlag, ...] = (
     # ---- already how this trainer works
@@ -154,20 +151,12 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "ranks (more memory per rank, same results)"),
     # ---- logging this trainer does not do
     CompatFlag("--timing-log-level", "ignored",
-               "per-phase timers are not logged (--timeline-file traces every pipeline action)",
-               nargs=None),
-    CompatFlag("--timing-log-option", "ignored", "per-phase timers are not logged", nargs=None),
-    CompatFlag("--log-timers-to-tensorboard", "ignored",
-               "per-phase timer scalars are not written (iteration-time and throughput are)"),
-    CompatFlag("--log-validation-ppl-to-tensorboard", "ignored", _TB),
-    CompatFlag("--log-memory-to-tensorboard", "ignored", "the mem-* scalars are not written"),
-    CompatFlag("--log-world-size-to-tensorboard", "ignored",
-               "the world-size scalar is not written"),
-    CompatFlag("--log-batch-size-to-tensorboard", "ignored", _TB),
-    CompatFlag("--no-log-learning-rate-to-tensorboard", "ignored", _TB),
-    CompatFlag("--no-log-loss-scale-to-tensorboard", "ignored", _TB),
-    CompatFlag("--tensorboard-log-interval", "ignored", _TB, nargs=None),
-    CompatFlag("--tensorboard-queue-size", "ignored", _TB, nargs=None),
+               "per-phase timers are not printed in the log; --log-timers-to-tensorboard "
+               "writes every phase the executor times (--timeline-file traces every "
+               "pipeline action)", nargs=None),
+    CompatFlag("--timing-log-option", "ignored",
+               "per-phase timers are not printed in the log; --log-timers-to-tensorboard "
+               "writes the logging rank's own times", nargs=None),
     CompatFlag("--wandb-project", "ignored",
                "Weights & Biases logging is not built (use --tensorboard-dir)", nargs=None),
     CompatFlag("--wandb-exp-name", "ignored",
@@ -204,6 +193,37 @@ FLAGS: Tuple[CompatFlag, ...] = (
                "read by finetuning only (tasks/main.py keeps each epoch's last incomplete "
                "batch); pretraining has no epochs to cut"),
 )
+
+TENSORBOARD_FLAGS: Tuple[Tuple[str, str, str], ...] = (
+    ("--tensorboard-log-interval N", "1",
+     "the per-iteration scalars are written on iterations divisible by N; "
+     "`iteration-time` and `throughput` follow `--log-interval`, the validation scalars "
+     "each evaluation; must be >= 1"),
+    ("--tensorboard-queue-size N", "1000",
+     "SummaryWriter's `max_queue`: events queued before an add flushes to disk; must be >= 1"),
+    ("--no-log-learning-rate-to-tensorboard", "written",
+     "no `learning-rate` (nor `decoupled-learning-rate`); Megatron-LM's own spelling "
+     "`--no-log-learnig-rate-to-tensorboard` is accepted too"),
+    ("--no-log-loss-scale-to-tensorboard", "written", "no `loss-scale`"),
+    ("--log-batch-size-to-tensorboard", "not written", "`batch-size`: the iteration's "
+     "global batch (it changes under a batch ramp-up)"),
+    ("--log-world-size-to-tensorboard", "not written", "`world-size`: the number of ranks"),
+    ("--log-validation-ppl-to-tensorboard", "not written",
+     "`lm loss validation ppl` (exp of the loss, capped at exp(20)) at each evaluation"),
+    ("--log-memory-to-tensorboard", "not written",
+     "`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`, "
+     "`mem-allocated-count` of the logging rank's CUDA device (torch.cuda.memory_stats); "
+     "a CPU run writes none and prints one warning"),
+    ("--log-timers-to-tensorboard", "not written",
+     "`iteration-time` and `throughput` at each log line, and per-phase seconds per "
+     "iteration since the last log line: `forward-compute-time`, `backward-compute-time`, "
+     "`forward-send-time`, `forward-recv-time`, `backward-send-time`, `backward-recv-time`, "
+     "`all-grads-sync-time` (the gradient reduction action), `optimizer-time` (the step "
+     "action) and `forward-backward-time` (all but the step): the wall time of the last "
+     "rank's own pipeline actions, not Megatron-LM's maximum over ranks; pretraining only"),
+)
+"""Megatron-LM's TensorBoard selection flags, which this parser honours: (flag, default,
+effect) for docs/megatron_lm_flags.md."""
 
 _BY_NAME = {f.name: f for f in FLAGS}
 assert len(_BY_NAME) == len(FLAGS), "a Megatron-LM flag is listed twice"
@@ -350,6 +370,15 @@ def markdown() -> str:
                  "reads them only with one) |")
     lines.append(f"| `{' / '.join(LAUNCHER_FLAGS)}` | accepted from `torch.distributed.launch`; "
                  "the rank comes from `LOCAL_RANK` |")
+    lines += ["", "## TensorBoard scalars (as Megatron-LM selects them)", "",
+              "These are flags of this parser with Megatron-LM's meaning and defaults "
+              "(`megatron/training_log.py`). Always written with `--tensorboard-dir`: the "
+              "losses (`lm loss`), `grad-norm` (none for a skipped iteration, as Megatron-LM's "
+              "optimizer returns none), `num-zeros` and `params-norm` with their flags, "
+              "`weight-decay` when it ramps, each with its ` vs samples` twin, and "
+              "`lm loss validation` at each evaluation.", "",
+              "| flag | default | effect |", "|---|---|---|"]
+    lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in TENSORBOARD_FLAGS]
     for kind, title in (("ignored", "Accepted, no effect here"),
                         ("refused", "Refused: not built here")):
         lines += ["", f"## {title}", "", "| flag | values | why |", "|---|---|---|"]

@@ -330,7 +330,10 @@ def setup_model_and_optimizer(cfg: MegatronConfig, groups: ParallelGroups, devic
     if cfg.training.skip_train:  # evaluation only: no step is taken, any schedule will do
         scheduler = OptimizerParamScheduler(cfg.optimizer.lr or 0.0, 0.0, 0, 1, "constant")
     else:
-        scheduler = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training.train_iters)
+        # (the global batch: inverse-square-root's floor of one sample, as Megatron-LM)
+        scheduler = OptimizerParamScheduler.from_config(
+            cfg.optimizer, cfg.training.train_iters,
+            global_batch_size=cfg.training.global_batch_size)
     # --decoupled-lr: the input and output layers' rate of the step being taken
     optimizer.decoupled_lr_provider = scheduler.get_decoupled_lr
     # the weight decay of the step being taken (--weight-decay-incr-style; constant: the
@@ -361,11 +364,14 @@ def evaluate_and_print(engine: PipelineEngine, iterator, eval_iters: int, label:
     `` validation loss at iteration N | lm loss value: X | lm loss PPL: Y | `` between
     two rules of its length (at the end ``iteration N on validation set`` or ``on test
     set``, the test split's line starting ``validation loss`` too), and the TensorBoard
-    scalars ``lm loss validation`` and ``lm loss validation ppl`` against the iteration,
-    their `` vs samples`` twins against ``samples`` (the consumed training samples).
+    scalars ``lm loss validation`` (and with --log-validation-ppl-to-tensorboard
+    ``lm loss validation ppl``) against the iteration, their `` vs samples`` twins
+    against ``samples`` (the consumed training samples), at every evaluation
+    (--tensorboard-log-interval does not apply, as in Megatron-LM).
     The test split's scalars are ``lm loss test`` (Megatron-LM writes them over the
     validation ones)."""
     losses = engine.evaluate(iterator, eval_iters)
+    ppl_scalars = logger.tb.validation_ppl
     if losses:
         prefix = f"iteration {iteration}" + (f" on {label} set" if at_end else "")
         line = f" validation loss at {prefix} | "
@@ -376,7 +382,8 @@ def evaluate_and_print(engine: PipelineEngine, iterator, eval_iters: int, label:
             line += f"{k} value: {v:.6E} | {k} PPL: {shown} | "
             if to_tensorboard:
                 logger.scalars(f"{k} {label}", v, iteration, samples)
-                logger.scalars(f"{k} {label} ppl", ppl, iteration, samples)
+                if ppl_scalars:
+                    logger.scalars(f"{k} {label} ppl", ppl, iteration, samples)
         rule = "-" * (len(line) + 1)
         print_rank_last(f"{rule}\n{line}\n{rule}")
     return losses
@@ -609,6 +616,7 @@ def initialize_megatron(args, cfg: MegatronConfig):
         except (ValueError, OSError) as exc:  # each names its flag (--vocab-file, ...)
             raise UserError(str(exc)) from exc
         vocab = tokenizer.vocab_size
+        cfg.data.tokenizer_vocab_size = int(vocab)
     if vocab:
         cfg.model.padded_vocab_size = vocab_size_with_padding(
             vocab, cfg.data.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
@@ -684,7 +692,9 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
     check_train_data(cfg, train_iter)
     check_eval_data(cfg, valid_iter)
     flops = flops_per_iteration(cfg) if flops_per_iteration else None
-    logger = TrainingLogger(cfg, groups, flops_per_iteration=flops)
+    logger = TrainingLogger(cfg, groups, flops_per_iteration=flops, device=device)
+    # --log-timers-to-tensorboard: the per-phase times come from the executor's trace
+    logger.watch_timers(engine, keep_events=cfg.training.timeline_file is not None)
     logger.banner(engine, model)
     result = TrainingResult()
     with logger.paused():  # waiting for the slowest rank's set-up is no iteration's time

@@ -6,9 +6,10 @@ import math
 import time
 from typing import Any, Dict, Optional
 
+import torch
 import torch.distributed as dist
 
-from megatron.config import MegatronConfig
+from megatron.config import MegatronConfig, TensorBoardOptions
 from megatron.parallel_state import ParallelGroups
 
 
@@ -31,11 +32,32 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+PHASE_TIMERS: Dict[str, str] = {
+    "F": "forward-compute", "B": "backward-compute",
+    "SA": "forward-send", "RA": "forward-recv", "SG": "backward-send", "RG": "backward-recv",
+    "R@": "all-grads-sync", "S@": "optimizer"}
+"""Pipeline action code -> Megatron-LM's timer name.  With --log-timers-to-tensorboard
+the logging (last) rank writes ``<name>-time``: the wall seconds its executor spent in
+actions of that kind, per iteration, averaged over the iterations since the last log line
+(as Megatron-LM's timers, which are reset by the log line); ``forward-backward-time`` is
+the sum of every kind but the optimizer step.  Megatron-LM writes each timer's maximum
+over the ranks; here only the last rank's own times are written (no collective)."""
+
+MEMORY_SCALARS = (("mem-reserved-bytes", "reserved_bytes.all.current"),
+                  ("mem-allocated-bytes", "allocated_bytes.all.current"),
+                  ("mem-max-allocated-bytes", "allocated_bytes.all.peak"),
+                  ("mem-allocated-count", "allocation.all.current"))
+"""--log-memory-to-tensorboard: tag -> torch.cuda.memory_stats() key, as Megatron-LM."""
+
+
 class TrainingLogger:
     """Accumulates per-step reports and prints one line every --log-interval steps."""
 
     def __init__(self, cfg: MegatronConfig, groups: ParallelGroups,
-                 flops_per_iteration: Optional[float] = None) -> None:
+                 flops_per_iteration: Optional[float] = None,
+                 device: Optional[torch.device] = None) -> None:
+        """``device``: this rank's device, for --log-memory-to-tensorboard (default: the
+        current CUDA device where CUDA is in use, else the CPU)."""
         self.cfg = cfg
         self.groups = groups
         self.flops = flops_per_iteration
@@ -49,6 +71,7 @@ class TrainingLogger:
         """The last step's weight decay (only with --weight-decay-incr-style linear or
         cosine, else None)."""
         self.active = is_logging_rank()
+        self.tb: TensorBoardOptions = cfg.training.tensorboard
         self.writer = None
         if self.active and cfg.training.tensorboard_dir:
             try:
@@ -56,8 +79,48 @@ class TrainingLogger:
             except ImportError as exc:
                 raise RuntimeError("--tensorboard-dir needs the tensorboard package: "
                                    "pip install tensorboard") from exc
-            self.writer = SummaryWriter(log_dir=cfg.training.tensorboard_dir)
+            self.writer = SummaryWriter(log_dir=cfg.training.tensorboard_dir,
+                                        max_queue=self.tb.queue_size)
+        self.memory_device: Optional[torch.device] = None
+        """The CUDA device whose memory counters are written (None: none written)."""
+        if self.writer is not None and self.tb.memory:
+            if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                device = torch.device("cuda", torch.cuda.current_device())
+            if device is not None and device.type == "cuda":
+                self.memory_device = device
+            else:  # torch.cuda.memory_stats exists only for CUDA devices
+                print("warning: --log-memory-to-tensorboard: this run is not on a CUDA "
+                      "device, so no mem-* scalars are written (they are torch.cuda's "
+                      "allocator counters)", flush=True)
+        self._timer_engine = None
+        self._timer_keep = True
+        self._timer_pos = 0
         self._reset()
+
+    def watch_timers(self, engine, keep_events: bool) -> None:
+        """--log-timers-to-tensorboard: time ``engine``'s pipeline actions (its trace)
+        on this rank for the per-phase timer scalars (``PHASE_TIMERS``).  Without
+        ``keep_events`` (no --timeline-file wants them) the events read are dropped, so
+        a long run's trace does not grow.  Nothing happens on the other ranks, or without
+        --tensorboard-dir or the flag."""
+        if self.writer is None or not self.tb.timers:
+            return
+        engine.trace_enabled = True
+        self._timer_engine = engine
+        self._timer_keep = keep_events
+        self._timer_pos = len(engine.trace_events)
+
+    def _collect_timers(self) -> None:
+        events = self._timer_engine.trace_events
+        for e in events[self._timer_pos:]:
+            if e["train"] and e["op"] in PHASE_TIMERS:
+                self.timer_sums[e["op"]] = (self.timer_sums.get(e["op"], 0.0)
+                                            + e["end"] - e["start"])
+        if self._timer_keep:
+            self._timer_pos = len(events)
+        else:
+            del events[:]
+            self._timer_pos = 0
 
     def _reset(self) -> None:
         self.t_last = time.perf_counter()
@@ -68,6 +131,8 @@ class TrainingLogger:
         self.loss_sums: Dict[str, float] = {}
         self.loss_count = 0
         self.loss_keys: set = set()
+        self.timer_sums: Dict[str, float] = {}
+        """Seconds per pipeline action code since the last log line (timers' reset)."""
 
     def _recompute(self, engine) -> str:
         mc = self.cfg.model
@@ -156,27 +221,59 @@ class TrainingLogger:
             for k, v in report.losses.items():
                 self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
             self.loss_count += 1
-        it, samples = state.iteration, state.consumed_train_samples
         if report.losses:
             self.loss_keys.update(report.losses)
-            for k, v in report.losses.items():  # the iteration's own loss, not the average
-                self.scalars(k, v, it, samples)
-        self.scalars("learning-rate", report.lr, it, samples)
-        if decoupled_lr is not None:
-            self.scalar("decoupled-learning-rate", decoupled_lr, it)
-        if weight_decay is not None:
-            self.scalars("weight-decay", weight_decay, it, samples)
-        self.scalars("batch-size", self.last_batch, it, samples)
-        self.scalars("loss-scale", report.loss_scale, it, samples)
-        if report.grad_norm is not None:
-            self.scalars("grad-norm", report.grad_norm, it, samples)
-        if report.num_zeros is not None:
-            self.scalars("num-zeros", report.num_zeros, it, samples)
-        if report.params_norm is not None:
-            self.scalars("params-norm", report.params_norm, it, samples)
+        if self._timer_engine is not None:
+            self._collect_timers()
+        if self.writer is not None and state.iteration % self.tb.log_interval == 0:
+            self._write_scalars(report, state)
         interval = self.cfg.training.log_interval
         if state.iteration % interval == 0:
             self._print(report, state)
+
+    @staticmethod
+    def shown_grad_norm(report) -> Optional[float]:
+        """As Megatron-LM, whose optimizer returns no norm for a step it skips: a skipped
+        iteration has no grad norm (nor num zeros) in the log line or TensorBoard."""
+        return None if report.skipped else report.grad_norm
+
+    def _write_scalars(self, report, state) -> None:
+        """The per-iteration scalars of an iteration divisible by
+        --tensorboard-log-interval: the iteration's own values, not interval averages."""
+        tb = self.tb
+        it, samples = state.iteration, state.consumed_train_samples
+        if report.losses:
+            for k, v in report.losses.items():
+                self.scalars(k, v, it, samples)
+        if tb.learning_rate:
+            self.scalars("learning-rate", report.lr, it, samples)
+            if self.decoupled_lr is not None:
+                self.scalar("decoupled-learning-rate", self.decoupled_lr, it)
+        if self.weight_decay is not None:
+            self.scalars("weight-decay", self.weight_decay, it, samples)
+        if tb.batch_size:
+            self.scalars("batch-size", self.last_batch, it, samples)
+        if tb.loss_scale:
+            self.scalars("loss-scale", report.loss_scale, it, samples)
+        if tb.world_size:
+            self.scalars("world-size", self.world, it, samples)
+        grad_norm = self.shown_grad_norm(report)
+        if grad_norm is not None:
+            self.scalars("grad-norm", grad_norm, it, samples)
+        if report.num_zeros is not None and not report.skipped:
+            self.scalars("num-zeros", report.num_zeros, it, samples)
+        if report.params_norm is not None:
+            self.scalars("params-norm", report.params_norm, it, samples)
+        if self.memory_device is not None:
+            stats = torch.cuda.memory_stats(self.memory_device)
+            for tag, key in MEMORY_SCALARS:
+                self.scalar(tag, stats.get(key, 0), it)
+        if self._timer_engine is not None and self.steps:
+            for code, name in PHASE_TIMERS.items():
+                if code in self.timer_sums:
+                    self.scalar(f"{name}-time", self.timer_sums[code] / self.steps, it)
+            fb = sum(v for code, v in self.timer_sums.items() if code != "S@")
+            self.scalar("forward-backward-time", fb / self.steps, it)
 
     def is_nan_iteration(self, report) -> bool:
         """A non-finite loss, or non-finite gradients where they are not the routine
@@ -197,13 +294,15 @@ class TrainingLogger:
         parts = [f" iteration {state.iteration:8d}/{total or 0:8d}",
                  f"consumed samples: {state.consumed_train_samples:12d}",
                  f"elapsed time per iteration (ms): {per_iter * 1000:.1f}"]
-        self.scalar("iteration-time", per_iter, state.iteration)
+        if self.tb.timers:  # Megatron-LM writes these with --log-timers-to-tensorboard
+            self.scalar("iteration-time", per_iter, state.iteration)
         if self.flops and elapsed > 0:  # flops of a full batch, per sample trained
             tflops = self.flops / tr.global_batch_size * self.samples / elapsed / self.world / 1e12
             # fixed-point, as Megatron-LM's {:.1f}; below 1 with the digits a CPU run needs
             shown = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.4f}"
             parts.append(f"throughput per GPU (TFLOP/s/GPU): {shown}")
-            self.scalar("throughput", tflops, state.iteration)
+            if self.tb.timers:
+                self.scalar("throughput", tflops, state.iteration)
         parts.append(f"samples/s: {samples_per_s:.2f}")
         parts.append(f"learning rate: {report.lr:.6E}")
         if self.decoupled_lr is not None:
@@ -217,9 +316,10 @@ class TrainingLogger:
             else:  # no iteration of the interval was applied with a finite loss
                 parts.append(f"{k}: nan")
         parts.append(f"loss scale: {report.loss_scale:.1f}")
-        if report.grad_norm is not None:
-            parts.append(f"grad norm: {report.grad_norm:.3f}")
-        if report.num_zeros is not None:
+        grad_norm = self.shown_grad_norm(report)
+        if grad_norm is not None:
+            parts.append(f"grad norm: {grad_norm:.3f}")
+        if report.num_zeros is not None and not report.skipped:
             parts.append(f"num zeros: {float(report.num_zeros):.1f}")  # Megatron-LM's float
         if report.params_norm is not None:
             parts.append(f"params norm: {report.params_norm:.3f}")

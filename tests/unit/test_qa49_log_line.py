@@ -11,61 +11,28 @@ scalars of our runs on their Megatron-LM runs (helper-49's QA pass).
   ``iteration N on validation set`` / ``on test set``, framed by dashes of its length;
 * TensorBoard: Megatron-LM's tag names (``lm loss``, ``learning-rate``, ``loss-scale``,
   ``grad-norm``, ...), each with its `` vs samples`` twin at the consumed samples, at
-  every iteration; ``lm loss validation`` (and ``... ppl``) at the evaluation's iteration.
+  every iteration; ``lm loss validation`` (and with --log-validation-ppl-to-tensorboard
+  ``... ppl``) at the evaluation's iteration; ``batch-size`` with
+  --log-batch-size-to-tensorboard, ``iteration-time`` with --log-timers-to-tensorboard.
 """
 from __future__ import annotations
 
 import re
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 
 from megatron.pipeline.engine import StepReport
+from tests import fake_tensorboard as tb_stub
 from tests.distributed.gpt_harness import TINY
 
-
-class _Writer:
-    """A SummaryWriter that records (tag, value, step)."""
-
-    instances: list = []
-
-    def __init__(self, log_dir=None, **_):
-        self.log_dir = log_dir
-        self.rows = []
-        _Writer.instances.append(self)
-
-    def add_scalar(self, tag, value, step):
-        self.rows.append((tag, float(value), int(step)))
-
-    def flush(self):
-        pass
-
-    def close(self):
-        pass
-
-    def tags(self):
-        return {t for t, _, _ in self.rows}
-
-    def series(self, tag):
-        return [(s, v) for t, v, s in self.rows if t == tag]
+_Writer = tb_stub.RecordingWriter
 
 
 @pytest.fixture
 def fake_tensorboard(monkeypatch):
     """--tensorboard-dir without the tensorboard package (not a test dependency)."""
-    import importlib.machinery
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        importlib.machinery.ModuleSpec(name, None) if name == "tensorboard" else real(name, *a)))
-    mod = types.ModuleType("torch.utils.tensorboard")
-    mod.SummaryWriter = _Writer
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", mod)
-    _Writer.instances = []
-    return _Writer
+    return tb_stub.install(monkeypatch)
 
 
 def _logger(argv, writer=None):
@@ -124,7 +91,8 @@ def test_loss_average_leaves_out_skipped_iterations(capsys):
 
 def test_tensorboard_tags_and_steps_are_megatrons():
     w = _Writer()
-    log, _ = _logger(["--log-interval", "2"], writer=w)
+    log, _ = _logger(["--log-interval", "2", "--log-batch-size-to-tensorboard",
+                      "--log-timers-to-tensorboard"], writer=w)
     state = SimpleNamespace(iteration=0, consumed_train_samples=0)
     for t in range(4):
         _step(log, state, t, 4.0 - t)
@@ -145,7 +113,7 @@ def test_validation_and_test_lines_and_scalars(capsys):
             return {"lm loss": 2.5}
 
     w = _Writer()
-    log, _ = _logger([], writer=w)
+    log, _ = _logger(["--log-validation-ppl-to-tensorboard"], writer=w)
     evaluate_and_print(Engine(), None, 1, "validation", 3, log, samples=24)
     evaluate_and_print(Engine(), None, 1, "validation", 4, log, samples=32, at_end=True)
     evaluate_and_print(Engine(), None, 1, "test", 4, log, samples=32, at_end=True)
