@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -309,6 +309,11 @@ def _check_schedule(args: argparse.Namespace, schedule, mbs: int, dp: int, pp: i
     args.batch_schedule_source = schedule.source
 
 
+def _whole_if_integral(x: float) -> Union[int, float]:
+    """``x`` as an int when it is a whole number (how schedules print and compare)."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
 def _samples_to_iters(args: argparse.Namespace, samples_dest: str) -> int:
     return math.ceil(getattr(args, samples_dest) / args.global_batch_size)
 
@@ -377,7 +382,9 @@ def _check_lr_schedule(args: argparse.Namespace) -> None:
         _require(args.lr_decay_iters is not None or args.skip_train,
                  "--lr-warmup-fraction needs the LR decay length: give --lr-decay-iters "
                  "(or --train-iters/--train-samples)")
-        args.lr_warmup_iters = (int(round(frac * args.lr_decay_iters))
+        # not rounded: Megatron-LM counts this warmup in samples, so 0.001 of 400
+        # iterations is 0.4 of one (its first step at --lr-warmup-init), not none
+        args.lr_warmup_iters = (_whole_if_integral(frac * args.lr_decay_iters)
                                 if args.lr_decay_iters is not None else 0)
     elif args.lr_warmup_samples is not None:
         _require(args.lr_warmup_samples >= 0,
@@ -441,7 +448,7 @@ def _sample_based_schedule(args: argparse.Namespace, decay_iters_given: bool,
         args.lr_decay_samples = (args.lr_decay_iters * gbs if decay_iters_given
                                  else args.train_samples)
     if frac is not None:
-        args.lr_warmup_samples = int(round(frac * args.lr_decay_samples))
+        args.lr_warmup_samples = _whole_if_integral(frac * args.lr_decay_samples)
     elif args.lr_warmup_samples is None:
         args.lr_warmup_samples = args.lr_warmup_iters * gbs
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_samples is None:

@@ -293,14 +293,17 @@ class OptimizerConfig:
     """With lr_schedule_unit 'samples': samples of the WSD anneal."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which the LR decays; defaults to train_iters."""
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: float = 0
+    """Iterations of LR warmup: a whole number, except from --lr-warmup-fraction, which
+    Megatron-LM counts in samples (0.001 of 400 iterations is 0.4 of one, not none)."""
     lr_schedule_unit: str = "iterations"
     """'samples' for a --train-samples run (Megatron's sample-based schedule): the schedule
     counts consumed samples, so it stays right when --global-batch-size changes on resume."""
     lr_decay_samples: Optional[int] = None
     """With lr_schedule_unit 'samples': samples over which the LR decays."""
-    lr_warmup_samples: Optional[int] = None
-    """With lr_schedule_unit 'samples': warmup samples."""
+    lr_warmup_samples: Optional[float] = None
+    """With lr_schedule_unit 'samples': warmup samples (fractional only from
+    --lr-warmup-fraction, as Megatron-LM)."""
     weight_decay: float = 0.01
     start_weight_decay: Optional[float] = None
     """Weight decay at the start of the run (Megatron-LM's --start-weight-decay; None:

@@ -86,7 +86,7 @@ def _wsd_coefficient(style: str, ratio: float) -> float:
 class OptimizerParamScheduler:
     """Megatron-style learning-rate schedule over optimizer steps."""
 
-    def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+    def __init__(self, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: int,
                  decay_style: str, unit: str = "iterations",
                  wsd_decay_steps: Optional[int] = None,
                  wsd_decay_style: str = "exponential",
@@ -136,7 +136,10 @@ class OptimizerParamScheduler:
                              f"({warmup_steps}) for decay style {decay_style!r}")
         self.max_lr = float(max_lr)
         self.min_lr = float(min_lr)
-        self.warmup_steps = int(warmup_steps)
+        # a whole number, except a warmup from --lr-warmup-fraction (Megatron-LM keeps
+        # fraction x decay as it is: 0.4 of an iteration still starts at warmup_init)
+        self.warmup_steps = (int(warmup_steps) if float(warmup_steps).is_integer()
+                             else float(warmup_steps))
         self.decay_steps = int(decay_steps)
         self.decay_style = decay_style
         self.wsd_decay_steps = None if wsd_decay_steps is None else int(wsd_decay_steps)
