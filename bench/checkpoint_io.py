@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import format_table, median, write_results  # noqa: E402
+from bench.common import bench_command, format_table, median, write_results  # noqa: E402
 from megatron.checkpointing import (file_entries, load_payload, save_payload,  # noqa: E402
                                     write_manifest)
 
@@ -132,7 +132,9 @@ def main(argv=None) -> Dict[str, Any]:
                              f"parameters (+ shadow copy + Adam state), median of "
                              f"{res['rounds']} rounds"))
     print(f"safe/pickle: save+hash {res['save_ratio']:.2f}x, load {res['load_ratio']:.2f}x")
-    path = write_results("checkpoint_io", {"quick": args.quick, **res}, args.out_dir)
+    path = write_results("checkpoint_io", {"command": bench_command("bench/checkpoint_io.py",
+                                                                    argv),
+                                           "quick": args.quick, **res}, args.out_dir)
     print(f"wrote {path}")
     return res
 

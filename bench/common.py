@@ -69,10 +69,29 @@ def write_results(name: str, payload: Dict[str, Any], out_dir: Optional[Path] = 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     data = {"bench": name, "machine": machine_info(), **payload}
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False, default=_jsonable)
-        f.write("\n")
+    # serialise first, then replace the file in one step: a value JSON cannot hold (or
+    # any failure on the way) leaves the previous results as they were, never a
+    # truncated file in their place
+    text = json.dumps(data, indent=2, sort_keys=False, default=_jsonable) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return path
+
+
+def bench_command(script: str, argv: Optional[Sequence[str]]) -> str:
+    """The command line that reproduces a bench run, for its JSON's ``command``:
+    ``script`` (e.g. ``bench/memory.py``) with ``argv`` (``sys.argv[1:]`` when None),
+    shell-quoted."""
+    import shlex
+
+    args = list(argv) if argv is not None else sys.argv[1:]
+    return " ".join(["PYTHONPATH=. python", script, *(shlex.quote(a) for a in args)])
 
 
 def figure_entry(figure: Path) -> str:

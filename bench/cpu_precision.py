@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import format_table, gpt_config, median, write_results  # noqa: E402
+from bench.common import (bench_command, format_table, gpt_config, median,  # noqa: E402
+                          write_results)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "8192",
@@ -87,7 +88,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                              f"batch 4, m=4), {args.threads} thread(s), medians"))
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"torch CPU capability: {capability}")
-    path = write_results("cpu_precision", {"quick": args.quick, "threads": args.threads,
+    path = write_results("cpu_precision", {"command": bench_command("bench/cpu_precision.py",
+                                                                    argv),
+                                           "quick": args.quick, "threads": args.threads,
                                            "steps": steps, "cpu_capability": capability,
                                            **res}, args.out_dir)
     print(f"wrote {path}")

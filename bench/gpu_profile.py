@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import format_table, write_results  # noqa: E402
+from bench.common import bench_command, format_table, write_results  # noqa: E402
 from bench.convergence import git_revision  # noqa: E402
 from bench.throughput import DRY_RUN_MODEL, GPT_345M, gpu_trainer_argv  # noqa: E402
 
@@ -125,7 +125,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         runs.append(r)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    payload = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+    # a --dry-run profiles a 2-layer model: its JSON says so, so that the results page
+    # does not show it as GPT-345M's profile
+    payload = {"command": bench_command("bench/gpu_profile.py", argv),
+               "status": "dry run" if args.dry_run else "measured", "dry_run": args.dry_run,
+               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
                "torch": torch.__version__, "model": model, "runs": runs, "git": git_revision()}
     path = write_results("gpu_profile", payload, Path(args.out_dir) if args.out_dir else None)
     print(f"wrote {path}")

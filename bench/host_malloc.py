@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import format_table, median, write_results  # noqa: E402
+from bench.common import bench_command, format_table, median, write_results  # noqa: E402
 from bench.trainer_overhead import FULL_MODEL, QUICK_MODEL, trainer_argv  # noqa: E402
 
 WARMUP_BATCHES = 3
@@ -121,7 +121,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     iters = WARMUP_BATCHES + (4 if args.quick else 12)
     rows = measure(model, rounds, iters, timeout=600)
     print_rows(rows)
-    result = {"quick": args.quick, "model": model, "micro_batch_size": 4,
+    result = {"command": bench_command("bench/host_malloc.py", argv),
+              "quick": args.quick, "model": model, "micro_batch_size": 4,
               "global_batch_size": 16, "rounds": rounds, "iters": iters,
               "warmup_batches": WARMUP_BATCHES, "rows": rows,
               "bench_seconds": time.perf_counter() - t0}

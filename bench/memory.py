@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, figure_entry, format_table, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, bench_command, figure_entry, format_table,  # noqa: E402
+                          write_results)
 from bench.convergence import git_revision  # noqa: E402
 
 SCHEDULES = ("none", "gpipe", "flush", "2bw")
@@ -379,9 +380,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         t0 = time.perf_counter()
         rows = measure_layer_recompute(args.smoke)
         print_layer_recompute(rows)
-        payload = {"command": "PYTHONPATH=. python bench/memory.py --layer-recompute"
-                              + (" --smoke" if args.smoke else ""),
-                   "model_argv": recompute_argv(args.smoke), "rows": rows,
+        payload = {"command": bench_command("bench/memory.py", argv),
+                   # a --smoke run is a tiny model: the page must say so
+                   "smoke": args.smoke, "model_argv": recompute_argv(args.smoke), "rows": rows,
                    "bench_seconds": time.perf_counter() - t0}
         path = write_results("memory_recompute", payload, args.out_dir)
         print(f"wrote {path}")

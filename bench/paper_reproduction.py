@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The paper's section 5 on modelled p3.16xlarge servers, beside the paper's own numbers.
 
-    python bench/paper_reproduction.py [--no-sim]
+    python bench/paper_reproduction.py [--no-sim] [--out-dir DIR] [--figure-dir DIR]
 
 Everything here is a *prediction* of the planner's closed-form cost model (Appendix A),
 cross-checked by the event simulator on the same stage costs (``--no-sim`` skips it);
@@ -17,7 +17,6 @@ the paper's text except 2048; we use 64/256 on 8 GPUs and 512/2048 on 64 GPUs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -432,28 +431,37 @@ def print_report(rows, claims, depths, sweep, sizes, memory) -> None:
         f"{r['exposed_samples_per_s']:.0f}" + ("" if r["fits"] else " OOM") for r in sweep))
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> Dict:
+    from bench.common import bench_command, figure_entry, write_results
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-sim", action="store_true", help="skip the simulator cross-check")
-    args = parser.parse_args()
+    parser.add_argument("--out-dir", default=None,
+                        help="where to write paper_reproduction.json (default bench/results)")
+    parser.add_argument("--figure-dir", default=None,
+                        help="where to write paper_*.png (default docs/figures)")
+    args = parser.parse_args(argv)
     rows = throughput_experiment(simulate=not args.no_sim)
     claims = claim_table(rows)
     depths, sweep, sizes = planner_depths(), planning_sweep(), max_model_size()
     memory = memory_ordering()
     print_report(rows, claims, depths, sweep, sizes, memory)
-    figs = REPO / "docs" / "figures"
+    figs = Path(args.figure_dir) if args.figure_dir else REPO / "docs" / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     plot_throughput(rows, figs / "paper_throughput.png")
     plot_memory(rows, figs / "paper_memory.png")
     plot_planning(sweep, sizes, figs / "paper_planning.png")
-    out = REPO / "bench" / "results" / "paper_reproduction.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
+    payload = dict(
+        command=bench_command("bench/paper_reproduction.py", argv),
         hardware=asdict(HW), models={m: asdict(get_model(m)) for m in
                                      ("gpt-1.3b", "gpt-2.2b", "gpt-3.8b")},
         throughput=rows, claims=claims, planner_depths=depths, planning_sweep=sweep,
-        memory_same_config=memory, max_model_size=sizes), indent=1))
-    print(f"\nwrote {out.relative_to(REPO)} and docs/figures/paper_{{throughput,memory,planning}}.png")
+        memory_same_config=memory, max_model_size=sizes,
+        figures=[figure_entry(figs / f"paper_{k}.png")
+                 for k in ("throughput", "memory", "planning")])
+    out = write_results("paper_reproduction", payload, args.out_dir)
+    print(f"\nwrote {out} and {figs}/paper_{{throughput,memory,planning}}.png")
+    return payload
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 """How long Algorithm 1 takes: the planner's search for N in {8, 64, 256, 1024} GPUs.
 
     python bench/planner_runtime.py            # prints a table, writes bench/results/planner_runtime.json
+    python bench/planner_runtime.py --out-dir DIR   # writes DIR/planner_runtime.json instead
 
 The paper (section 6, "Planning Algorithms") says its planner "takes a fraction of a
 second with a closed-form cost model".  We time our search for GPT-3.8B on modelled
@@ -9,8 +10,7 @@ p3.16xlarge servers (global batch <= 4096), over (w, d) only and over (t, w, d).
 """
 from __future__ import annotations
 
-import json
-import platform
+import argparse
 import statistics
 import sys
 import time
@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import bench_command, write_results  # noqa: E402
 from megatron.pipeline.planner import get_hardware, get_model, search  # noqa: E402
 
 SIZES = (8, 64, 256, 1024)
@@ -40,7 +41,11 @@ def time_search(num_gpus: int, tensor_parallel: bool) -> dict:
             "best_samples_per_s": best.predicted_samples_per_s}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out-dir", default=None, help="where to write planner_runtime.json "
+                                                   "(default bench/results)")
+    args = p.parse_args(argv)
     results = [time_search(n, tp) for tp in (False, True) for n in SIZES]
     print(f"{'N':>6} {'search t':>9} {'candidates':>11} {'fit':>5} {'first ms':>9} "
           f"{'median ms':>10}  best (predicted samples/s)")
@@ -48,13 +53,12 @@ def main() -> None:
         print(f"{r['num_gpus']:>6} {'yes' if r['tensor_parallel'] else 'no':>9} "
               f"{r['candidates']:>11} {r['fitting']:>5} {1e3 * r['first_s']:>9.1f} "
               f"{1e3 * r['median_s']:>10.1f}  {r['best']} ({r['best_samples_per_s']:.0f})")
-    out = REPO / "bench" / "results" / "planner_runtime.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": "gpt-3.8b", "cluster": "p3.16xlarge",
-                               "max_batch_size": 4096, "repeats": REPEATS,
-                               "python": platform.python_version(),
-                               "machine": platform.machine(), "results": results}, indent=1))
-    print(f"wrote {out.relative_to(REPO)}")
+    payload = {"command": bench_command("bench/planner_runtime.py", argv),
+               "model": "gpt-3.8b", "cluster": "p3.16xlarge", "max_batch_size": 4096,
+               "repeats": REPEATS, "results": results}
+    out = write_results("planner_runtime", payload, args.out_dir)
+    print(f"wrote {out}")
+    return payload
 
 
 if __name__ == "__main__":

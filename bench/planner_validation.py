@@ -66,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import format_table, gpt_config, median, write_results  # noqa: E402
+from bench.common import (bench_command, format_table, gpt_config, median,  # noqa: E402
+                          write_results)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--vocab-size", "500"]
@@ -502,6 +503,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         p.error(f"--iters {args.iters}: expected at least {WARMUP_BATCHES + 3}")
     if args.cuda:
         result = cuda_validation(iters=args.iters or 10, dry_run=args.dry_run)
+        result = {"command": bench_command("bench/planner_validation.py", argv), **result}
         print_cuda(result)
         path = write_results("planner_validation_cuda", result, args.out_dir)
         print(f"wrote {path}")
@@ -528,7 +530,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
           f"gloo p2p {bandwidth / 1e9:.2f} GB/s; profile drift per depth "
           f"{', '.join(f'{d}: {100 * x:+.0f}%' for d, x in drift.items())}; load average {load_before[0]:.1f} -> "
           f"{load_after[0]:.1f} on {cores} cores")
-    payload = {"quick": args.quick, "model_argv": MODEL, "micro_batch_size": MICRO_BATCH,
+    payload = {"command": bench_command("bench/planner_validation.py", argv),
+               "quick": args.quick, "model_argv": MODEL, "micro_batch_size": MICRO_BATCH,
                "iters": iters, "warmup_batches": WARMUP_BATCHES, "cores": cores, "goal": GOAL,
                "work_within_goal": work_ok, "samples_per_s_within_goal": time_ok,
                "configurations": len(rows), "bytes_exact": exact, "p2p_seconds": p2p,

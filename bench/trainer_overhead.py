@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import REPO_ROOT, format_table, gpt_config, median, write_results  # noqa: E402
+from bench.common import (REPO_ROOT, bench_command, format_table, gpt_config,  # noqa: E402
+                          median, write_results)
 
 # The model of the task: 4 layers, hidden 256, 8 heads, seq 128, vocab 8192.
 FULL_MODEL = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 8192}
@@ -222,6 +223,12 @@ def profile_trainer(argv: List[str], m: int, top: int = 25) -> Tuple[str, Dict[s
     return buf.getvalue(), summary
 
 
+def results_name(compile_layers: bool) -> str:
+    """The JSON a run writes: a --compile-layers run compares another trainer, so it
+    must not replace the eager run's trainer_overhead.json."""
+    return "trainer_overhead_compile_layers" if compile_layers else "trainer_overhead"
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small model, 2 short rounds (tests)")
@@ -236,7 +243,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    help="train A with --compile-layers (B stays eager): does compiling the "
                         "transformer layers pay on this CPU?  Compilation happens in the "
                         "warm-up steps (raise --warmup if it spills over)")
-    p.add_argument("--out-dir", default=None, help="where to write trainer_overhead.json")
+    p.add_argument("--out-dir", default=None,
+                   help="where to write trainer_overhead.json (with --compile-layers: "
+                        "trainer_overhead_compile_layers.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -272,7 +281,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                              f"{args.threads} thread(s), medians"))
     print(f"losses agree step by step (max relative difference {worst:.1e}); ratio of medians "
           f"{ratio:.3f}, median of paired step ratios {median(paired):.3f} (goal <= 1.03)")
-    payload = {"quick": args.quick, "compile_layers": args.compile_layers, "model": model,
+    payload = {"command": bench_command("bench/trainer_overhead.py", argv),
+               "quick": args.quick, "compile_layers": args.compile_layers, "model": model,
                "micro_batch_size": cfg.training.micro_batch_size,
                "global_batch_size": cfg.training.global_batch_size, "num_microbatches": m,
                "rounds": rounds, "timed_steps_per_run": steps, "warmup_steps": args.warmup,
@@ -288,7 +298,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
               f"({100 * summary['trainer_python_fraction']:.2f} %); top: "
               f"{ {k: round(v, 4) for k, v in summary['top_trainer_functions'].items()} }")
         payload["profile"] = summary
-    path = write_results("trainer_overhead", payload, args.out_dir)
+    path = write_results(results_name(args.compile_layers), payload, args.out_dir)
     print(f"wrote {path}")
     return payload
 

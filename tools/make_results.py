@@ -70,11 +70,28 @@ def figure_paths(name: str, data: Dict[str, Any], repo: Path) -> List[str]:
     return found
 
 
+# Result files whose name is not their bench script's: (script, the flag that writes them).
+SCRIPT_OF = {"planner_validation_cuda": ("planner_validation", "--cuda"),
+             "throughput_cuda": ("throughput", "--cuda-only"),
+             "memory_recompute": ("memory", "--layer-recompute"),
+             "trainer_overhead_compile_layers": ("trainer_overhead", "--compile-layers")}
+# Flags a JSON without ``command`` still shows it ran with: (field, flag).
+FLAG_FIELDS = (("compile_layers", "--compile-layers"), ("quick", "--quick"), ("smoke", "--smoke"))
+
+
 def command_of(name: str, data: Dict[str, Any]) -> str:
+    """The recorded command, else the invocation of the script that writes such a JSON
+    (never a script that does not exist: a results name like ``planner_validation_cuda``
+    is written by ``bench/planner_validation.py --cuda``)."""
     if data.get("command"):
         return f"`{str(data['command']).strip()}`"
-    quick = " --quick" if data.get("quick") else ""
-    return (f"`PYTHONPATH=. python bench/{name}.py{quick}` (not recorded in the JSON: the "
+    script, first = SCRIPT_OF.get(name, (name, None))
+    flags = [first] if first else []
+    flags += [flag for field, flag in FLAG_FIELDS if data.get(field) and flag not in flags]
+    if data.get("dry_run") or data.get("status") == "dry run":
+        flags.append("--dry-run")
+    args = "".join(f" {f}" for f in flags)
+    return (f"`PYTHONPATH=. python bench/{script}.py{args}` (not recorded in the JSON: the "
             f"bench's documented invocation)")
 
 
@@ -549,15 +566,19 @@ class Entry(NamedTuple):
 def section(entry: Entry, repo: Path, out_md: Path) -> str:
     name, bench, data = entry.name, entry.bench, entry.data
     lines = [f"## {name}"]
-    summary = bench_summary(bench)
+    script = SCRIPT_OF.get(bench, (bench, None))[0]
+    summary = bench_summary(script)
     if summary:
-        lines.append(f"*{summary}* (`bench/{bench}.py`)")
+        lines.append(f"*{summary}* (`bench/{script}.py`)")
     if data is None:
         lines.append(f"Not run yet: `PYTHONPATH=. python bench/{name}.py` writes "
                      f"`bench/results/{name}.json`.")
         return "\n\n".join(lines)
     if data.get("smoke") or data.get("quick"):
         lines.append("**Quick mode** (`--quick`): a reduced run, indicative only.")
+    if data.get("dry_run") or data.get("status") == "dry run":
+        lines.append("**Dry run** (`--dry-run`): a tiny model, to check that the code runs; "
+                     "its numbers mean nothing.")
     git = data.get("git") if isinstance(data.get("git"), dict) else {}
     code = ""
     if git.get("commit"):
