@@ -1,1 +1,1 @@
-"""Downstream tasks: GLUE MNLI, RACE (finetuning BERT) and zero-shot GPT perplexity."""
+"""Downstream tasks: GLUE MNLI, RACE (finetuning BERT) and zero-shot GPT evaluation (WikiText-103 perplexity, LAMBADA accuracy)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-TASKS = ("MNLI", "RACE", "WIKITEXT103")
+TASKS = ("MNLI", "RACE", "WIKITEXT103", "LAMBADA")
 
 
 def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -14,7 +14,8 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "RACE/train/middle RACE/train/high).")
     g.add_argument("--valid-data", nargs="+", default=None,
                    help="Validation sets, each reported separately (MNLI: dev_matched.tsv "
-                        "dev_mismatched.tsv; RACE: directories; WIKITEXT103: the test file).")
+                        "dev_mismatched.tsv; RACE: directories; WIKITEXT103: the test file; "
+                        "LAMBADA: the JSON-lines test file, {\"text\": ...} a line).")
     g.add_argument("--epochs", type=int, default=None,
                    help="Finetuning epochs (sets --train-iters from the training set size).")
     g.add_argument("--keep-last", action="store_true",
@@ -28,6 +29,10 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--overlapping-eval", type=int, default=None,
                    help="WIKITEXT103: stride of the sliding evaluation window (default: "
                         "--seq-length, i.e. non-overlapping windows).")
+    g.add_argument("--strict-lambada", action="store_true",
+                   help="LAMBADA: a passage counts as correct only when every token of its "
+                        "whole last word is predicted (default: only the passage's last "
+                        "token).")
     # Finetuning reads its own files (--train-data/--valid-data), not a --data-path
     # corpus; this default tells the trainer's validation that no corpus is expected.
     parser.set_defaults(mock_data=True)

@@ -37,19 +37,26 @@ def refuse_corpus_flags(raw, task: str) -> None:
                  f"read: it reads its own files from --train-data and --valid-data")
 
 
+_IGNORED_WHY = {"--overlapping-eval": " (it is for --task WIKITEXT103)",
+                "--strict-lambada": " (it is for --task LAMBADA)"}
+_TRAINING_ONLY = " (zero-shot evaluation: nothing is trained)"
+
+
 def warn_ignored_task_flags(raw, task: str, flags: Sequence[str]) -> List[str]:
-    """One ``warning:`` line (per node) naming the flags of ``flags`` that were given but
-    that ``task`` does not read (Megatron-LM ignores them silently); returns them."""
+    """One ``warning:`` line (per node and reason) naming the flags of ``flags`` that
+    were given but that ``task`` does not read (Megatron-LM ignores them silently);
+    returns them."""
     from megatron.errors import prints_for_its_node
 
     values = [(f, getattr(raw, f[2:].replace("-", "_"), None)) for f in flags]
     given = [f for f, v in values if v is not None and v is not False]  # --epochs 0 counts
     if given and prints_for_its_node():
-        print(f"warning: {', '.join(given)} {'is' if len(given) == 1 else 'are'} ignored by "
-              f"--task {task}" + (" (zero-shot evaluation: nothing is trained)"
-                                  if task == "WIKITEXT103" else
-                                  " (it is for --task WIKITEXT103)"),
-              file=sys.stderr, flush=True)
+        groups: Dict[str, List[str]] = {}
+        for f in given:
+            groups.setdefault(_IGNORED_WHY.get(f, _TRAINING_ONLY), []).append(f)
+        for why, names in groups.items():
+            print(f"warning: {', '.join(names)} {'is' if len(names) == 1 else 'are'} ignored "
+                  f"by --task {task}{why}", file=sys.stderr, flush=True)
     return given
 
 

@@ -248,7 +248,7 @@ def _setup(task: FinetuneTask, argv: List[str]):
 
     raw = parse_args(argv, extra_args_provider=finetune_args)
     refuse_corpus_flags(raw, task.name)
-    warn_ignored_task_flags(raw, task.name, ("--overlapping-eval",))
+    warn_ignored_task_flags(raw, task.name, ("--overlapping-eval", "--strict-lambada"))
     for flag, value in (("--rampup-batch-size", raw.rampup_batch_size),
                         ("--step-batch-size-schedule", raw.step_batch_size_schedule)):
         if value is not None:

@@ -8,6 +8,7 @@
 
     --task RACE         --train-data RACE/train/middle RACE/train/high --valid-data ...
     --task WIKITEXT103  --valid-data wiki.test.tokens --load gpt_ckpt [--overlapping-eval 32]
+    --task LAMBADA      --valid-data lambada_test.jsonl --load gpt_ckpt [--strict-lambada]
 
 Pipeline, tensor and data parallel flags (--pipeline-schedule, ...) work as in pretraining.
 """
@@ -49,7 +50,7 @@ def main(argv: Optional[List[str]] = None):
     elif task == "RACE":
         from tasks.race.finetune import main as run
     else:
-        from tasks.zeroshot_gpt.evaluate import main as run
+        from tasks.zeroshot_gpt.evaluate import main as run  # WIKITEXT103, LAMBADA
     return run(argv)
 
 

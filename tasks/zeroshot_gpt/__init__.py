@@ -1,1 +1,1 @@
-"""Zero-shot evaluation of GPT (WikiText-103 perplexity)."""
+"""Zero-shot evaluation of GPT (WikiText-103 perplexity, LAMBADA last-word accuracy)."""

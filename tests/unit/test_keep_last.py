@@ -72,4 +72,4 @@ def test_tasks_main_help_without_a_task_prints_the_flags(capsys):
     assert main(["--help"]) is None
     out = capsys.readouterr().out
     assert out.startswith("usage: tasks/main.py") and "--keep-last" in out
-    assert "--task {MNLI,RACE,WIKITEXT103}" in out
+    assert "--task {MNLI,RACE,WIKITEXT103,LAMBADA}" in out
