@@ -304,6 +304,9 @@ class PipelineEngine:
             warm = self.iteration < self.flush_warmup_iters
             stop = min(end, self.flush_warmup_iters) if warm else end
             if self.flush_warmup_iters and self.iteration == self.flush_warmup_iters:
+                # the copy reads every weight: --overlap-param-gather may still have the
+                # last warm-up step's all-gathers in flight (the other replicas' pieces)
+                self.optimizer.wait_gathers()
                 self.weights.sync_all_from(self.latest_buffer)  # 2BW starts from W(N)
             self._scale_lag = 2 if name == "2bw" else 1
             self._seed_batch_scales()

@@ -22,7 +22,13 @@ class GradientReduction:
     batch's last one: the gradient is final, and when every parameter of a bucket is
     final the bucket's asynchronous all-reduce starts at once, while autograd goes on
     with earlier layers.  Buckets follow the REVERSE parameter order (the order the
-    backward pass finishes them), so the last layers' bucket leaves first.
+    backward pass finishes them), so the last layers' bucket leaves first.  They leave
+    strictly in that order on every replica, as DDP's do: a bucket whose gradients are
+    final waits for the buckets before it.  Collectives of one group pair up by the
+    order they are issued in, and a parameter unused in one replica's microbatch
+    (its bucket then left at REDUCE_GRADS there, at once on the others) paired
+    different buckets of different replicas.  A gradient that arrives after its
+    bucket left (more than m contributions per batch) is an error, not lost.
 
     ``launch_remaining`` (REDUCE_GRADS) starts what the hooks did not (parameters that
     got no gradient: zero-filled, as an unused parameter contributes 0); ``finish``
@@ -60,6 +66,7 @@ class GradientReduction:
         self._counts = [0] * len(self.params)
         self._ready: List[int] = []
         self._launched: List[bool] = []
+        self._next = 0
         self._hooks = []
         # with a shard: per bucket, its index in ``shard.buckets`` and this rank's pieces
         # as (position in self.params, Piece)
@@ -124,18 +131,37 @@ class GradientReduction:
         self._counts = [0] * len(self.params)
         self._ready = [0] * len(self._buckets)
         self._launched = [False] * len(self._buckets)
+        self._next = 0
+        """The bucket that leaves next: they leave in index order (``_on_grad``)."""
 
     def _on_grad(self, i: int) -> None:
+        b = self._bucket_of[i]
+        if self._launched[b]:
+            # a gradient added after its bucket left would be overwritten by the average
+            raise RuntimeError(
+                f"gradient reduction: parameter {i} (of shape {tuple(self.params[i].shape)}) "
+                f"received a gradient after its bucket's reduction started: more than the "
+                f"{self.microbatches} backward contributions per batch the reducer counts "
+                f"(a parameter whose gradient is accumulated twice in one microbatch's "
+                f"backward, e.g. by reentrant checkpointing?)")
         self._counts[i] += 1
         if self._counts[i] != self.microbatches:
             return
-        b = self._bucket_of[i]
         self._ready[b] += 1
-        if self._ready[b] == len(self._buckets[b]) and not self._launched[b]:
-            self._launch(b)
+        # Buckets leave in index order, whatever order their gradients became final in:
+        # collectives of one group pair up by issue order, and a replica on which a
+        # parameter missed a microbatch (its bucket left only at REDUCE_GRADS) would
+        # otherwise have paired its buckets with other buckets of its peers.
+        while (self._next < len(self._buckets)
+               and self._ready[self._next] == len(self._buckets[self._next])):
+            self._launch(self._next)
             self.launched_in_backward += 1
 
     def _launch(self, b: int) -> None:
+        if b != self._next:
+            raise RuntimeError(f"gradient reduction: bucket {b} started out of order "
+                               f"(next is {self._next})")
+        self._next += 1
         grads = []
         for i in self._buckets[b]:
             p = self.params[i]
@@ -169,9 +195,8 @@ class GradientReduction:
         """REDUCE_GRADS: start every bucket the hooks did not start."""
         if not self.active:
             return
-        for b in range(len(self._buckets)):
-            if not self._launched[b]:
-                self._launch(b)
+        while self._next < len(self._buckets):
+            self._launch(self._next)
         self._reset()
 
     def finish(self) -> None:
