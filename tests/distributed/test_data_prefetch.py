@@ -66,7 +66,7 @@ def test_read_ahead_microbatches_arrive_in_order(schedule):
     from megatron.data.gpt_dataset import MockGPTDataset
 
     results = run_distributed(_worker, 2, args=(schedule,), timeout=120)
-    ds = MockGPTDataset(ITERS * MBS * M, 16, 128, 5)
+    ds = MockGPTDataset(ITERS * MBS * M, 16, 129, 5)  # --vocab-size 128: 129 ids
     expected = torch.stack([
         torch.stack([torch.from_numpy(ds[k * MBS + i]["text"]) for i in range(MBS)])
         for k in range(ITERS * M)])

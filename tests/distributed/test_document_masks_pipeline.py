@@ -78,7 +78,7 @@ def _reference_losses(per_token: bool = False) -> List[float]:
                       attention_dropout=0.0, params_dtype=torch.float64)
     model = GPTModel(cfg, TPInfo.single(), pre_process=True, post_process=True,
                      layer_numbers=range(4), seed=7)
-    data = MockGPTDataset(STEPS * 8, 16, 8, 7)
+    data = MockGPTDataset(STEPS * 8, 16, 9, 7)  # --vocab-size 8: 9 ids, eod 8
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -89,11 +89,11 @@ def _reference_losses(per_token: bool = False) -> List[float]:
         text = torch.stack([torch.as_tensor(data[i]["text"]) for i in range(8 * t, 8 * t + 8)])
         tokens, labels = text[:, :-1].long(), text[:, 1:].long()
         if per_token:      # --eod-mask-loss only; the mean over the batch's loss tokens
-            mask, loss_mask, pos = _reference(tokens, 7, False, False, True)
+            mask, loss_mask, pos = _reference(tokens, 8, False, False, True)
             token_losses = model(tokens, pos, None, labels=labels)
             loss = (token_losses * loss_mask).sum() / loss_mask.sum()
         else:              # the trainer's mean over 4 microbatches of 2 samples
-            mask, loss_mask, pos = _reference(tokens, 7, True, True, True)
+            mask, loss_mask, pos = _reference(tokens, 8, True, True, True)
             token_losses = model(tokens, pos, mask, labels=labels)
             per_mb = (token_losses * loss_mask).view(4, -1).sum(1) / loss_mask.view(4, -1).sum(1)
             loss = per_mb.mean()

@@ -80,7 +80,7 @@ def reference_setup(steps: int):
                       attention_dropout=0.0, params_dtype=torch.float64)
     model = GPTModel(cfg, TPInfo.single(), pre_process=True, post_process=True,
                      layer_numbers=range(cfg.num_layers), seed=7)
-    data = MockGPTDataset(steps * 8, 16, 96, 7)
+    data = MockGPTDataset(steps * 8, 16, 97, 7)  # --vocab-size 96: 97 ids
     return model, data, list(model.parameters())
 
 
