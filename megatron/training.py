@@ -263,6 +263,28 @@ def _cyclic(loader, first=None) -> Iterator[Any]:
             yield item
 
 
+def _until_exhausted(iterator, start_iteration: int, start_samples: int, train_iters: int,
+                     dataset_samples: int, samples_per_microbatch: int, tr) -> Iterator[Any]:
+    """``iterator``'s items; when it runs out, a one-line DataError naming the iteration
+    (the engine would fail with a traceback).  The trainer asks the datasets provider
+    for every sample the run needs, so only a provider that returns fewer gets here."""
+    read = 0
+    for item in iterator:
+        read += 1
+        yield item
+    samples = read * samples_per_microbatch
+    batches = tr.batch_sizes()
+    done = (batches.iterations(start_samples + samples, start_samples) if batches is not None
+            else samples // tr.global_batch_size)
+    needed = tr.samples_after(train_iters - start_iteration, start_samples)
+    raise alike_on_every_rank(DataError(
+        f"the training data ran out at iteration {start_iteration + done + 1} of "
+        f"{train_iters}: the training dataset holds {dataset_samples} samples "
+        f"and this run reads samples {start_samples} to {needed - 1} (the datasets provider "
+        f"returned fewer samples than it was asked for); the last saved checkpoint stays "
+        f"the latest"))
+
+
 def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
                          datasets_provider, state: TrainState) -> Tuple[Any, Any, Any]:
     from megatron.data.samplers import build_pretraining_data_loader
@@ -290,12 +312,28 @@ def build_data_iterators(cfg: MegatronConfig, groups: ParallelGroups, tokenizer,
     train = None if tr.skip_train else loader(train_ds, state.consumed_train_samples)
     valid = loader(valid_ds, 0)
     test = loader(test_ds, 0)
+    if tr.eval_iters:
+        # a split too small for one micro-batch yields nothing, and the cyclic reader
+        # below would spin forever at the first evaluation
+        for split, name, ld, ds in ((1, "validation", valid, valid_ds),
+                                    (2, "test", test, test_ds)):
+            if ld is not None and len(ld) == 0:
+                n = len(ds)
+                raise alike_on_every_rank(DataError(
+                    f"the {name} split holds {n} sample{'s' if n != 1 else ''}, fewer than one "
+                    f"micro-batch of --micro-batch-size {tr.micro_batch_size} x data-parallel "
+                    f"size {groups.dp_size} ({cfg.data.describe_split(split)}); give it more "
+                    f"data, or pass --eval-iters 0 to train without evaluating"))
     # validation reads on from where the checkpoint's run left it (Megatron-LM's
     # consumed_valid_samples), so a resumed run evaluates the batches an uninterrupted
     # one would; past the end it starts over from the first sample
     ahead = (loader(valid_ds, state.consumed_valid_samples % len(valid_ds))
              if valid is not None and state.consumed_valid_samples else None)
-    return (iter(train) if train is not None else None,
+    if train is not None:
+        train_iter = _until_exhausted(iter(train), state.iteration,
+                                      state.consumed_train_samples, train_iters, len(train_ds),
+                                      tr.micro_batch_size * groups.dp_size, tr)
+    return (train_iter if train is not None else None,
             _cyclic(valid, first=ahead) if valid is not None else None,
             _cyclic(test) if test is not None else None)
 
@@ -700,14 +738,40 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
     with logger.paused():  # waiting for the slowest rank's set-up is no iteration's time
         barrier_with_message("start of training")
     engine.clock_origin = time.perf_counter()  # CLOCK_MONOTONIC: comparable across local ranks
-    if not cfg.training.skip_train:
-        exits = ExitRequests(cfg)
+    exits = None if cfg.training.skip_train else ExitRequests(cfg)
+    if exits is not None:
+        # --exit-signal-handler: a SIGTERM is noted until the run returns (Megatron-LM's
+        # handler covers the whole run), so one during the end-of-run save or evaluation
+        # does not kill the process; the run ends as planned and exits 0
         exits.install()
-        try:
+    try:
+        if exits is not None:
             train(cfg, groups, engine, optimizer, scheduler, state, train_iter, valid_iter,
                   logger, result, exits)
-        finally:
+        _end_of_run(cfg, groups, engine, optimizer, scheduler, state, valid_iter, test_iter,
+                    logger, result)
+    finally:
+        if exits is not None:
             exits.restore()
+    if cfg.training.timeline_file:
+        _write_timeline(cfg.training.timeline_file, engine, groups, cfg)
+    logger.close()
+    return result
+
+
+def _end_of_run(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
+                scheduler, state: TrainState, valid_iter, test_iter, logger: TrainingLogger,
+                result: TrainingResult) -> None:
+    """After training: the memory table; then, unless the run stopped early (its stop
+    saved already), Megatron-LM's end: the final save (when the last iteration was not a
+    --save-interval multiple), then the evaluation 'on validation set' and 'on test set'.
+
+    The save comes first, as in Megatron-LM's ``pretrain``: the checkpoint's consumed
+    validation samples do not count the end-of-run evaluation (a longer run resumed from
+    it evaluates the batches an uninterrupted run does, whether or not the last
+    iteration was a --save-interval multiple), and a job stopped during that evaluation
+    keeps its trained iterations."""
+    tr = cfg.training
     result.iteration = state.iteration
     result.shared_embedding = _shared_embedding_copy(engine)
     result.memory = gather_memory_report(engine, groups)
@@ -716,32 +780,28 @@ def _pretrain(cfg: MegatronConfig, tokenizer, groups: ParallelGroups, device: to
         # same verdict on every rank (agreed step reports): all raise, none saves
         logger.close()
         raise NonFiniteError(result.nonfinite_ending)
-    if not result.exited_early:
-        # as Megatron-LM: 'iteration N on validation set' / 'on test set'; an
-        # evaluation-only run (--skip-train) writes no TensorBoard scalars
-        tb = not cfg.training.skip_train
-        if valid_iter is not None and cfg.training.eval_iters:
-            losses = evaluate_and_print(engine, valid_iter, cfg.training.eval_iters,
-                                        "validation", state.iteration, logger,
-                                        samples=state.consumed_train_samples, at_end=True,
-                                        to_tensorboard=tb)
-            state.consumed_valid_samples += cfg.training.eval_iters * cfg.training.global_batch_size
-            if losses:
-                result.eval_losses[state.iteration] = losses
-        if test_iter is not None and cfg.training.eval_iters:
-            losses = evaluate_and_print(engine, test_iter, cfg.training.eval_iters,
-                                        "test", state.iteration, logger,
-                                        samples=state.consumed_train_samples, at_end=True,
-                                        to_tensorboard=tb)
-            if losses:
-                result.test_losses[state.iteration] = losses
-        if cfg.training.save and state.iteration > 0 and not cfg.training.skip_train and not (
-                cfg.training.save_interval and state.iteration % cfg.training.save_interval == 0):
-            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
-    if cfg.training.timeline_file:
-        _write_timeline(cfg.training.timeline_file, engine, groups, cfg)
-    logger.close()
-    return result
+    if result.exited_early:
+        return
+    if tr.save and state.iteration > 0 and not tr.skip_train and not (
+            tr.save_interval and state.iteration % tr.save_interval == 0):
+        _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+    # as Megatron-LM: 'iteration N on validation set' / 'on test set'; an evaluation-only
+    # run (--skip-train) writes no TensorBoard scalars
+    tb = not tr.skip_train
+    if valid_iter is not None and tr.eval_iters:
+        losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
+                                    state.iteration, logger,
+                                    samples=state.consumed_train_samples, at_end=True,
+                                    to_tensorboard=tb)
+        state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size
+        if losses:
+            result.eval_losses[state.iteration] = losses
+    if test_iter is not None and tr.eval_iters:
+        losses = evaluate_and_print(engine, test_iter, tr.eval_iters, "test", state.iteration,
+                                    logger, samples=state.consumed_train_samples, at_end=True,
+                                    to_tensorboard=tb)
+        if losses:
+            result.test_losses[state.iteration] = losses
 
 
 def check_batch_schedule(cfg: MegatronConfig, groups: ParallelGroups, state: TrainState) -> None:

@@ -391,17 +391,19 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
                                     f"{tr.exit_interval})")
                     result.training.exited_early = True
                     break
+            tr.train_iters = total
+            if result.training.nonfinite_ending is not None:
+                # the last epoch ended on steps skipped for inf/nan: fail, save nothing
+                # (same verdict on every rank, as in pretraining)
+                logger.close()
+                raise NonFiniteError(result.training.nonfinite_ending)
+            if tr.save and state.iteration > 0 and not result.training.exited_early and not (
+                    tr.save_interval and state.iteration % tr.save_interval == 0):
+                _save_checked(cfg, groups, engine, optimizer, scheduler, state)
         finally:
+            # (after the final save: a SIGTERM during it lets it finish, as in pretraining)
             exits.restore()
-        tr.train_iters = total
-        if result.training.nonfinite_ending is not None:
-            # the last epoch ended on steps skipped for inf/nan: fail, save nothing (same
-            # verdict on every rank, as in pretraining)
-            logger.close()
-            raise NonFiniteError(result.training.nonfinite_ending)
-        if tr.save and state.iteration > 0 and not result.training.exited_early and not (
-                tr.save_interval and state.iteration % tr.save_interval == 0):
-            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+            tr.train_iters = total
     result.iteration = state.iteration
     logger.close()
     return result

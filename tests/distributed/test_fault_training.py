@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,8 @@ def test_validation_nan_prints_nan_not_a_ppl(capsys):
             return {"lm loss": float("nan")}
 
     class Logger:
+        tb = SimpleNamespace(validation_ppl=False)
+
         def scalar(self, *a):
             pass
 
