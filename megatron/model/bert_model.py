@@ -102,6 +102,8 @@ def _check_stage(config: ModelConfig, tp: TPInfo, layer_numbers: range, pre_proc
     if config.kv_channels is None:  # the head size comes from hidden / heads
         divide(config.hidden_size, config.num_attention_heads, "--hidden-size")
     divide(config.num_attention_heads, tp.size, "--num-attention-heads")
+    # the MLP's column split: named here, as GPT's check does, not as a layer's width
+    divide(config.ffn_hidden_size, tp.size, "--ffn-hidden-size")
     divide(config.padded_vocab_size, tp.size, "padded vocab size")
     if pre_process != (layer_numbers.start == 0):
         raise ValueError(f"BertModel: pre_process={pre_process} but layer_numbers "
