@@ -657,6 +657,10 @@ def _check_recompute(args: argparse.Namespace) -> None:
         _require(args.recompute_granularity in (None, "full"),
                  "--recompute-activations means --recompute-granularity full; it conflicts "
                  f"with --recompute-granularity {args.recompute_granularity}")
+        _require(args.recompute_method is None,
+                 "--recompute-activations (whole-stage recomputation here) cannot be combined "
+                 f"with --recompute-method {args.recompute_method} (layer checkpointing, which "
+                 "--checkpoint-activations also asks for): keep one of them")
         args.recompute_granularity = "full"
     method, n = args.recompute_method, args.recompute_num_layers
     if args.recompute_granularity == "selective":

@@ -143,6 +143,11 @@ FLAGS: Tuple[CompatFlag, ...] = (
                nargs=None),
     CompatFlag("--mmap-warmup", "ignored", "dataset files are memory-mapped, not read ahead"),
     CompatFlag("--no-mmap-bin-files", "ignored", "dataset .bin files are always memory-mapped"),
+    CompatFlag("--recompute-modules", "ignored",
+               "core_attn is what --recompute-granularity selective recomputes here",
+               nargs="+", ok_values=("core_attn",),
+               refused_why="selective recomputation here checkpoints the core attention only "
+                           "(core_attn)"),
     CompatFlag("--distribute-saved-activations", "ignored",
                "not built, so recomputation checkpoints are not split across tensor-parallel "
                "ranks (more memory per rank, same results)"),

@@ -618,14 +618,25 @@ class _KeptForRecompute(torch.autograd.Function):
 
 
 def _check_recompute(config: ModelConfig) -> None:
-    method = config.recompute_method
+    """Megatron-LM's combinations only: layer checkpointing (a method and a layer count)
+    exists under --recompute-granularity full alone.  The command line refuses the
+    others (megatron.argument_checks); a config built directly must not run them either:
+    a method without granularity 'full' checkpointed every chunk anyway (Megatron-LM
+    recomputes nothing there), and a layer count without a method was dropped."""
+    method, granularity = config.recompute_method, config.recompute_granularity
+    if granularity not in (None, "full", "selective"):
+        raise ValueError(f"--recompute-granularity {granularity!r}: expected 'full' or "
+                         "'selective'")
     if method is None:
+        if config.recompute_num_layers is not None:
+            raise ValueError("--recompute-num-layers needs --recompute-granularity full "
+                             "--recompute-method uniform|block")
         return
     if method not in ("uniform", "block"):
         raise ValueError(f"--recompute-method {method!r}: expected 'uniform' or 'block'")
-    if config.recompute_granularity == "selective":
-        raise ValueError("--recompute-method applies to --recompute-granularity full only, "
-                         "not selective")
+    if granularity != "full":
+        raise ValueError(f"--recompute-method {method} needs --recompute-granularity full"
+                         + ("" if granularity is None else f", not {granularity}"))
     if not config.recompute_num_layers or config.recompute_num_layers < 1:
         raise ValueError(f"--recompute-method {method} needs --recompute-num-layers >= 1")
 
