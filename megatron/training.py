@@ -246,6 +246,8 @@ class TrainingResult:
     --split's third share), as Megatron-LM evaluates it."""
     memory: Dict[str, Any] = field(default_factory=dict)
     seconds_per_iteration: float = 0.0
+    """Wall time of the training loop per iteration, its evaluations and interval saves
+    left out (as the log line leaves them out); the first batches' start-up is in it."""
     exited_early: bool = False
     shared_embedding: Optional[torch.Tensor] = None
     """Copy of this stage's tied word embedding (first/last stage), for consistency checks."""
@@ -544,6 +546,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
 
     start_iteration = state.iteration
     t0 = time.perf_counter()
+    off_clock = 0.0  # seconds of evaluations and saves between segments
     check_every = _check_every(cfg, 0.0)
     flushing = cfg.parallel.pipeline_schedule != "2bw"
     scaler = getattr(optimizer, "scaler", None)
@@ -589,6 +592,8 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             break
         # evaluation and saves are not training time: the log line after them would
         # count them in its time per iteration (Megatron-LM leaves them out too)
+        # (and not in result.seconds_per_iteration either: ``off_clock``)
+        t_off = time.perf_counter()
         if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
             with logger.paused():
                 losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
@@ -599,6 +604,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
         if tr.save and tr.save_interval and it % tr.save_interval == 0:
             with logger.paused():
                 _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
+        off_clock += time.perf_counter() - t_off
         if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
             if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
                 _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
@@ -608,7 +614,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     engine.finish_sums()
     done = state.iteration - start_iteration
     if done:
-        result.seconds_per_iteration = (time.perf_counter() - t0) / done
+        result.seconds_per_iteration = (time.perf_counter() - t0 - off_clock) / done
     result.nonfinite_ending = monitor.ending_verdict()
     return result
 
