@@ -26,7 +26,7 @@ import glob
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -340,7 +340,7 @@ def target_padded_vocab(state_rows: int, config: Optional[dict], tp: int,
     return vocab_size_with_padding(true_vocab or state_rows, divisible, tp)
 
 
-def _divisor_keeping(rows: int, real: Optional[int], config: dict, src_tp: int,
+def divisor_keeping(rows: int, real: Optional[int], config: dict, src_tp: int,
                      tp: int) -> Optional[int]:
     """A --make-vocab-size-divisible-by that pads to ``rows`` at tensor size ``tp``
     (the source's unit scaled by src_tp / tp when that works), or None."""
@@ -376,7 +376,7 @@ def _fit_rows(tensor: torch.Tensor, rows: int, real: Optional[int]) -> torch.Ten
     return torch.cat([tensor, extra], 0)
 
 
-def _repad(full: Dict[str, torch.Tensor], rows: int, real: Optional[int] = None
+def repad_rows(full: Dict[str, torch.Tensor], rows: int, real: Optional[int] = None
            ) -> Dict[str, torch.Tensor]:
     """Vocabulary tables (and their optimizer state) fitted to ``rows`` padded rows;
     ``real``: the unpadded vocabulary size (None: unknown)."""
@@ -407,7 +407,7 @@ def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
     names = list(targets)
     shapes = [tuple(targets[n][0]) for n in names]
     order = _decay_order(shapes)
-    quantities = {q: _split(_repad(full, rows, real), targets, offset, t, tp, model_cfg)
+    quantities = {q: _split(repad_rows(full, rows, real), targets, offset, t, tp, model_cfg)
                   for q, full in opt.tensors.items()}
     state: Dict[int, Dict[str, Any]] = {}
     for pos, i in enumerate(order):
@@ -432,7 +432,7 @@ def _stage_optimizer(opt: FullOptimizer, targets, offset: int, t: int, tp: int,
             groups.append(dict(opt.groups[kind], params=list(positions)))
     masters = None
     if opt.masters is not None:
-        split = _split(_repad(opt.masters, rows, real), targets, offset, t, tp, model_cfg)
+        split = _split(repad_rows(opt.masters, rows, real), targets, offset, t, tp, model_cfg)
         masters = [split[n] for n in names]
     return {"meta": {"optimizer": opt.name, "num_params": len(names),
                      "shapes": [list(s) for s in shapes], "fp32_masters": masters is not None},
@@ -606,7 +606,7 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
         _name_targets(state.model, num_layers, tp, pp, stage, rows, counts, model_cfg)
     if rows is not None and rows != state.model[WORD_EMBEDDING].shape[0]:
         have = state.model[WORD_EMBEDDING].shape[0]
-        keep = _divisor_keeping(have, real, config, src_t, tp)
+        keep = divisor_keeping(have, real, config, src_t, tp)
         hint = (f"; --make-vocab-size-divisible-by {keep} (here and in the resumed run) "
                 f"keeps {have} rows and exact losses" if keep else "")
         print(f"checkpoint_util.py: note: padded vocabulary {have} -> {rows} rows for "
@@ -621,8 +621,8 @@ def write_layout(state: FullState, save: str, tp: int, pp: int, dp: Optional[int
                                   decoder_last_pipeline_num_layers=last_layers)
         if rows is not None:
             config["model"] = dict(config.get("model") or {}, padded_vocab_size=rows)
-    model = _repad(state.model, rows, real) if rows else state.model
-    shadow = (_repad(state.shadow, rows, real) if rows and state.shadow is not None
+    model = repad_rows(state.model, rows, real) if rows else state.model
+    shadow = (repad_rows(state.shadow, rows, real) if rows and state.shadow is not None
               else state.shadow)
     same_grid = (src_t, src_p) == (tp, pp) and bool(state.ckpt.dirs)
 
@@ -685,3 +685,24 @@ def convert(load: str, save: str, tp: int, pp: int, iteration: Optional[int] = N
     return write_layout(state, save, tp, pp, dp, true_vocab=true_vocab,
                         source=os.path.abspath(load), allow_unsafe=allow_unsafe,
                         first=first, last=last)
+
+
+def refuse_unknown_model_options(model_cfg: Dict[str, Any], known: Any, flag: str,
+                                 consequence: str) -> None:
+    """Refuse a recorded model option an exporter does not know (not in ``known``)
+    unless it has ``ModelConfig``'s default, or, for a key ``ModelConfig`` lacks too (a
+    newer trainer's), unless it is null or false.  A block option added to the trainer
+    then stops the export until it is mapped there, instead of being dropped from a
+    model that would load and silently compute something else (``consequence``)."""
+    from megatron.config import ModelConfig
+
+    defaults = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+    for key, value in model_cfg.items():
+        if key in known:
+            continue
+        if (value == defaults[key]) if key in defaults else value in (None, False):
+            continue
+        shown = "" if key not in defaults else f" (default {defaults[key]!r})"
+        raise UserError(f"{flag}: the checkpoint's config records {key}={value!r}{shown}, "
+                        f"a model option this export does not know how to write; "
+                        f"{consequence}, so it cannot be exported")

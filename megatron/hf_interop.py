@@ -61,7 +61,6 @@ weight layouts this module writes.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -72,8 +71,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_convert import (WORD_EMBEDDING, check_not_a_file, check_outside,
-                                         check_true_vocab, read_full_state, true_vocab_size)
-from megatron.config import ModelConfig
+                                         check_true_vocab, read_full_state,
+                                         refuse_unknown_model_options, true_vocab_size)
 from megatron.errors import CheckpointError, UserError
 from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
                                         LLAMA3_ORIGINAL_CONTEXT, flag_number,
@@ -548,23 +547,11 @@ trained ones)."""
 
 def _check_known_options(model_cfg: Dict[str, Any]) -> None:
     """Refuse a recorded model option this module does not know (not in
-    ``_EXPORT_READS`` or ``_EXPORT_IGNORES``) unless it has ``ModelConfig``'s default,
-    or, for a key ``ModelConfig`` lacks too (a newer trainer's), unless it is null or
-    false.  A block option added to the trainer then stops the export until it is
-    mapped here, instead of being dropped from a transformers model that would load and
-    silently compute something else."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)
-                if f.default is not dataclasses.MISSING}
-    for key, value in model_cfg.items():
-        if key in _EXPORT_READS or key in _EXPORT_IGNORES:
-            continue
-        if (value == defaults[key]) if key in defaults else value in (None, False):
-            continue
-        shown = "" if key not in defaults else f" (default {defaults[key]!r})"
-        raise UserError(f"--to-hf: the checkpoint's config records {key}={value!r}{shown}, "
-                        f"a model option this export does not know how to write; a "
-                        f"transformers model without it would compute something else, so "
-                        f"it cannot be exported")
+    ``_EXPORT_READS`` or ``_EXPORT_IGNORES``) unless it has ``ModelConfig``'s default
+    (``refuse_unknown_model_options``)."""
+    refuse_unknown_model_options(model_cfg, set(_EXPORT_READS) | set(_EXPORT_IGNORES),
+                                 "--to-hf", "a transformers model without it would compute "
+                                 "something else")
 
 
 def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
@@ -648,29 +635,30 @@ def _export_target(model_cfg: Dict[str, Any], full: Dict[str, torch.Tensor],
     return target
 
 
-def check_export_path(load: Optional[str], out_dir: str) -> None:
-    """--to-hf must be a new or empty directory outside --load: the export replaces it as
-    a whole, so nothing of another model (stale tokenizer files) can stay behind."""
-    check_outside(load, out_dir, "--load", "--to-hf")
-    check_not_a_file("--to-hf", out_dir)
+def check_export_path(load: Optional[str], out_dir: str, flag: str = "--to-hf") -> None:
+    """``flag``'s directory (--to-hf, --to-megatron) must be new or empty and outside
+    --load: the export replaces it as a whole, so nothing of another model (stale
+    tokenizer files, another checkpoint's shards) can stay behind."""
+    check_outside(load, out_dir, "--load", flag)
+    check_not_a_file(flag, out_dir)
     try:
         entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     except OSError as exc:
-        raise UserError(f"--to-hf {out_dir}: cannot list it ({exc.strerror}); expected a new "
+        raise UserError(f"{flag} {out_dir}: cannot list it ({exc.strerror}); expected a new "
                         f"or empty directory") from None
     if entries:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-        raise UserError(f"--to-hf {out_dir}: expected a new or empty directory, found one "
+        raise UserError(f"{flag} {out_dir}: expected a new or empty directory, found one "
                         f"holding {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
-                        f"({shown}); remove it or choose another --to-hf")
+                        f"({shown}); remove it or choose another {flag}")
 
 
-def _publish(staging: str, out_dir: str) -> None:
+def publish_export(staging: str, out_dir: str, flag: str = "--to-hf") -> None:
     """Rename the finished ``staging`` directory to ``out_dir`` (new or empty)."""
     try:
         os.replace(staging, out_dir)  # replaces an empty directory; never a non-empty one
     except OSError as exc:
-        raise UserError(f"--to-hf {out_dir}: cannot move the export into place "
+        raise UserError(f"{flag} {out_dir}: cannot move the export into place "
                         f"({exc.strerror or type(exc).__name__}); expected a new or empty "
                         f"directory") from None
 
@@ -758,7 +746,7 @@ def export_hf(load: str, out_dir: str, *, iteration: Optional[int] = None,
         with open(os.path.join(staging, "config.json"), "w") as fh:
             json.dump(hf_config, fh, indent=2)
         note = _tokenizer_files(data_cfg, staging, int(model_cfg["max_position_embeddings"]))
-        _publish(staging, out_dir)
+        publish_export(staging, out_dir)
     except OSError as exc:  # unwritable, disk full: nothing half-written stays
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"--to-hf {out_dir}: cannot write the export "

@@ -275,7 +275,7 @@ def _rope(a: Dict[str, Any]) -> bool:
 
 # ------------------------------------------------------------------------ the model config
 @dataclass
-class _Arch:
+class MegatronArch:
     is_bert: bool
     layers: int
     hidden: int
@@ -306,7 +306,7 @@ def _int_arg(a: Dict[str, Any], key: str, path: str) -> Optional[int]:
     return v
 
 
-def _expected_shapes(arch: _Arch) -> Dict[str, Tuple[int, ...]]:
+def expected_shapes(arch: MegatronArch) -> Dict[str, Tuple[int, ...]]:
     """Our full tensor names and shapes for ``arch``, in our modules' parameter order."""
     h, e = arch.hidden, {}
     e[WORD_EMBEDDING] = (arch.vocab_rows, h)
@@ -371,7 +371,7 @@ def _qkv_rank_to_ours(t: torch.Tensor, version: float, heads_here: int, kv: int)
     return t
 
 
-def _merge(name: str, parts: List[torch.Tensor], arch: _Arch, version: float
+def _merge(name: str, parts: List[torch.Tensor], arch: MegatronArch, version: float
            ) -> torch.Tensor:
     dim = partition_dim_by_name(name)
     if dim is None:
@@ -401,7 +401,7 @@ class MegatronModel:
     """Megatron-LM's --make-vocab-size-divisible-by (128 where args do not say)."""
 
 
-def _gelu(a: Optional[Dict[str, Any]], arch: _Arch, notes: List[str]) -> bool:
+def _gelu(a: Optional[Dict[str, Any]], arch: MegatronArch, notes: List[str]) -> bool:
     """--openai-gelu: the MLP's GELU is the tanh approximation (Megatron-LM's fused
     bias-GELU or --openai-gelu; files without args: the tanh GELU early versions used)."""
     if a is None:
@@ -559,7 +559,7 @@ def _heads(args: Dict[str, Any], recorded: bool, first: str, heads_flag: Optiona
 
 def _architecture(found: _Found, args: Dict[str, Any], recorded: bool, src: _Source,
                   counts: List[int], version: float, heads_flag: Optional[int],
-                  notes: List[str]) -> _Arch:
+                  notes: List[str]) -> MegatronArch:
     """The model the tensors and ``args`` describe, checked against each other."""
     first = src.files[(0, 0)]
     is_bert = any(k.startswith(("lm_head.", "binary_head.")) for k in found)
@@ -610,7 +610,7 @@ def _architecture(found: _Found, args: Dict[str, Any], recorded: bool, src: _Sou
         raise UserError(f"{FLAG} {first}: a GPT with token-type embeddings; this trainer's GPT "
                         f"has none")
     bias = args.get("add_bias_linear", True) is not False
-    arch = _Arch(is_bert=is_bert, layers=sum(counts), hidden=hidden, heads=heads, groups=groups,
+    arch = MegatronArch(is_bert=is_bert, layers=sum(counts), hidden=hidden, heads=heads, groups=groups,
                  kv=kv, ffn=ffn, vocab_rows=emb.shape[0] * src.tp, positions=positions,
                  seq_length=seq, tokentypes=tokentypes or 2,
                  rms=args.get("normalization") == "RMSNorm", bias=bias,
@@ -633,7 +633,7 @@ def _architecture(found: _Found, args: Dict[str, Any], recorded: bool, src: _Sou
     return arch
 
 
-def _check_tensors(found: _Found, arch: _Arch, expected: Dict[str, Tuple[int, ...]],
+def _check_tensors(found: _Found, arch: MegatronArch, expected: Dict[str, Tuple[int, ...]],
                    src: _Source, offsets: List[int]) -> None:
     """Every tensor has the shape ``arch`` gives it on its rank, and none is missing."""
     sizes = (f"args: num_layers {arch.layers}, hidden_size {arch.hidden}, num_attention_heads "
@@ -668,7 +668,7 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
     found, counts, offsets = _global_tensors(src, shards)
     args = a or {}
     arch = _architecture(found, args, a is not None, src, counts, version, heads_flag, notes)
-    expected = _expected_shapes(arch)
+    expected = expected_shapes(arch)
     _check_tensors(found, arch, expected, src, offsets)
     emb = found[WORD_EMBEDDING][0][0]
     full: Dict[str, torch.Tensor] = {}
@@ -684,7 +684,7 @@ def _convert(src: _Source, shards: Dict[Tuple[int, int], _Shard], a: Optional[Di
                          unit if type(unit) is int and unit > 0 else 128)
 
 
-def _what_args_say(arch: _Arch) -> str:
+def _what_args_say(arch: MegatronArch) -> str:
     return (f"{'BERT' if arch.is_bert else 'GPT'}, "
             f"{'RMSNorm' if arch.rms else 'LayerNorm'}, "
             f"{'biases' if arch.bias else 'qkv biases only' if arch.qkv_bias else 'no biases'}"
@@ -692,7 +692,7 @@ def _what_args_say(arch: _Arch) -> str:
             f"{', untied output' if arch.untied else ''}")
 
 
-def _model_config(arch: _Arch, a: Optional[Dict[str, Any]], full: Dict[str, torch.Tensor],
+def _model_config(arch: MegatronArch, a: Optional[Dict[str, Any]], full: Dict[str, torch.Tensor],
                   notes: List[str]) -> Dict[str, Any]:
     """Our recorded config["model"] (ModelConfig's fields) for ``arch`` and args ``a``."""
     args = a or {}

@@ -1,6 +1,6 @@
 """Reshard a checkpoint to another (t, d, w) layout, or move it to/from Hugging Face.
 
-Four workflows (``python tools/checkpoint_util.py --help``)::
+Five workflows (``python tools/checkpoint_util.py --help``)::
 
     # 1. reshard the FULL training state and resume at another layout
     python tools/checkpoint_util.py --load ckpt_t1_d2 --save ckpt_t2_d1 \\
@@ -16,6 +16,10 @@ Four workflows (``python tools/checkpoint_util.py --help``)::
     #    pickles, so reading them needs --allow-unsafe-checkpoint (weights-only unpickler)
     python tools/checkpoint_util.py --from-megatron megatron_run --save ckpt_mlm \\
         --allow-unsafe-checkpoint
+    # 5. export to a Megatron-LM legacy checkpoint (release, weights only) for its
+    #    --use-legacy-models --ckpt-format torch --load OUT, at tensor size T, P stages
+    python tools/checkpoint_util.py --load ckpt --to-megatron megatron_out \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
 
 Resharding carries the whole training state: iteration, consumed samples, model and
 2BW shadow weights, Adam moments and fp32 masters (split and merged like their
@@ -30,7 +34,8 @@ empty one), and ``--to-hf`` must be a new or empty directory.
 The work is done by ``megatron.checkpoint_merge`` (weights of any layout -> one full
 state dict -> any stage), ``megatron.checkpoint_convert`` (the full training state),
 ``megatron.hf_interop`` and ``megatron.hf_import`` (transformers, both ways),
-``megatron.megatron_lm_import`` (Megatron-LM's own checkpoints); this script
+``megatron.megatron_lm_import`` and ``megatron.megatron_lm_export`` (Megatron-LM's own
+checkpoints, both ways); this script
 is their command line, and re-exports their functions for older imports (``from
 tools.checkpoint_util import load_into_stage``).
 """
@@ -68,6 +73,8 @@ _EPILOG = """workflows:
   megatron  --from-megatron MLM_DIR --save OUT --allow-unsafe-checkpoint
             [--target-tensor-parallel-size T --target-pipeline-parallel-size D]
             (a Megatron-LM legacy GPT/BERT checkpoint; then --load OUT --finetune)
+  to-mlm    --load CKPT --to-megatron MLM_DIR [--target-tensor-parallel-size T
+            --target-pipeline-parallel-size D]  (a Megatron-LM legacy release checkpoint)
 """
 
 
@@ -88,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "NVIDIA Megatron-LM's legacy GPT/BERT models (its --save directory, an "
                    "iter_N/release directory or one model_optim_rng.pt) into a checkpoint at "
                    "--save; its files are pickles: needs --allow-unsafe-checkpoint")
+    p.add_argument("--to-megatron", metavar="DIR", help="export --load as a Megatron-LM "
+                   "legacy checkpoint (release/mp_rank_*/model_optim_rng.pt, checkpoint_version "
+                   "3.0, model weights only) for Megatron-LM's --use-legacy-models --ckpt-format "
+                   "torch --load DIR; a new or empty directory, written in place only when "
+                   "complete")
     p.add_argument("--num-attention-heads", type=int, default=None, metavar="N",
                    help="--from-megatron: the heads of a checkpoint that records no args "
                         "(early releases; GPT-345M and BERT-345M have 16)")
@@ -135,20 +147,21 @@ def _refuse_unread(args: argparse.Namespace, mode: str, flags: Dict[str, str],
 def _workflow(args: argparse.Namespace) -> str:
     """Check the flags of the chosen workflow (one UserError naming the flags the user
     gave) and say which: "import" (--from-hf), "megatron" (--from-megatron), "export"
-    or "reshard"."""
+    (--to-hf), "to-megatron" (--to-megatron) or "reshard"."""
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                  "target_data_parallel_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     imports = args.from_hf or args.from_megatron
-    modes = [m for m, on in (("--to-hf", args.to_hf), ("--from-hf", args.from_hf),
+    modes = [m for m, on in (("--to-hf", args.to_hf), ("--to-megatron", args.to_megatron),
+                             ("--from-hf", args.from_hf),
                              ("--from-megatron", args.from_megatron),
                              ("--save", args.save and not imports)) if on]
     if len(modes) != 1:
         raise UserError("choose one workflow: --load X --save Y (reshard), --load X --to-hf Y "
-                        "(export), --from-hf X --save Y (import) or --from-megatron X --save Y "
-                        "(Megatron-LM import)")
+                        "(export), --load X --to-megatron Y (Megatron-LM export), --from-hf X "
+                        "--save Y (import) or --from-megatron X --save Y (Megatron-LM import)")
     if args.num_attention_heads is not None and not args.from_megatron:
         raise UserError("--num-attention-heads applies to --from-megatron only")
     for flag, source, what, workflow in (
@@ -158,7 +171,8 @@ def _workflow(args: argparse.Namespace) -> str:
             if not args.save:
                 raise UserError(f"{flag} needs --save (where to write the checkpoint)")
             if args.load:
-                raise UserError(f"--load applies to resharding and --to-hf; {flag} reads the "
+                raise UserError(f"--load applies to resharding, --to-hf and --to-megatron; "
+                                f"{flag} reads the "
                                 f"{what} it names")
             if workflow == "import":  # config.json says the vocabulary; no RNG is written
                 _refuse_unread(args, "--from-hf", {
@@ -183,6 +197,14 @@ def _workflow(args: argparse.Namespace) -> str:
             "--make-vocab-size-divisible-by": "resharding and the imports"},
             " (a transformers model has one layout and no padding rows)")
         return "export"
+    if args.to_megatron:
+        _refuse_unread(args, "--to-megatron", {
+            "--target-data-parallel-size": "resharding",
+            "--target-decoder-first-pipeline-num-layers": "resharding and the imports",
+            "--target-decoder-last-pipeline-num-layers": "resharding and the imports"},
+            " (Megatron-LM's legacy models give every stage num_layers / P layers and "
+            "its checkpoint holds no data-parallel state)")
+        return "to-megatron"
     return "reshard"
 
 
@@ -212,6 +234,18 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                                      num_attention_heads=args.num_attention_heads,
                                      first=args.target_decoder_first_pipeline_num_layers,
                                      last=args.target_decoder_last_pipeline_num_layers)
+        elif workflow == "to-megatron":
+            from megatron.megatron_lm_export import check_export_path as check_mlm_path
+            from megatron.megatron_lm_export import export_megatron_lm
+            check_mlm_path(args.load, args.to_megatron)
+            out = export_megatron_lm(args.load, args.to_megatron,
+                                     tp=args.target_tensor_parallel_size,
+                                     pp=args.target_pipeline_parallel_size,
+                                     iteration=args.iteration,
+                                     true_vocab=args.true_vocab_size,
+                                     divisible_by=args.make_vocab_size_divisible_by,
+                                     allow_unsafe=args.allow_unsafe_checkpoint,
+                                     vocab_flag="--true-vocab-size")
         elif workflow == "export":
             from megatron.hf_interop import check_export_path, export_hf
             check_export_path(args.load, args.to_hf)
