@@ -93,12 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print progress every this many documents")
     g = p.add_argument_group("Megatron-LM flags accepted so its commands run unchanged")
     g.add_argument("--partitions", type=int, default=1,
-                   help="Megatron-LM splits the input into this many files and merges "
-                        "their outputs; here --workers parallelises one pass and the "
-                        "files are the same")
+                   help="Megatron-LM deals the input lines round-robin into this many "
+                        "partitions (line i to partition i %% N) and concatenates their "
+                        "outputs; the documents here come in that order too (one pass, "
+                        "--workers parallelises it)")
     g.add_argument("--keep-sequential-samples", action="store_true",
-                   help="Megatron-LM's guarantee of input order with --partitions; the "
-                        "output here is always in input order")
+                   help="with --partitions: contiguous partitions, so the documents keep "
+                        "the input order (as without --partitions)")
     g.add_argument("--lang", default="english",
                    help="Megatron-LM's NLTK punkt language for --split-sentences; the "
                         "splitter here is rule-based English")
@@ -117,9 +118,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.partitions < 1:
         parser.error(f"--partitions must be >= 1, got {args.partitions}")
     if args.partitions > 1:
+        order = ("input order (--keep-sequential-samples)" if args.keep_sequential_samples
+                 else f"Megatron-LM's merged order: lines 1, {args.partitions + 1}, ... then "
+                      f"2, {args.partitions + 2}, ...")
         print(f"note: --partitions {args.partitions}: one pass over --input with --workers "
-              f"{args.workers} writes the same files as Megatron-LM's partitions merged",
-              file=sys.stderr)
+              f"{args.workers}; documents in {order}, the files Megatron-LM's partitions "
+              f"merge into", file=sys.stderr)
     if args.split_sentences and args.lang.lower() != "english":
         print(f"note: --lang {args.lang}: the sentence splitter here is rule-based English "
               f"(Megatron-LM uses NLTK's punkt model for the language); sentences of other "
@@ -172,14 +176,21 @@ def _document_texts(lineno: int, raw: bytes) -> Optional[Dict[str, str]]:
             raise DataError(f"--input {_args.input}, line {lineno}: no key {key!r} "
                             f"(requested by --json-keys)")
         text = obj[key]
-        if not isinstance(text, str):
-            raise DataError(f"--input {_args.input}, line {lineno}: {key!r} must be a string, "
-                            f"found {type(text).__name__}")
-        bad = _SURROGATE.search(text)
-        if bad:
-            raise DataError(f"--input {_args.input}, line {lineno}: {key!r} holds a lone "
-                            f"UTF-16 surrogate {bad.group()!r} (escaped in the JSON), which is "
-                            f"not Unicode text; remove or replace it")
+        # A list of strings is a document already cut into sentences (the form of
+        # Megatron-LM's --split-sentences intermediate *_ss.json): one sequence per
+        # non-empty string, as Megatron-LM's Encoder.encode.
+        parts = text if isinstance(text, list) else [text]
+        for part in parts:
+            if not isinstance(part, str):
+                what = f"a list holding {type(part).__name__}" if parts is text else \
+                    type(part).__name__
+                raise DataError(f"--input {_args.input}, line {lineno}: {key!r} must be a "
+                                f"string or a list of strings (sentences), found {what}")
+            bad = _SURROGATE.search(part)
+            if bad:
+                raise DataError(f"--input {_args.input}, line {lineno}: {key!r} holds a lone "
+                                f"UTF-16 surrogate {bad.group()!r} (escaped in the JSON), "
+                                f"which is not Unicode text; remove or replace it")
         out[key] = text
     return out
 
@@ -195,18 +206,19 @@ def _encode_chunk(chunk: List[Tuple[int, bytes]]) -> Tuple[int, int, Dict[str, E
     docs = [d for d in (_document_texts(n, line) for n, line in chunk) if d is not None]
     out: Dict[str, Encoded] = {}
     for key in _args.json_keys:
-        texts = [d[key] for d in docs]
+        # Each document's sentences: its text whole, or the strings of a list value;
+        # --split-sentences cuts each further.  Sentences without tokens are dropped.
+        per_doc = [d[key] if isinstance(d[key], list) else [d[key]] for d in docs]
         if _args.split_sentences:
             from megatron.data.sentence_split import split_sentences
 
-            per_doc = [split_sentences(t, _args.keep_newlines) for t in texts]
-            flat = _tokenizer.tokenize_batch([s for sents in per_doc for s in sents])
-            pieces, pos = [], 0
-            for sents in per_doc:
-                pieces.append([ids for ids in flat[pos:pos + len(sents)] if ids])
-                pos += len(sents)
-        else:
-            pieces = [[ids] if ids else [] for ids in _tokenizer.tokenize_batch(texts)]
+            per_doc = [[s for part in parts for s in split_sentences(part, _args.keep_newlines)]
+                       for parts in per_doc]
+        flat = _tokenizer.tokenize_batch([s for sents in per_doc for s in sents])
+        pieces, pos = [], 0
+        for sents in per_doc:
+            pieces.append([list(ids) for ids in flat[pos:pos + len(sents)] if len(ids)])
+            pos += len(sents)
         seq_lengths: List[int] = []
         seqs_per_doc: List[int] = []
         for doc in pieces:
@@ -227,6 +239,24 @@ def _chunks(lines: Iterator[Tuple[int, bytes]], size: int
         if not chunk:
             return
         yield chunk
+
+
+def _route(encoded: Encoded, first_doc: int, n: int) -> List[Tuple[int, Encoded]]:
+    """Split one chunk's documents by partition (document k goes to partition k % n),
+    as Megatron-LM deals input lines round-robin into its --partitions files."""
+    tokens, seq_lengths, seqs_per_doc = encoded
+    seq_start = np.concatenate([[0], np.cumsum(seqs_per_doc, dtype=np.int64)])
+    tok_start = np.concatenate([[0], np.cumsum(seq_lengths, dtype=np.int64)])
+    out = []
+    for p in range(n):
+        docs = [j for j in range(len(seqs_per_doc)) if (first_doc + j) % n == p]
+        if not docs:
+            continue
+        toks = np.concatenate([tokens[tok_start[seq_start[j]]:tok_start[seq_start[j + 1]]]
+                               for j in docs]) if tokens.size else tokens
+        lens = [seq_lengths[i] for j in docs for i in range(seq_start[j], seq_start[j + 1])]
+        out.append((p, (toks, lens, [seqs_per_doc[j] for j in docs])))
+    return out
 
 
 def output_prefix(args: argparse.Namespace, key: str) -> str:
@@ -250,13 +280,26 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
         _init_worker(args)
     except (ValueError, OSError) as exc:  # check_file names the flag (--vocab-file, ...)
         raise UserError(str(exc)) from exc
-    builders: Dict[str, IndexedDatasetBuilder] = {}
+    # Megatron-LM's --partitions N (without --keep-sequential-samples) writes its
+    # documents round-robin into N datasets and concatenates them; so does this, into
+    # temporary partition datasets beside the output, merged at the end.
+    n_parts = 1 if args.keep_sequential_samples else args.partitions
+    builders: Dict[str, List[IndexedDatasetBuilder]] = {}
+    part_prefixes: Dict[str, List[str]] = {}
     try:
         Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
         for k in args.json_keys:
-            builders[k] = IndexedDatasetBuilder(output_prefix(args, k) + ".bin", _dtype)
+            builders[k], part_prefixes[k] = [], []
+            if n_parts == 1:
+                builders[k].append(IndexedDatasetBuilder(output_prefix(args, k) + ".bin",
+                                                         _dtype))
+                continue
+            for p in range(n_parts):
+                part = f"{output_prefix(args, k)}.partition{p}.tmp{os.getpid()}"
+                builders[k].append(IndexedDatasetBuilder(part + ".bin", _dtype))
+                part_prefixes[k].append(part)
     except OSError as exc:
-        for builder in builders.values():
+        for builder in chain.from_iterable(builders.values()):
             builder.abort()
         what = f"{exc.filename} ({exc.strerror})" if exc.filename else f"there ({exc})"
         raise UserError(f"--output-prefix {args.output_prefix}: cannot write {what}") from exc
@@ -280,13 +323,17 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
                 results = map(_encode_chunk, chunks)
             for docs, nbytes, encoded in results:
                 n_bytes += nbytes
-                n_docs += docs
                 for key, (tokens, seq_lengths, seqs_per_doc) in encoded.items():
                     # A document without tokens stays a document without sequences, as
                     # in Megatron-LM, so document i of every --json-keys output is line i.
                     n_empty += seqs_per_doc.count(0)
-                    builders[key].add_documents(tokens, seq_lengths, seqs_per_doc)
                     n_tokens += int(tokens.size)
+                    if n_parts == 1:
+                        builders[key][0].add_documents(tokens, seq_lengths, seqs_per_doc)
+                    else:
+                        for p, part in _route(encoded[key], n_docs, n_parts):
+                            builders[key][p].add_documents(*part)
+                n_docs += docs
                 if n_docs >= next_log:
                     next_log = (n_docs // args.log_interval + 1) * args.log_interval
                     print(f"Processed {n_docs} documents ("
@@ -296,16 +343,28 @@ def preprocess(args: argparse.Namespace) -> Dict[str, float]:
             raise DataError(f"--input {args.input}: no tokens to write; found {n_docs} "
                             f"documents under --json-keys {' '.join(args.json_keys)} "
                             f"({n_empty} empty) in {n_bytes} bytes; nothing was written")
-        for key, builder in builders.items():
-            builder.finalize(output_prefix(args, key) + ".idx")
+        for key, parts in builders.items():
+            if n_parts == 1:
+                parts[0].finalize(output_prefix(args, key) + ".idx")
+                continue
+            merged = IndexedDatasetBuilder(output_prefix(args, key) + ".bin", _dtype)
+            parts.append(merged)  # aborted with the others on failure
+            for part, prefix in zip(parts, part_prefixes[key]):
+                part.finalize(prefix + ".idx")
+                merged.add_index(prefix)
+            merged.finalize(output_prefix(args, key) + ".idx")
     except BaseException:
-        for builder in builders.values():
+        for builder in chain.from_iterable(builders.values()):
             builder.abort()
         raise
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
+        for prefix in chain.from_iterable(part_prefixes.values()):
+            for ext in (".bin", ".idx"):
+                if os.path.exists(prefix + ext):
+                    os.unlink(prefix + ext)
     elapsed = time.perf_counter() - start
     print(f"Done: {n_docs} documents, {n_tokens} tokens, {n_bytes} bytes in {elapsed:.3f} s "
           f"({_progress(n_docs, n_tokens, n_bytes, elapsed)}); {n_empty} empty (kept as "
