@@ -54,6 +54,10 @@ SYSTEMS = [  # label, schedule, model parallelism kind
     ("PipeDream-2BW", "2bw", "pipeline"), ("PipeDream-Flush", "flush", "pipeline"),
     ("GPipe", "gpipe", "pipeline"), ("Inter-layer MP", "none", "pipeline"),
     ("Tensor MP", "none", "tensor"), ("GPipe, stash-limited", "gpipe", "stash-limited")]
+# One colour per system, the same in every figure (paper_throughput and paper_memory).
+SYSTEM_COLOURS = {"PipeDream-2BW": "#1f77b4", "PipeDream-Flush": "#2ca02c",
+                  "GPipe": "#ff7f0e", "Inter-layer MP": "#9467bd", "Tensor MP": "#d62728",
+                  "GPipe, stash-limited": "#8c564b"}
 PANELS = [  # model, GPUs, model-parallel size, (small, large) global batch
     ("gpt-2.2b", 8, 8, (64, 256)), ("gpt-2.2b", 64, 8, (512, 2048)),
     ("gpt-3.8b", 64, 16, (512, 2048))]
@@ -314,7 +318,6 @@ def max_model_size() -> List[dict]:
 
 def plot_throughput(rows: List[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.2))
-    colors = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728", "#8c564b"]
     for ax, (name, n, mp, batches) in zip(axes, PANELS):
         width = 0.14
         for j, (label, _, _) in enumerate(SYSTEMS):
@@ -325,7 +328,7 @@ def plot_throughput(rows: List[dict], path: Path) -> None:
                 ys.append(v or 0.0)
                 if not v:
                     ax.text(xs[-1], 1.1, "OOM", rotation=90, ha="center", fontsize=7)
-            ax.bar(xs, ys, width, label=label, color=colors[j])
+            ax.bar(xs, ys, width, label=label, color=SYSTEM_COLOURS[label])
         ax.set_yscale("log")
         ax.set_ylim(1, None)
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
@@ -350,7 +353,7 @@ def plot_memory(rows: List[dict], path: Path) -> None:
             r = next(r for r in rows if (r["model"], r["gpus"], r["batch"], r["system"])
                      == (name, n, batch, label))
             ax.bar(i + (j - 2.5) * width, r.get("memory_gib", 0.0), width,
-                   color=f"C{j}", label=label if i == 0 else None)
+                   color=SYSTEM_COLOURS[label], label=label if i == 0 else None)
             if r["config"]:
                 ax.text(i + (j - 2.5) * width, 0.3, f"b={r['config']['b']}", rotation=90,
                         ha="center", fontsize=7, color="white")

@@ -2,7 +2,7 @@
 
 Simulated, with the paper's unit costs (forward 1, backward 2)::
 
-    python tools/draw_timeline.py --schedule 2bw --stages 4 --microbatches 8 --batches 2 \
+    python tools/draw_timeline.py --schedule 2bw --stages 4 --microbatches 8 --batches 3 \
         --output docs/figures/timeline_2bw_d4_m8.png [--chrome-trace out.json]
 
 From the per-rank files a traced training run wrote::
@@ -125,6 +125,24 @@ def _trace_gaps(paths: List[str], events, meta: dict) -> Optional[str]:
     return "; ".join(notes) or None
 
 
+def trace_title(meta: dict, batches: Optional[List[int]] = None) -> str:
+    """Default title of a traced run's drawing: schedule, d, m and w as the trace files
+    record them (``stages``, ``microbatches``, ``data_parallel``), the ranks, and the
+    batch window drawn (``[first, stop)``, shown as ``first-last``)."""
+    parts = [str(meta.get("schedule") or "unknown schedule")]
+    for key, label in (("stages", "d"), ("microbatches", "m"), ("data_parallel", "w")):
+        if type(meta.get(key)) is int:
+            parts.append(f"{label}={meta[key]}")
+    ranks = meta.get("ranks")
+    if isinstance(ranks, list) and ranks:
+        parts.append(f"ranks {_ranks(ranks)}")
+    title = "traced run: " + ", ".join(parts)
+    if batches:
+        first, stop = batches
+        title += f"; batch {first}" if stop - first == 1 else f"; batches {first}-{stop - 1}"
+    return title
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """One UserError naming the flag, before anything is simulated, drawn or written."""
     for flag, path in (("--output", args.output), ("--chrome-trace", args.chrome_trace)):
@@ -189,7 +207,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ValueError as exc:
                 raise UserError(f"--trace-batches {args.trace_batches}: {exc}") from None
         name = str(meta.get("schedule", ""))
-        title = args.title or f"traced run {name} (ranks {meta.get('ranks')})"
+        title = args.title or trace_title(
+            meta, _batch_range(args.trace_batches) if args.trace_batches else None)
         time_label = "time (s)"
         chrome_unit = 1e6
     color_by = args.color_by

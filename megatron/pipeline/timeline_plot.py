@@ -1,6 +1,7 @@
 """Draw a pipeline timeline in the style of the PipeDream-2BW paper's Figures 2 and 3.
 
-One row per stage (worker), time to the right.  Forward passes are light boxes and
+One row per stage (worker; per rank when a stage has data-parallel replicas), time to
+the right.  Forward passes are light boxes and
 backward passes dark boxes of the same hue, with the microbatch id (0-indexed) inside;
 the hue follows the batch, or the weight version for 2BW.  Optimizer steps, where a new
 weight version is generated, are cross-hatched markers; idle time is the grey row
@@ -58,6 +59,18 @@ def image_path_problem(output: Union[str, Path]) -> Optional[str]:
             f"found {found}")
 
 
+def timeline_rows(events: Sequence[TraceEvent]
+                  ) -> Tuple[Dict[Tuple[int, int], int], List[str]]:
+    """Row of each ``(stage, rank)`` (top to bottom: by stage, then rank) and the rows'
+    labels.  A stage with data-parallel replicas (w > 1, several ranks per stage) gets a
+    row per rank, labelled ``stage s, rank r``: on one row their boxes would overlap.
+    With one rank per stage (every simulation) a row is labelled ``stage s``."""
+    keys = sorted({(e.stage, e.rank) for e in events})
+    replicated = len(keys) > len({s for s, _ in keys})
+    labels = [f"stage {s}, rank {r}" if replicated else f"stage {s}" for s, r in keys]
+    return {k: i for i, k in enumerate(keys)}, labels
+
+
 def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
                   color_by: str = "batch", time_label: str = "time",
                   output: Optional[Union[str, Path]] = None, dpi: int = 150):
@@ -72,8 +85,8 @@ def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
     problem = image_path_problem(output) if output is not None else None
     if problem:
         raise ValueError(f"plot_timeline: cannot write {str(output)!r}: {problem}")
-    stages = sorted({e.stage for e in events})
-    if not stages:
+    row, row_labels = timeline_rows(events)
+    if not row:
         raise ValueError("plot_timeline: no events to draw")
     t0 = min(e.start for e in events)
     makespan = max(e.end for e in events) - t0
@@ -81,10 +94,9 @@ def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
     min_box = min((e.duration for e in compute if e.duration > 0), default=makespan / 50 or 1)
 
     width_in = min(max(9.0, 0.2 * makespan / min_box), 26.0)
-    fig, ax = plt.subplots(figsize=(width_in, 0.9 + 0.55 * len(stages)))
-    row = {s: i for i, s in enumerate(stages)}
-    for s in stages:
-        ax.add_patch(Rectangle((0, row[s] - 0.42), makespan, 0.84, facecolor="#EDEDED",
+    fig, ax = plt.subplots(figsize=(width_in, 0.9 + 0.55 * len(row)))
+    for i in row.values():
+        ax.add_patch(Rectangle((0, i - 0.42), makespan, 0.84, facecolor="#EDEDED",
                                edgecolor="none", zorder=0))
     pts_per_unit = (width_in * 0.85 * 72) / max(makespan, 1e-12)
     keys: Dict[int, str] = {}
@@ -92,7 +104,7 @@ def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
         key = _colour_key(e, color_by)
         hue = keys.setdefault(key, _HUES[key % len(_HUES)])
         face = _shade(hue, 0.55) if e.op == "F" else _shade(hue, 0.0)
-        x, y = e.start - t0, row[e.stage]
+        x, y = e.start - t0, row[(e.stage, e.rank)]
         ax.add_patch(Rectangle((x, y - 0.38), e.duration, 0.76, facecolor=face,
                                edgecolor="black", linewidth=0.5, zorder=2))
         label = str(e.microbatch)
@@ -104,9 +116,9 @@ def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
     _draw_reduces(ax, events, row, t0)
 
     ax.set_xlim(0, makespan + 0.3 * min_box)
-    ax.set_ylim(len(stages) - 0.5, -0.5)
-    ax.set_yticks(range(len(stages)))
-    ax.set_yticklabels([f"stage {s}" for s in stages])
+    ax.set_ylim(len(row) - 0.5, -0.5)
+    ax.set_yticks(range(len(row)))
+    ax.set_yticklabels(row_labels)
     ax.set_xlabel(time_label)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -122,7 +134,7 @@ def plot_timeline(events: Sequence[TraceEvent], *, title: str = "",
     return fig
 
 
-def _draw_steps(ax, events: Sequence[TraceEvent], row: Dict[int, int], t0: float,
+def _draw_steps(ax, events: Sequence[TraceEvent], row: Dict[Tuple[int, int], int], t0: float,
                 min_box: float) -> None:
     """Cross-hatched marker at each STEP (new weight version b + 1 after batch b)."""
     marker = 0.3 * min_box
@@ -131,15 +143,16 @@ def _draw_steps(ax, events: Sequence[TraceEvent], row: Dict[int, int], t0: float
             continue
         width = max(e.duration, marker)
         x = e.start - t0 if e.duration >= marker else e.start - t0 - marker / 2
-        ax.add_patch(Rectangle((x, row[e.stage] - 0.45), width, 0.9, facecolor="white",
+        ax.add_patch(Rectangle((x, row[(e.stage, e.rank)] - 0.45), width, 0.9, facecolor="white",
                                edgecolor=_STEP_COLOUR, hatch="xxxx", linewidth=0.8, zorder=4))
 
 
-def _draw_reduces(ax, events: Sequence[TraceEvent], row: Dict[int, int], t0: float) -> None:
+def _draw_reduces(ax, events: Sequence[TraceEvent], row: Dict[Tuple[int, int], int],
+                  t0: float) -> None:
     """Data-parallel gradient all-reduces, when they took measurable time."""
     for e in events:
         if e.op == "R@" and e.duration > 0:
-            ax.add_patch(Rectangle((e.start - t0, row[e.stage] - 0.2), e.duration, 0.4,
+            ax.add_patch(Rectangle((e.start - t0, row[(e.stage, e.rank)] - 0.2), e.duration, 0.4,
                                    facecolor="#BDBDBD", edgecolor="#616161", linewidth=0.5,
                                    zorder=2))
 
