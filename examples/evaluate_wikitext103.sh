@@ -4,17 +4,28 @@
 #   TEST_FILE  WikiText-103's wiki.test.tokens (default wikitext-103/wiki.test.tokens).
 #              The repository's test data has the same test articles in WikiText-2 form:
 #              TEST_FILE=../shared/data/wikitext/wikitext-2-raw/wiki.test.raw
-#   LOAD       a checkpoint directory of pretrain_gpt.py (any tensor/pipeline layout)
-#   VOCAB, MERGES  GPT-2 BPE files (e.g. ../shared/data/gpt2/encoder.json and vocab.bpe)
-#   SIZE       cpu (default: the model of examples/pretrain_gpt_cpu_demo.sh with its
-#              SentencePiece tokenizer, TOKENIZER_MODEL) or 355m (GPT-355M, 8 GPUs)
+#   SIZE       cpu (default: the model of examples/pretrain_gpt_cpu_demo.sh, 2 gloo ranks)
+#              or 355m (GPT-355M with the GPT-2 BPE tokenizer, 8 GPUs, fp16)
+#   LOAD       a checkpoint directory of pretrain_gpt.py (any tensor/pipeline layout);
+#              default $DEMO_DIR/checkpoints (cpu) or checkpoints/gpt_355m (355m)
+#   DEMO_DIR   (cpu) the demo's output folder, as in pretrain_gpt_cpu_demo.sh (default demo)
+#   TOKENIZER_MODEL  (cpu) the demo's SentencePiece model (default $DEMO_DIR/tokenizer.model)
+#   BLOCK      (cpu) gpt2 (default) or llama: the BLOCK the demo checkpoint was trained with
+#   VOCAB, MERGES  (355m) GPT-2 BPE files (e.g. ../shared/data/gpt2/encoder.json, vocab.bpe)
 #   STRIDE     --overlapping-eval: sliding-window stride (default: non-overlapping)
+# Relative paths are taken from the repository root (the script runs there).
+# It prints "validation results on WIKITEXT103 | avg loss: ... | ppl: ... | adjusted ppl: ...".
+#
+#   bash examples/pretrain_gpt_cpu_demo.sh          # writes demo/checkpoints
+#   TEST_FILE=../shared/data/wikitext/wikitext-2-raw/wiki.test.raw \
+#       bash examples/evaluate_wikitext103.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TEST_FILE=${TEST_FILE:-wikitext-103/wiki.test.tokens}
 SIZE=${SIZE:-cpu}
 STRIDE_ARGS=(); [ -n "${STRIDE:-}" ] && STRIDE_ARGS=(--overlapping-eval "$STRIDE")
+case "$SIZE" in cpu|355m) ;; *) echo "error: SIZE=$SIZE: expected cpu or 355m" >&2; exit 2 ;; esac
 if [ "$SIZE" = 355m ]; then
   LOAD=${LOAD:-checkpoints/gpt_355m}
   LAUNCH=(torchrun --standalone --nproc-per-node 8)
@@ -24,13 +35,16 @@ if [ "$SIZE" = 355m ]; then
          --tokenizer-type GPT2BPETokenizer --vocab-file "${VOCAB:-gpt2-vocab.json}"
          --merge-file "${MERGES:-gpt2-merges.txt}")
 else
-  LOAD=${LOAD:-demo/checkpoints}
+  DEMO_DIR=${DEMO_DIR:-demo}
+  LOAD=${LOAD:-$DEMO_DIR/checkpoints}
+  source examples/demo_block_flags.sh  # BLOCK_FLAGS, as the demo trained with
   LAUNCH=(env OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 2)
   MODEL=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
          --max-position-embeddings 128 --pipeline-model-parallel-size 2
          --micro-batch-size 4 --global-batch-size 8 --num-workers 0
          --tokenizer-type SentencePieceTokenizer
-         --tokenizer-model "${TOKENIZER_MODEL:-demo/tokenizer.model}")
+         --tokenizer-model "${TOKENIZER_MODEL:-$DEMO_DIR/tokenizer.model}"
+         ${BLOCK_FLAGS[@]+"${BLOCK_FLAGS[@]}"})
 fi
 "${LAUNCH[@]}" tasks/main.py --task WIKITEXT103 --valid-data "$TEST_FILE" --load "$LOAD" \
     "${MODEL[@]}" ${STRIDE_ARGS[@]+"${STRIDE_ARGS[@]}"}

@@ -8,11 +8,16 @@
 # the repository's test data has one: VOCAB=../shared/data/bert/vocab.txt
 #
 #   VOCAB=../shared/data/bert/vocab.txt INPUT=corpus.jsonl bash examples/pretrain_bert_cpu.sh
-#   TRAIN_ITERS=20 SCHEDULE=flush bash examples/pretrain_bert_cpu.sh
+#   VOCAB=../shared/data/bert/vocab.txt TRAIN_ITERS=20 SCHEDULE=flush \
+#       bash examples/pretrain_bert_cpu.sh
+# TRAIN_ITERS (default 100), SCHEDULE (--pipeline-schedule, default 2bw), NPROC ranks
+# (default 2) and PP pipeline stages (default 2) may be set; OUT (default data/bert_cpu)
+# holds the preprocessed INPUT.  Relative paths are taken from the repository root.
 # The checkpoint goes to $SAVE (default checkpoints/bert_cpu), which
-# examples/finetune_mnli.sh and examples/finetune_race.sh read.  As in Megatron's
-# scripts, --load names the same directory: a rerun resumes from its latest
-# checkpoint (and says "nothing to train" once TRAIN_ITERS are done).  A rerun with a
+# examples/finetune_mnli.sh and examples/finetune_race.sh read (their PRETRAINED; any
+# NPROC/PP layout).  As in Megatron's scripts, --load names the same directory: a rerun
+# resumes from its latest checkpoint, and once TRAIN_ITERS are done it stops with
+# "error: nothing to train" and exit status 1 (the checkpoint stays).  A rerun with a
 # larger TRAIN_ITERS stops with an error, as Megatron's does: the checkpoint's LR
 # schedule decays over the old TRAIN_ITERS (run pretrain_bert.py with the same flags
 # plus --override-opt_param-scheduler to take the new length).  INPUT is preprocessed

@@ -36,13 +36,7 @@ if [ -e "$OUT/checkpoints" ]; then
   echo "[demo] removing the checkpoints of the previous demo run ($OUT/checkpoints)"
   rm -rf "$OUT/checkpoints"
 fi
-case "${BLOCK:-gpt2}" in
-  gpt2) BLOCK_FLAGS=() ;;
-  llama) BLOCK_FLAGS=(--normalization RMSNorm --position-embedding-type rope --swiglu
-                      --ffn-hidden-size 352 --group-query-attention --num-query-groups 2
-                      --disable-bias-linear --untie-embeddings-and-output-weights) ;;
-  *) echo "error: BLOCK=${BLOCK}: expected gpt2 or llama" >&2; exit 2 ;;
-esac
+source examples/demo_block_flags.sh  # BLOCK_FLAGS
 echo "[demo] pretraining GPT (${BLOCK:-gpt2} block): 4 ranks, --pipeline-schedule 2bw, d=2, w=2"
 OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \

@@ -9,7 +9,11 @@
 # stage and their all-reduce stays on NVLink while activations cross servers).
 # Ask the planner for your own model and cluster:
 #   python tools/plan.py --model gpt-2.2b --cluster p3.16xlarge --num-gpus 64 --max-batch-size 512
+# DATA (an indexed dataset prefix, see examples/pretrain_gpt_345m_single_gpu.sh), VOCAB,
+# MERGES, PP, SCHEDULE and SAVE (--save and --load: a rerun resumes) may be set.
+# Relative paths are taken from the repository root (the script runs there).
 set -euo pipefail
+cd "$(dirname "$0")/.."
 NNODES=${NNODES:-8}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
@@ -18,6 +22,7 @@ VOCAB=${VOCAB:-gpt2-vocab.json}
 MERGES=${MERGES:-gpt2-merges.txt}
 PP=${PP:-8}
 SCHEDULE=${SCHEDULE:-2bw}
+SAVE=${SAVE:-checkpoints/gpt_p3}
 torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node 8 \
     --master-addr "$MASTER_ADDR" --master-port 6000 pretrain_gpt.py \
     --num-layers 40 --hidden-size 2048 --num-attention-heads 32 \
@@ -29,4 +34,4 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node 8 \
     --data-path "$DATA" --split 949,50,1 \
     --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES" \
     --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-    --save checkpoints/gpt_p3 --load checkpoints/gpt_p3 --save-interval 5000 --distributed-timeout-minutes 20
+    --save "$SAVE" --load "$SAVE" --save-interval 5000 --distributed-timeout-minutes 20
