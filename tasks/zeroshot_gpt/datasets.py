@@ -110,23 +110,6 @@ class LMWindowDataset(torch.utils.data.Dataset):
         return {"text": text, "loss_mask": mask}
 
 
-class PaddingWindows(torch.utils.data.Dataset):
-    """``dataset`` extended with all-masked windows up to ``size`` (full last batch)."""
-
-    def __init__(self, dataset: LMWindowDataset, size: int) -> None:
-        self.dataset, self.size = dataset, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, k: int) -> Dict[str, np.ndarray]:
-        if k < len(self.dataset):
-            return self.dataset[k]
-        L = self.dataset.seq_length
-        return {"text": np.full(L + 1, self.dataset.pad_id, dtype=np.int64),
-                "loss_mask": np.zeros(L, dtype=np.int64)}
-
-
 def read_wikitext(paths: List[str]) -> str:
     """The text of the --valid-data files; an unreadable or binary one is a DataError."""
     from tasks.data_utils import TaskDataError, read_text
@@ -191,7 +174,8 @@ class LambadaDataset(torch.utils.data.Dataset):
 
 
 class PaddingSamples(torch.utils.data.Dataset):
-    """``dataset`` extended with all-masked samples up to ``size`` (full last batch)."""
+    """``dataset`` (WikiText windows or LAMBADA samples: anything with ``seq_length`` and
+    ``pad_id``) extended with all-masked samples up to ``size`` (a full last batch)."""
 
     def __init__(self, dataset, size: int) -> None:
         self.dataset, self.size = dataset, size

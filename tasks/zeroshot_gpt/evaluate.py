@@ -38,7 +38,7 @@ from tasks.arguments import add_task_args
 from tasks.data_utils import (TaskDataError, fail, refuse_corpus_flags,
                               warn_ignored_task_flags)
 from tasks.zeroshot_gpt.datasets import (LambadaDataset, LMWindowDataset, PaddingSamples,
-                                         PaddingWindows, check_words, count_words,
+                                         check_words, count_words,
                                          lambada_samples, read_lambada, read_wikitext,
                                          wikitext_detokenize)
 
@@ -239,7 +239,7 @@ def _evaluate(args, cfg, original: str, tokenizer, groups, device):
     windows = LMWindowDataset(tokens, seq, stride, pad_id=tokenizer.eod)
     print_rank_last(f" > {', '.join(args.valid_data)}: {len(windows)} windows of "
                     f"{seq} tokens, stride {stride}")
-    out = _run_batches(engine, windows, PaddingWindows, args, cfg, groups)
+    out = _run_batches(engine, windows, PaddingSamples, args, cfg, groups)
     if out is None:
         return None
     # evaluate() averages per microbatch and replica; the ratio of the two averages is

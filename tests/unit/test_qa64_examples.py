@@ -21,7 +21,7 @@ from megatron.arguments import parse_and_validate
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-SOURCED = ("demo_block_flags.sh",)  # sourced by other scripts, not run on its own
+SOURCED = ("demo_block_flags.sh", "zeroshot_model.sh")  # sourced by other scripts
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.sh") if p.name not in SOURCED)
 
 # Stands in for python3 and torchrun: records each command line (its working directory,
