@@ -336,6 +336,11 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="Give each data-parallel replica its own dropout stream (seed + "
+                        "10 x replica), as Megatron-LM's flag does; without it every "
+                        "replica draws the same masks. Weights start identical either "
+                        "way (each tensor is drawn from a key of seed, layer and name).")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="GPT: the loss (and its gradient) is the mean over every loss token "
                         "of the global batch, not the mean of per-microbatch means; "
@@ -672,7 +677,8 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         train_iters=args.train_iters, train_samples=args.train_samples,
         batch_schedule=getattr(args, "batch_schedule", None),
         batch_schedule_source=getattr(args, "batch_schedule_source", ""),
-        seed=args.seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
+        seed=args.seed, data_parallel_random_init=args.data_parallel_random_init,
+        log_interval=args.log_interval, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, exit_interval=args.exit_interval,
         tensorboard_dir=args.tensorboard_dir, save=args.save, load=args.load,
         save_interval=args.save_interval, no_save_optim=args.no_save_optim,

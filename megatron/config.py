@@ -437,6 +437,9 @@ class TrainingConfig:
     throughout."""
     batch_schedule_source: str = ""
     seed: int = 1234
+    data_parallel_random_init: bool = False
+    """Data-parallel replica r seeds its dropout with seed + 10 r (Megatron-LM's flag);
+    off: every replica draws the same masks.  Weights are identical either way."""
     log_interval: int = 100
     eval_interval: int = 1000
     eval_iters: int = 100

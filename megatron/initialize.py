@@ -299,14 +299,20 @@ def initialize_distributed(parallel: ParallelConfig) -> tuple[ParallelGroups, to
     return groups, device
 
 
-def set_random_seed(seed: int, groups: ParallelGroups, device: torch.device) -> None:
-    """Seed python, numpy and torch.  Pipeline stages get different seeds (their layers
-    are different, so their dropout streams should be too); data-parallel replicas get
-    different seeds as well; tensor-parallel ranks share the default stream and use the
-    model-parallel tracker for dropout inside partitioned regions."""
+def set_random_seed(seed: int, groups: ParallelGroups, device: torch.device,
+                    data_parallel_random_init: bool = False) -> None:
+    """Seed python, numpy and torch as Megatron-LM does: pipeline stage p adds 100 p
+    (its layers differ, so its dropout streams should too); data-parallel replica r
+    adds 10 r only under ``--data-parallel-random-init``, so by default every replica
+    draws the same dropout masks (for other data).  Tensor-parallel ranks share the
+    default stream and use the model-parallel tracker inside partitioned regions.
+    Weights do not depend on any of this (see megatron.tensor_parallel.param_init):
+    they are identical on every replica either way."""
     from megatron.tensor_parallel.random import model_parallel_seed
 
-    stage_seed = seed + 100 * groups.pp_rank + 10 * groups.dp_rank
+    stage_seed = seed + 100 * groups.pp_rank
+    if data_parallel_random_init:
+        stage_seed += 10 * groups.dp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed % (2 ** 32))
     torch.manual_seed(stage_seed)

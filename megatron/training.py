@@ -673,7 +673,8 @@ def initialize_megatron(args, cfg: MegatronConfig):
     if device.type == "cpu" and cfg.training.host_malloc_tuning:
         tune_host_malloc()
     _warn_precision(cfg, groups, device)
-    set_random_seed(cfg.training.seed, groups, device)
+    set_random_seed(cfg.training.seed, groups, device,
+                    data_parallel_random_init=cfg.training.data_parallel_random_init)
     return tokenizer, groups, device
 
 

@@ -4,13 +4,19 @@ For one split (a contiguous range of document ids) three index arrays are built 
 and cached as ``.npy`` files:
 
 * ``doc_idx``: the split's documents, repeated for as many epochs as the requested
-  number of samples needs, each epoch shuffled with ``RandomState(seed)``;
+  number of samples needs and shuffled with ``RandomState(seed)``;
 * ``sample_idx``: [n + 1, 2] (position in doc_idx, token offset) where sample k starts,
   from the C++ helper ``build_sample_idx``; a sample is the ``seq_length + 1`` tokens
   from its start to the next sample's start inclusive, crossing document boundaries;
-* ``shuffle_idx``: the sample order; the samples of all complete epochs come first
-  (shuffled together), then those of the last, partial epoch, so a run never sees the
-  partial epoch before it has seen every document of the complete ones.
+* ``shuffle_idx``: the sample order.
+
+These are Megatron-LM's arrays, value for value, so a run here reads its samples in
+the order Megatron-LM would from the same prefix, split and seed.  That includes its
+rule for the last epoch: when the samples still needed after the complete epochs are
+fewer than 80% of an epoch's, the last epoch is kept apart (its documents shuffled on
+their own, its samples after all the others), so a short last epoch does not
+over-represent a few documents among the early samples; otherwise every epoch's
+documents are shuffled together, and so are all the samples.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
 _SPLIT_NAMES = ("train", "valid", "test")
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2
+"""2: Megatron-LM's multi-epoch order (2026-11-25); 1 shuffled each epoch on its own."""
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -151,13 +158,15 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
               f"rebuilding them", file=sys.stderr, flush=True)
 
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    separate_last = separate_last_epoch(num_epochs, tokens_per_epoch, seq_length, num_samples)
     rng = np.random.RandomState(seed)
-    doc_idx = _build_doc_idx(documents, num_epochs, rng)
+    doc_idx = _build_doc_idx(documents, num_epochs, rng, separate_last)
     sample_idx = helpers.build_sample_idx(sizes, doc_idx, seq_length, num_epochs,
                                           tokens_per_epoch)
     total = sample_idx.shape[0] - 1
-    full_epoch_samples = max(0, ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length)
-    shuffle_idx = _build_shuffle_idx(full_epoch_samples, total, rng)
+    first = _samples_before_last_epoch(num_epochs, tokens_per_epoch, seq_length) \
+        if separate_last else total
+    shuffle_idx = _build_shuffle_idx(first, total, rng)
     try:
         write_text_atomic(cache / f"{key}-{name}_description.json",
                           json.dumps(description, indent=2, sort_keys=True))
@@ -207,22 +216,44 @@ def _cached_values_ok(arrays: List[np.ndarray], documents: np.ndarray,
     return bool(seen.all())
 
 
-def _build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
-                   ) -> np.ndarray:
+def _samples_before_last_epoch(num_epochs: int, tokens_per_epoch: int,
+                               seq_length: int) -> int:
+    return ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+
+
+def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, seq_length: int,
+                        num_samples: int) -> bool:
+    """Megatron-LM's rule: keep the last epoch apart when the samples taken from it
+    are fewer than 80% of one epoch's samples."""
+    if num_epochs == 1:
+        return False
+    from_last = num_samples - _samples_before_last_epoch(num_epochs, tokens_per_epoch,
+                                                          seq_length)
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return from_last < int(0.80 * per_epoch)
+
+
+def _build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                   separate_last: bool) -> np.ndarray:
+    """``num_epochs`` copies of ``documents`` shuffled together, or, with
+    ``separate_last``, all but the last shuffled together and then the last alone."""
     dtype = np.int32 if documents.max() < 2 ** 31 - 1 else np.int64
-    epochs = []
-    for _ in range(num_epochs):
-        epoch = documents.astype(dtype)
-        rng.shuffle(epoch)
-        epochs.append(epoch)
-    return np.concatenate(epochs)
+    if separate_last and num_epochs > 1:
+        head = _build_doc_idx(documents, num_epochs - 1, rng, False)
+        return np.concatenate([head, _build_doc_idx(documents, 1, rng, False)])
+    doc_idx = np.tile(documents.astype(dtype), num_epochs)
+    rng.shuffle(doc_idx)
+    return doc_idx
 
 
 def _build_shuffle_idx(first: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    """Samples [0, first) shuffled, then [first, total) shuffled apart from them."""
     dtype = np.uint32 if total < 2 ** 32 - 1 else np.int64
     head = np.arange(first, dtype=dtype)
-    tail = np.arange(first, total, dtype=dtype)
     rng.shuffle(head)
+    if first == total:
+        return head
+    tail = np.arange(first, total, dtype=dtype)
     rng.shuffle(tail)
     return np.concatenate([head, tail])
 

@@ -9,7 +9,8 @@ from megatron.data import helpers
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_utils import parse_data_path, parse_split, split_boundaries
 from megatron.data.gpt_dataset import (GPTDataset, MockGPTDataset,
-                                       build_train_valid_test_datasets, num_epochs_needed)
+                                       build_train_valid_test_datasets, num_epochs_needed,
+                                       separate_last_epoch)
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.errors import DataError
 
@@ -126,11 +127,14 @@ def test_samples_are_windows_of_the_shuffled_stream(tmp_path):
     tokens_per_epoch = sum(len(docs[d]) for d in documents)
     epochs = num_epochs_needed(tokens_per_epoch, seq, n)
     assert (epochs * tokens_per_epoch - 1) // seq >= n > ((epochs - 1) * tokens_per_epoch - 1) // seq
-    # doc_idx: every epoch is a permutation of the split's documents.
+    separate = separate_last_epoch(epochs, tokens_per_epoch, seq, n)
+    assert epochs > 1 and separate  # the case this test is about
+    # doc_idx: the complete epochs' documents shuffled together, then the last epoch's.
     doc_idx = np.asarray(gpt.doc_idx)
+    head = doc_idx[:(epochs - 1) * documents.size]
     assert doc_idx.size == epochs * documents.size
-    for e in range(epochs):
-        assert sorted(doc_idx[e * documents.size:(e + 1) * documents.size]) == documents.tolist()
+    assert sorted(head.tolist()) == sorted(documents.tolist() * (epochs - 1))
+    assert sorted(doc_idx[head.size:].tolist()) == documents.tolist()
     # Independent reference: the concatenated stream, sliced directly.
     stream = np.concatenate([docs[d] for d in doc_idx])
     shuffle = np.asarray(gpt.shuffle_idx)
@@ -138,7 +142,7 @@ def test_samples_are_windows_of_the_shuffled_stream(tmp_path):
         k = int(shuffle[i])
         np.testing.assert_array_equal(gpt[i]["text"], stream[k * seq:k * seq + seq + 1])
         assert gpt[i]["text"].dtype == np.int64
-    # The shuffle visits each sample once; complete epochs come before the partial one.
+    # The shuffle visits each sample once; complete epochs come before the last one.
     total = np.asarray(gpt.sample_idx).shape[0] - 1
     assert sorted(shuffle.tolist()) == list(range(total))
     full = max(0, ((epochs - 1) * tokens_per_epoch - 1) // seq)

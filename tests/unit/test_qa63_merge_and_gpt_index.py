@@ -152,18 +152,22 @@ def corpus(tmp_path_factory):
     return IndexedDataset(prefix)
 
 
-# (samples as a fraction of an epoch, seq_length): one epoch, and two epochs whose
-# second holds < 80% of an epoch's samples (Megatron-LM then shuffles it apart).
-@pytest.mark.parametrize("fraction,seq_length", [(0.3, 16), (1.0, 16), (1.5, 16), (0.9, 4)])
-def test_gpt_indices_equal_megatron_for_one_epoch_and_a_separate_last(
-        tmp_path, corpus, fraction, seq_length):
+# (samples as a fraction of an epoch, seq_length, epochs, last epoch kept apart): one
+# epoch; a last epoch holding < 80% of an epoch's samples, which Megatron-LM shuffles
+# apart, after one or two complete epochs; and >= 80%, where every epoch's documents
+# and samples are shuffled together.
+@pytest.mark.parametrize("fraction,seq_length,epochs,separate", [
+    (0.3, 16, 1, False), (1.0, 16, 1, False), (1.5, 16, 2, True), (0.9, 4, 1, False),
+    (1.95, 16, 2, False), (2.3, 16, 3, True), (2.97, 4, 3, False), (3.5, 4, 4, True)])
+def test_gpt_indices_equal_megatron_over_epochs(tmp_path, corpus, fraction, seq_length,
+                                                epochs, separate):
     documents = np.arange(25)
     tpe = int(corpus.sizes[documents].sum())
     n = max(1, int(fraction * tpe) // seq_length)
     gpt = GPTDataset("train", corpus, documents, n, seq_length, 1234, str(tmp_path))
-    doc_idx, sample_idx, shuffle_idx, epochs, separate = _megatron_indices(
+    doc_idx, sample_idx, shuffle_idx, m_epochs, m_separate = _megatron_indices(
         np.asarray(corpus.sizes), documents, n, seq_length, 1234)
-    assert epochs == 1 or separate
+    assert (m_epochs, m_separate) == (epochs, separate)  # the case is the one named
     np.testing.assert_array_equal(gpt.doc_idx, doc_idx)
     np.testing.assert_array_equal(gpt.sample_idx, sample_idx)
     np.testing.assert_array_equal(gpt.shuffle_idx, shuffle_idx)
