@@ -48,9 +48,13 @@ from bench.convergence import git_revision  # noqa: E402
 SCHEDULES = ("none", "gpipe", "flush", "2bw")
 FIGURE = REPO_ROOT / "docs" / "figures" / "throughput_vs_batch.png"
 SYNTHETIC_STAGES = 4
-# dense peak FLOP/s (tensor cores, bf16/fp16) by device-name fragment, for MFU
-PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
-              ("L40S", 362e12), ("A10", 125e12), ("L4", 121e12), ("V100", 125e12),
+# Dense peak FLOP/s (tensor cores, bf16/fp16) by device-name fragment, for MFU; the
+# first fragment found in torch.cuda.get_device_name() wins, so variants come before
+# their family.  None: a variant whose peak NVIDIA does not publish (AWS's A10G), so no
+# MFU is printed rather than one against another card's peak.
+PEAK_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
+              ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12),
+              ("A10G", None), ("A10", 125e12), ("L4", 121e12), ("V100", 125e12),
               ("T4", 65e12))
 
 
