@@ -69,8 +69,8 @@ from megatron.checkpointing import TRACKER
 from megatron.errors import CheckpointError, UserError
 from megatron.hf_interop import block_options, publish_export, say
 from megatron.hf_interop import check_export_path as hf_check_export_path
+from megatron.megatron_lm_arch import MegatronArch, expected_shapes
 from megatron.megatron_lm_files import PT_FILE
-from megatron.megatron_lm_import import MegatronArch, expected_shapes
 from megatron.tensor_parallel.param_init import shard
 
 TO_FLAG = "--to-megatron"

@@ -117,7 +117,7 @@ def load_megatron_file(path: str, allow_unsafe: bool) -> Any:
 
 # ------------------------------------------------------------------------ locating files
 @dataclass
-class _Source:
+class CheckpointSource:
     iter_dir: str
     label: str
     """'release', 'iteration N' or the directory, for messages."""
@@ -180,7 +180,7 @@ def _iteration_dir(root: str, iteration: Optional[int]) -> Tuple[str, str]:
     return d, label
 
 
-def locate(path: str, iteration: Optional[int] = None) -> _Source:
+def locate(path: str, iteration: Optional[int] = None) -> CheckpointSource:
     """The rank files of the Megatron-LM checkpoint ``path`` names (see the module doc);
     missing or extra rank files, a Megatron Core or our own checkpoint are one error."""
     if not os.path.exists(path):
@@ -193,7 +193,7 @@ def locate(path: str, iteration: Optional[int] = None) -> _Source:
         if _RANK_DIR.match(os.path.basename(parent)):
             path = parent  # one rank file: the iteration it belongs to
         else:
-            return _Source(parent, path, {(0, 0): path}, 1, 1)
+            return CheckpointSource(parent, path, {(0, 0): path}, 1, 1)
     if _RANK_DIR.match(os.path.basename(os.path.normpath(path))):
         path = os.path.dirname(os.path.abspath(path))
     if os.path.isfile(os.path.join(path, TRACKER)) or iteration is not None:
@@ -237,4 +237,4 @@ def locate(path: str, iteration: Optional[int] = None) -> _Source:
                 raise CheckpointError(f"{FLAG} {iter_dir}: missing {f} (tensor rank {t} of "
                                       f"{tp}, stage {p} of {pp})")
             files[(t, p)] = f
-    return _Source(iter_dir, label, files, tp, pp)
+    return CheckpointSource(iter_dir, label, files, tp, pp)
