@@ -111,7 +111,7 @@ def accumulation_error(ms: List[int], micro_batch: int = 2, seed: int = 3,
 @contextlib.contextmanager
 def _bf16_accumulation(on: bool):
     """Inside (on=True): --bf16 accumulates in bf16, as on a torch without grad_dtype."""
-    import megatron.argument_checks as arguments
+    import megatron.argument_checks.optimizer as arguments
 
     saved = arguments.GRAD_DTYPE_SUPPORTED
     if on:

@@ -37,8 +37,8 @@ from megatron.optimizer.staleness import MITIGATIONS  # noqa: E402
 from megatron.optimizer.lr_scheduler import (  # noqa: E402
     DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES)
 from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402 - one list of names
-from megatron.argument_checks import (  # noqa: E402 - the validation half
-    ArgumentError, _flag, _require, validate_args)
+from megatron.argument_checks import validate_args  # noqa: E402 - the validation half
+from megatron.argument_checks.errors import ArgumentError, flag_of, require  # noqa: E402
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -618,11 +618,11 @@ def build_config(args: argparse.Namespace) -> MegatronConfig:
         from megatron.model.transformer import non_gpt2_options
 
         llama = non_gpt2_options(model)
-        _require(not llama, f"{', '.join(llama)}: built for GPT models only; BERT "
+        require(not llama, f"{', '.join(llama)}: built for GPT models only; BERT "
                             f"(pretraining and finetuning) keeps BERT's block")
-        boundaries = [_flag(d) for d in ("eod_mask_loss", "reset_position_ids",
-                                         "reset_attention_mask") if getattr(args, d)]
-        _require(not boundaries, f"{', '.join(boundaries)}: GPT only (BERT's samples are "
+        boundaries = [flag_of(d) for d in ("eod_mask_loss", "reset_position_ids",
+                                           "reset_attention_mask") if getattr(args, d)]
+        require(not boundaries, f"{', '.join(boundaries)}: GPT only (BERT's samples are "
                                  f"sentence pairs with their own padding mask)")
     parallel = ParallelConfig(
         world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -761,9 +761,9 @@ def parse_and_validate(argv: Optional[List[str]] = None,
     try:
         if world_size is None:
             world_size = _world_size_from_env()
-        _require(per_token_loss or not args.calculate_per_token_loss,
-                 "--calculate-per-token-loss is built for pretrain_gpt.py only: this entry "
-                 "point's loss is a mean per microbatch")
+        require(per_token_loss or not args.calculate_per_token_loss,
+                "--calculate-per-token-loss is built for pretrain_gpt.py only: this entry "
+                "point's loss is a mean per microbatch")
         validate_args(args, world_size, default_tokenizer)
         config = build_config(args)
     except ArgumentError as err:

@@ -55,7 +55,7 @@ def check_launch_environment(environ=None, group_exists: bool = False) -> int:
     --distributed-timeout-minutes.  A world of more than one rank needs MASTER_ADDR and
     MASTER_PORT, unless a process group already exists (``group_exists``: a test harness
     or an embedding program made it, and its own rendezvous is done)."""
-    from megatron.argument_checks import ArgumentError
+    from megatron.argument_checks.errors import ArgumentError
 
     env = os.environ if environ is None else environ
 

@@ -228,7 +228,7 @@ def separate_last_epoch(num_epochs: int, tokens_per_epoch: int, seq_length: int,
     if num_epochs == 1:
         return False
     from_last = num_samples - _samples_before_last_epoch(num_epochs, tokens_per_epoch,
-                                                          seq_length)
+                                                         seq_length)
     per_epoch = (tokens_per_epoch - 1) // seq_length
     return from_last < int(0.80 * per_epoch)
 

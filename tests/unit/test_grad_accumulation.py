@@ -59,7 +59,7 @@ def test_bf16_turns_fp32_accumulation_on_and_fp16_leaves_it_off():
 
 
 def test_flag_on_a_torch_without_grad_dtype_is_one_clear_error(monkeypatch, capsys):
-    import megatron.argument_checks as arguments
+    import megatron.argument_checks.optimizer as arguments
 
     monkeypatch.setattr(arguments, "GRAD_DTYPE_SUPPORTED", False)
     with pytest.raises(SystemExit) as exc:

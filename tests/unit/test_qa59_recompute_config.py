@@ -3,7 +3,7 @@
 Megatron-LM checkpoints layers (``--recompute-method uniform|block``, N layers) only
 under ``--recompute-granularity full``; with no granularity it recomputes nothing and
 selective recomputation takes no layer count.  The command line here refuses those
-combinations (megatron/argument_checks.py), but a ``ModelConfig`` built directly (tests,
+combinations (megatron/argument_checks/), but a ``ModelConfig`` built directly (tests,
 tools, a notebook) reached the model unchecked: a method without granularity 'full'
 checkpointed every chunk anyway, and a layer count without a method (stage-level or
 selective recomputation) was dropped without a word.  The model now refuses both.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.argument_checks import ArgumentError
+from megatron.argument_checks.errors import ArgumentError
 from megatron.arguments import build_config, parse_args, validate_args
 from tests.unit.test_megatron_lm_flags import SMALL
 
