@@ -89,17 +89,27 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
 
 
 def _check_writable_dir(flag: str, path: str) -> None:
-    """Create ``path`` if missing and write (then delete) a probe file in it, so an
-    unwritable --save is found now rather than after hours of training."""
-    probe = os.path.join(path, f".write-probe-{socket.gethostname()}-{os.getpid()}")
+    """An unwritable --save is found now rather than after hours of training: a probe
+    file is written (then deleted) in ``path``, or, when ``path`` does not exist yet, in
+    the nearest directory above it that does (the run creates ``path`` when it starts
+    training).  Validation leaves nothing behind, so a command line that fails a later
+    check does not leave an empty directory."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == os.path.abspath(path) else f"is under the file {existing}"
+        raise ArgumentError(f"{flag} {path} is not a writable directory (it {what})")
+    probe = os.path.join(existing, f".write-probe-{socket.gethostname()}-{os.getpid()}")
     try:
-        os.makedirs(path, exist_ok=True)
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise ArgumentError(f"{flag} {path} is not a writable directory ({reason})") from None
+        where = "" if existing == os.path.abspath(path) else f": cannot create it in {existing}"
+        raise ArgumentError(f"{flag} {path} is not a writable directory ({reason}{where})"
+                            ) from None
 
 
 def _check_save_holds_no_other_run(args: argparse.Namespace) -> None:

@@ -297,9 +297,18 @@ def test_unwritable_output_dir_is_found_at_start_up(flag, capsys, tmp_path, monk
         _validate(_argv(flag, "/proc/nope/ck"))
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {flag} /proc/nope/ck is not a writable directory")
+    # A missing directory passes (its parent is writable) and is not created: validation
+    # leaves nothing behind; the run creates it when it starts training.
     made = tmp_path / "a" / "b"
-    _validate(_argv(flag, str(made)))  # a missing directory is created, and left empty
-    assert made.is_dir() and not list(made.iterdir())
+    _validate(_argv(flag, str(made)))
+    assert not (tmp_path / "a").exists() and list(tmp_path.iterdir()) == []
+    # A file on the way is named.
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit):
+        _validate(_argv(flag, str(tmp_path / "f" / "ck")))
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {flag} {tmp_path / 'f' / 'ck'} is not a writable directory "
+                   f"(it is under the file {tmp_path / 'f'})")
 
 
 # ---- entry points ---------------------------------------------------------------------------
