@@ -52,6 +52,11 @@ scale each piece gets the same bits as its parameter would without sharding; the
 norm is the same to rounding only (a cut parameter's squares are summed per piece), and
 so is a clipped update.  Checkpoints hold the whole state in the unsharded format
 (``megatron.optimizer.sharded_state``).
+
+``get_megatron_optimizer`` (``megatron.optimizer.builder``) builds the optimizer from the
+arguments; ``megatron.optimizer.main_grads`` takes each main parameter's gradient and
+weights out of a buffer, and ``megatron.optimizer.state_checks`` checks a checkpoint
+before it is loaded.
 """
 from __future__ import annotations
 
@@ -67,19 +72,17 @@ from megatron.exchange import ExchangeSum, exchange_pays
 from megatron.optimizer.clip_grads import (clip_coefficient, local_grad_stats,
                                            local_piece_stats, local_weight_sq, norm_mask,
                                            scale_grads_)
-from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megatron.optimizer.grad_scaler import GradScaler
+from megatron.optimizer.main_grads import unit_grads, unit_weights, unscaled_grads
 from megatron.optimizer.param_groups import GroupLayout
 from megatron.optimizer.sharded_state import UnshardedFormat
-from megatron.optimizer.sharding import (OptimizerShard, Piece, WeightGather, copy_all,
-                                         flat_view, plan_shard)
-from megatron.optimizer.staleness import (WeightPrediction, delay_compensate_, true_weights,
-                                          use_foreach)
+from megatron.optimizer.sharding import OptimizerShard, Piece, WeightGather, copy_all
+from megatron.optimizer.staleness import WeightPrediction, delay_compensate_, true_weights
+from megatron.optimizer.state_checks import check_saved_meta, check_saved_tensors
 
-OPTIMIZERS = ("adam", "sgd")
 _NUM_STATS = 6  # the agreement: sum of squares, non-finite tensors, zeros, extra flag,
 # the weights' sum of squares (--log-params-norm) and the tokens the loss summed over
 # (--calculate-per-token-loss)
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -290,7 +293,8 @@ class MegatronOptimizer:
                              f"word-embedding copy {self._shared}")
         with torch.no_grad():
             inv = self.scaler.inv_scale if grad_scale is None else 1.0 / grad_scale
-            grads = self._unscaled(self._unit_grads(grads_from, skip=late), inv)
+            grads = unscaled_grads(unit_grads(grads_from, self._pieces, skip=late), inv,
+                                   self.use_masters, self._unit_dtype)
             stats = torch.zeros(_NUM_STATS, dtype=torch.float64, device=self._device)
             if self.shard is None:
                 counted = ([None if i in late else g for i, g in enumerate(grads)] if late
@@ -325,8 +329,9 @@ class MegatronOptimizer:
         with torch.no_grad():
             late = set(pending.late)
             units = [k for k, i in enumerate(self._unit_param) if i in late]
-            every = self._unit_grads(pending.grads_from)
-            for k, g in zip(units, self._unscaled([every[k] for k in units], pending.inv_scale,
+            every = unit_grads(pending.grads_from, self._pieces)
+            for k, g in zip(units, unscaled_grads([every[k] for k in units], pending.inv_scale,
+                                                  self.use_masters,
                                                   [self._unit_dtype[k] for k in units])):
                 pending.grads[k] = g
         pending.late = ()
@@ -430,81 +435,14 @@ class MegatronOptimizer:
                                "no decoupled learning rate (set decoupled_lr_provider)")
         return float(self.decoupled_lr_provider())
 
-    def _unit_grads(self, grads_from: Sequence[nn.Parameter],
-                    skip: Tuple[int, ...] = ()) -> List[Optional[torch.Tensor]]:
-        """The gradient of each main parameter as it is (None: parameter in ``skip`` or
-        without a gradient): ``grads_from[i].grad``, or with the distributed optimizer
-        each piece's elements of it (a view: the reducer wrote the average there)."""
-        if self._pieces is None:
-            return [None if i in skip or p.grad is None else p.grad
-                    for i, p in enumerate(grads_from)]
-        out: List[Optional[torch.Tensor]] = []
-        for pc in self._pieces:
-            g = grads_from[pc.param].grad
-            if g is None or pc.param in skip:
-                out.append(None)
-            else:
-                out.append(flat_view(g if g.is_contiguous() else g.contiguous(), pc))
-        return out
-
-    def _unscaled(self, grads: List[Optional[torch.Tensor]], inv: float,
-                  dtypes: Optional[List[torch.dtype]] = None) -> List[Optional[torch.Tensor]]:
-        """``grads`` (one per main parameter, or per entry of ``dtypes``) times ``inv``
-        (1 / the loss scale): for masters in float32 (fp32 gradients in place, others as
-        fp32 copies), else in place in the weights' dtype (``dtypes``, default: each main
-        parameter's)."""
-        if self.use_masters:
-            # Gradients already in float32 (accumulated so, --accumulate-allreduce-grads-
-            # in-fp32) are used as they are: the step releases them anyway.  Others are
-            # copied: on an accelerator into views of one float32 allocation, filled by
-            # one multi-tensor copy (a cast per parameter was hundreds of launches per
-            # step); on the CPU a cast per parameter is cheaper than making the views.
-            out: List[Optional[torch.Tensor]] = [None] * len(grads)
-            take = []
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                if g.dtype == torch.float32:
-                    out[i] = g
-                else:
-                    take.append(i)
-            if take and not use_foreach([grads[take[0]]]):
-                for i in take:
-                    out[i] = grads[i].to(torch.float32, copy=True)
-            elif take:
-                src = [grads[i] for i in take]
-                flat = torch.empty(sum(g.numel() for g in src), dtype=torch.float32,
-                                   device=src[0].device)
-                views, at = [], 0
-                for g in src:
-                    views.append(flat[at:at + g.numel()].view(g.shape))
-                    at += g.numel()
-                copy_all(src, views)
-                for i, v in zip(take, views):
-                    out[i] = v
-            scale_grads_(out, inv)
-            return out
-        # the update runs in the weights' dtype: a gradient accumulated in another
-        # (fp32 gradients of bf16 weights without masters) is cast to it
-        dtypes = self._unit_dtype if dtypes is None else dtypes
-        grads = [None if g is None else g if g.dtype == d else g.to(d)
-                 for g, d in zip(grads, dtypes)]
-        scale_grads_(grads, inv)
-        return grads
-
-    def _unit_weights(self, buf: Sequence[nn.Parameter]) -> List[torch.Tensor]:
-        """Each main parameter's weights in ``buf`` (views of its storage)."""
-        if self._pieces is None:
-            return [p.data for p in buf]
-        return [flat_view(buf[pc.param].data, pc) for pc in self._pieces]
-
     def _delay_compensate(self, grads: List[Optional[torch.Tensor]],
                           grads_from: Sequence[nn.Parameter],
                           base: Sequence[nn.Parameter]) -> None:
         # a gradient computed with the latest weights themselves needs no compensation
         same = [grads_from[i] is base[i] for i in self._unit_param]
         delay_compensate_([None if s else g for g, s in zip(grads, same)],
-                          self._unit_weights(grads_from), self._unit_weights(base),
+                          unit_weights(grads_from, self._pieces),
+                          unit_weights(base, self._pieces),
                           self.dc_lambda)
 
     def _step_masters(self, grads: List[Optional[torch.Tensor]],
@@ -528,7 +466,7 @@ class MegatronOptimizer:
         _copy_buffer(base, write_to)
         if self.prediction is not None:  # base holds P(W(t)): recover W(t)
             self.prediction.restore_(write_to)
-        targets = self._unit_weights(write_to)
+        targets = unit_weights(write_to, self._pieces)
         for m, w, g in zip(self.main_params, targets, grads):
             m.data = w
             m.grad = g
@@ -585,26 +523,10 @@ class MegatronOptimizer:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore ``state_dict()``; raises on a different optimizer or parameter layout."""
         self.wait_gathers()  # none may land on the weights after this
-        meta = sd.get("meta")
-        if meta is None:
-            raise ValueError("optimizer checkpoint state has no 'meta' entry (not written by "
-                             "MegatronOptimizer.state_dict)")
-        if meta["optimizer"] != self.name:
-            raise ValueError(f"optimizer checkpoint was saved with --optimizer "
-                             f"{meta['optimizer']}, this run uses {self.name}")
-        shapes = [tuple(s) for s in meta["shapes"]]
-        if shapes != self._shapes:
-            raise ValueError(f"optimizer checkpoint holds {len(shapes)} parameters "
-                             f"{_first_difference(shapes, self._shapes)}; this stage has "
-                             f"{len(self._shapes)}: is the parallel layout (tensor/pipeline "
-                             f"sizes) or model shape different?")
-        if self.use_masters and sd.get("fp32_masters") is None:
-            raise ValueError("optimizer checkpoint has no fp32 master weights (saved without "
-                             "mixed precision): load with --no-load-optim, or call "
-                             "reload_model_params after loading the model weights")
+        check_saved_meta(sd, self.name, self._shapes, self.use_masters)
         torch_state = self.layout.from_saved(sd["optimizer"])
-        self._check_saved_tensors(torch_state, sd.get("fp32_masters") if self.use_masters
-                                  else None)
+        check_saved_tensors(torch_state, sd.get("fp32_masters") if self.use_masters else None,
+                            self.layout.members, self._shapes)
         self.optimizer.load_state_dict(self._format.local(torch_state)
                                        if self._format is not None else torch_state)
         if self.use_masters:
@@ -618,56 +540,12 @@ class MegatronOptimizer:
         if self.prediction is not None:
             self.prediction.load_state_dict(sd.get("weight_prediction"))
 
-    def _check_saved_tensors(self, torch_state: Dict[str, Any],
-                             masters: Optional[Sequence[Any]]) -> None:
-        """Every saved moment and fp32 master has its parameter's shape, and every step
-        count is one finite number >= 0.  torch's load_state_dict checks none of it, and
-        the fused kernels then read and write past the ends of a smaller tensor (a
-        crafted or damaged checkpoint corrupted the heap), while ``copy_`` would
-        broadcast one saved value over a whole master weight."""
-        state = torch_state.get("state", {})
-        groups = torch_state.get("param_groups", [])
-        if len(groups) != len(self.layout.members):
-            raise ValueError(f"optimizer checkpoint: {len(groups)} parameter groups, this "
-                             f"stage's optimizer has {len(self.layout.members)}")
-        for group, members in zip(groups, self.layout.members):
-            for saved_id, i in zip(group["params"], members):
-                entry = state.get(saved_id, {})
-                if not isinstance(entry, dict):
-                    raise ValueError(f"optimizer checkpoint: the state of parameter {i} is "
-                                     f"{type(entry).__name__}, expected a dict of tensors")
-                for key, value in entry.items():
-                    if key == "step":
-                        step = value.item() if (isinstance(value, torch.Tensor)
-                                                and value.numel() == 1) else value
-                        if isinstance(step, bool) or not isinstance(step, (int, float)) \
-                                or not math.isfinite(step) or step < 0:
-                            raise ValueError(f"optimizer checkpoint: parameter {i}'s step is "
-                                             f"{value!r}, expected one finite number >= 0")
-                    elif value is not None and (  # SGD without momentum keeps None
-                            not isinstance(value, torch.Tensor)
-                            or tuple(value.shape) != self._shapes[i]):
-                        got = (tuple(value.shape) if isinstance(value, torch.Tensor)
-                               else type(value).__name__)
-                        raise ValueError(f"optimizer checkpoint: parameter {i}'s {key} is "
-                                         f"{got}, expected a tensor of its shape "
-                                         f"{self._shapes[i]}")
-        if masters is not None:
-            if len(masters) != len(self._shapes):
-                raise ValueError(f"optimizer checkpoint holds {len(masters)} fp32 master "
-                                 f"weights, this stage has {len(self._shapes)} parameters")
-            for i, (m, shape) in enumerate(zip(masters, self._shapes)):
-                if not isinstance(m, torch.Tensor) or tuple(m.shape) != shape:
-                    got = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
-                    raise ValueError(f"optimizer checkpoint: fp32 master weight {i} is {got}, "
-                                     f"expected {shape}")
-
     def reload_model_params(self, params: Sequence[nn.Parameter]) -> None:
         """Make the main parameters match ``params`` (the buffer holding the latest weights)."""
         self.wait_gathers()
         self._check_buffers("params", params)
         with torch.no_grad():
-            for main, w in zip(self.main_params, self._unit_weights(params)):
+            for main, w in zip(self.main_params, unit_weights(params, self._pieces)):
                 if self.use_masters:
                     main.data.copy_(w)
                 else:
@@ -678,102 +556,3 @@ def _copy_buffer(src: Sequence[nn.Parameter], dst: Sequence[nn.Parameter]) -> No
     pairs = [(s.data, d.data) for s, d in zip(src, dst) if s is not d]
     if pairs:
         copy_all([s for s, _ in pairs], [d for _, d in pairs])
-
-
-def _first_difference(saved: List[tuple], ours: List[tuple]) -> str:
-    for i, (a, b) in enumerate(zip(saved, ours)):
-        if a != b:
-            return f"(parameter {i}: saved {a}, here {b})"
-    return ""
-
-
-def get_megatron_optimizer(opt_cfg: Any, prec_cfg: Any, params: Sequence[nn.Parameter],
-                           model_groups: Any = None, tp_rank: int = 0, *,
-                           log_num_zeros: bool = False,
-                           grads_to_none: bool = True,
-                           log_params_norm: bool = False,
-                           dp_group: Any = None) -> MegatronOptimizer:
-    """Build the optimizer for one stage; ``params`` is the stage's (first) weight buffer.
-
-    ``model_groups``: process group over the tensor x pipeline ranks of one model replica
-    (None in a single process).  ``tp_rank`` decides who counts replicated parameters.
-    ``dp_group``: the stage's data-parallel group (None: one replica), over which the
-    replicas agree to skip a step and ``opt_cfg.use_distributed_optimizer`` shards the
-    state.
-    """
-    params = list(params)
-    if not params:
-        raise ValueError("get_megatron_optimizer: the stage has no parameters")
-    if len({id(p) for p in params}) != len(params):
-        raise ValueError("get_megatron_optimizer: a parameter appears twice in params")
-    if opt_cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, "
-                         f"got {opt_cfg.optimizer!r}")
-    if prec_cfg.fp16 and prec_cfg.bf16:
-        raise ValueError("--fp16 and --bf16 are mutually exclusive")
-    use_masters = prec_cfg.fp32_master_weights and any(p.dtype in _HALF for p in params)
-    shard = None
-    if getattr(opt_cfg, "use_distributed_optimizer", False):
-        shard = plan_shard(params, dp_group, getattr(prec_cfg, "grad_dtype", None),
-                           getattr(opt_cfg, "ddp_bucket_size", None))
-    # one main parameter per model parameter, or per piece this rank owns
-    units: List[Tuple[int, Optional[Piece]]] = (
-        [(pc.param, pc) for pc in shard.pieces()] if shard is not None
-        else [(i, None) for i in range(len(params))])
-
-    def weights(i: int, pc: Optional[Piece]) -> torch.Tensor:
-        # p.data, not p.detach(): a detached tensor shares p's autograd version counter,
-        # so updates that _step_in_buffer writes into ANOTHER buffer (main.data is
-        # re-pointed under 2BW) would bump this buffer's version and fail the saved-
-        # tensor check of a microbatch in flight on it.
-        return params[i].data if pc is None else flat_view(params[i].data, pc)
-
-    if use_masters:
-        main = [nn.Parameter(weights(i, pc).to(torch.float32, copy=True)) for i, pc in units]
-    else:
-        main = [nn.Parameter(weights(i, pc)) for i, pc in units]
-
-    # Decay matrices only: biases and LayerNorm weights (1-D) are not decayed; with
-    # --decoupled-lr the input and output layers' weights get groups of their own
-    # (``megatron.optimizer.param_groups``).  The groups are those of the whole stage;
-    # a distributed optimizer's hold its own pieces, each in its parameter's group.
-    layout = GroupLayout.build(params, opt_cfg.weight_decay,
-                               getattr(opt_cfg, "decoupled_lr", None) is not None)
-    groups = []
-    for ids, wd in zip(layout.members, layout.weight_decay):
-        members = set(ids)
-        groups.append({"params": [m for m, (i, _) in zip(main, units) if i in members],
-                       "weight_decay": wd})
-    if opt_cfg.optimizer == "adam":
-        # torch's fused kernel, on CUDA and on the CPU alike: one call for all tensors.
-        # On the CPU a one-off timing of the 32 tensors of a small GPT stage gave 0.50 ms
-        # per step against 1.40 ms for the default per-tensor loop (its effect on a whole
-        # step is in bench/pipeline_schedules.py).  It agrees with the loop to rounding
-        # (tests/unit/test_optimizer.py::test_fused_adam_agrees_with_torch_default_loop).
-        kwargs = {"fused": True}
-        torch_opt: torch.optim.Optimizer = torch.optim.AdamW(
-            groups, lr=opt_cfg.lr, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
-            eps=opt_cfg.adam_eps, **kwargs)
-    else:
-        torch_opt = torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.sgd_momentum)
-
-    if prec_cfg.fp16 and prec_cfg.loss_scale is None:
-        scaler: GradScaler = DynamicGradScaler(
-            prec_cfg.initial_loss_scale, prec_cfg.min_loss_scale, growth_factor=2.0,
-            backoff_factor=0.5, growth_interval=prec_cfg.loss_scale_window,
-            hysteresis=prec_cfg.hysteresis)
-    elif (prec_cfg.fp16 or prec_cfg.bf16) and prec_cfg.loss_scale is not None:
-        # Megatron-LM: --loss-scale is a constant scale under --bf16 as well (bf16 needs
-        # none by default); an fp32 run has no scaler (arguments warn)
-        scaler = ConstantGradScaler(prec_cfg.loss_scale)
-    else:
-        scaler = ConstantGradScaler(1.0)
-    opt = MegatronOptimizer(torch_opt, main, params, scaler=scaler, use_masters=use_masters,
-                            skip_on_nonfinite=bool(prec_cfg.fp16), clip_grad=opt_cfg.clip_grad,
-                            model_groups=model_groups, tp_rank=tp_rank,
-                            log_num_zeros=log_num_zeros, grads_to_none=grads_to_none,
-                            name=opt_cfg.optimizer, log_params_norm=log_params_norm,
-                            shard=shard, layout=layout, dp_group=dp_group)
-    if opt.gather is not None:
-        opt.gather.overlap = bool(getattr(opt_cfg, "overlap_param_gather", False))
-    return opt

@@ -190,9 +190,9 @@ class WeightPrediction:
         several per parameter (on an H100 the per-parameter loop took 26 ms of a 66 ms
         GPT-124M iteration), with temporaries of one chunk's size.  On the CPU, where
         the multi-tensor ops are a loop too (a one-off timing of a small GPT stage had
-        them 1.25x slower; no bench records it), one parameter at a time.  Both run the same operations in the same order (c * W, then
-        + coef * num / denom), so they give the same values
-        (tests/unit/test_staleness.py)."""
+        them 1.25x slower; no bench records it), one parameter at a time.  Both run the
+        same operations in the same order (c * W, then + coef * num / denom), so they
+        give the same values (tests/unit/test_staleness.py)."""
         pending: List[Tuple[torch.Tensor, torch.Tensor, _Terms]] = []
         size = 0
         foreach = use_foreach(dst)

@@ -8,7 +8,7 @@ import torch
 from megatron.arguments import parse_and_validate
 from megatron.config import GRAD_DTYPE_SUPPORTED, ModelConfig, OptimizerConfig, PrecisionConfig
 from megatron.model import GPTModel
-from megatron.optimizer.optimizer import get_megatron_optimizer
+from megatron.optimizer.builder import get_megatron_optimizer
 from megatron.pipeline.weights import WeightBuffers, grad_dtype_of, zero_grad_like
 from megatron.tensor_parallel import TPInfo
 

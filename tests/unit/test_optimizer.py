@@ -144,12 +144,28 @@ def test_2bw_sgd_writes_latest_minus_stale_gradient_into_x():
         assert px.grad is None
 
 
+def _force_foreach(monkeypatch, foreach: bool) -> list:
+    """Make every buffer copy and master-gradient read of the optimizer take the loop
+    (False) or the accelerators' multi-tensor path (True), wherever ``use_foreach`` is
+    looked up; the list returned records each decision taken."""
+    import megatron.optimizer.main_grads as main_grads
+    import megatron.optimizer.sharding as sharding
+
+    calls: list = []
+
+    def decide(_tensors):
+        calls.append(foreach)
+        return foreach
+    for module in (main_grads, sharding):
+        monkeypatch.setattr(module, "use_foreach", decide)
+    return calls
+
+
 @pytest.mark.parametrize("foreach", [False, True], ids=["loop", "multi-tensor"])
 def test_2bw_adam_alternating_buffers_match_reference_sequence(foreach, monkeypatch):
     """Alternate X/Y like 2BW: weights and moments equal a plain loop fed the same grads
     (with the buffer copy as a loop, the CPU's, and as the accelerators' multi-tensor copy)."""
-    import megatron.optimizer.optimizer as optimizer_mod
-    monkeypatch.setattr(optimizer_mod, "use_foreach", lambda _tensors: foreach)
+    calls = _force_foreach(monkeypatch, foreach)
     cfg = opt_cfg("adam")
     bufs = list(two_buffers(torch.float64))
     for a, b in zip(*bufs):  # both versions start at W(0)
@@ -173,6 +189,7 @@ def test_2bw_adam_alternating_buffers_match_reference_sequence(foreach, monkeypa
     for m, r in zip(opt.main_params, ref):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.optimizer.state[m][key], ref_opt.state[r][key])
+    assert calls, "the buffer copy never asked which path to take"
 
 
 @pytest.mark.parametrize("dtype,prec", [
@@ -184,8 +201,7 @@ def test_2bw_adam_alternating_buffers_match_reference_sequence(foreach, monkeypa
 def test_mixed_precision_masters_are_fp32_and_written_weights_are_their_cast(
         dtype, prec, foreach, monkeypatch):
     # foreach: the multi-tensor cast an accelerator uses, forced onto the CPU
-    import megatron.optimizer.optimizer as optimizer_mod
-    monkeypatch.setattr(optimizer_mod, "use_foreach", lambda _tensors: foreach)
+    calls = _force_foreach(monkeypatch, foreach)
     cfg = opt_cfg("adam", lr=1e-2)
     pcfg = PrecisionConfig(**prec)
     x, y = two_buffers(dtype)
@@ -207,6 +223,7 @@ def test_mixed_precision_masters_are_fp32_and_written_weights_are_their_cast(
         assert torch.equal(m.detach(), r.detach())
         assert px.dtype == dtype and torch.equal(px.detach(), m.detach().to(dtype))
         assert torch.equal(py.detach(), yb)
+    assert calls, "neither the gradient read nor the weight cast asked which path to take"
 
 
 def test_scale_loss_multiplies_by_the_loss_scale():
