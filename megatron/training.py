@@ -32,7 +32,8 @@ from megatron.errors import DataError, UserError, alike_on_every_rank
 from megatron.initialize import (barrier_with_message, exit_when_parent_dies,
                                  initialize_distributed, set_random_seed, tune_host_malloc)
 from megatron.parallel_state import ParallelGroups
-from megatron.pipeline.engine import PipelineEngine, StepReport
+from megatron.pipeline.engine import PipelineEngine
+from megatron.pipeline.update import StepReport
 from megatron.training_checkpoint import maybe_load, save
 from megatron.training_log import TrainingLogger, print_rank_last
 

@@ -11,7 +11,8 @@ two for 2BW.  Gradients of a batch accumulate in the ``.grad`` of the buffer the
 ran on; at the batch's STEP they are all-reduced across data-parallel replicas, the tied
 embedding gradient is summed between first and last stage, and the optimizer agrees
 with every other stage on overflow and on the global norm before writing the new
-version.
+version: that update half is ``megatron.pipeline.update``'s ``Updater``, which the engine
+owns and calls from its REDUCE_GRADS and STEP handlers.
 """
 from __future__ import annotations
 
@@ -19,52 +20,29 @@ import contextlib
 import os
 import sys
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.errors import UserError
-from megatron.exchange import ExchangeSum, exchange_pays
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.actions import Action, Op
-from megatron.pipeline.grad_reduction import GradientReduction
 from megatron.pipeline.memory import StashTracker, tensor_bytes
 from megatron.pipeline.p2p import P2PCommunicator, available_cores, prepost_pays
 from megatron.pipeline.param_gather import gather_hooks
 from megatron.pipeline.schedules import build_schedule
-from megatron.pipeline.weights import WeightBuffers, grad_dtype_of, zero_grad_like
+from megatron.pipeline.update import StepReport, Updater
+from megatron.pipeline.weights import WeightBuffers
 
 ForwardStep = Callable[[Iterator[Any], nn.Module], Any]
 
 
 class PipelineError(RuntimeError):
     """An action failed; the message holds the schedule grid with the failing step marked."""
-
-
-@dataclass
-class StepReport:
-    """What one optimizer step (one batch) produced on this rank."""
-
-    iteration: int
-    """Global index t of the batch that was just applied (0-based)."""
-    skipped: bool
-    grad_norm: float
-    loss_scale: float
-    lr: float
-    weight_version: int
-    """Version of the weights batch t's forward and backward passes used."""
-    losses: Optional[Dict[str, float]] = None
-    """Mean over the batch's microbatches and data-parallel replicas (last stage only)."""
-    grad_scale: float = 1.0
-    """Loss scale batch t's backward passes used (and its gradients were unscaled by)."""
-    num_zeros: Optional[int] = None
-    """Zero gradient elements over the model replica (--log-num-zeros-in-grad only)."""
-    params_norm: Optional[float] = None
-    """L2 norm of the weights batch t was computed with (--log-params-norm only)."""
 
 
 @dataclass
@@ -144,11 +122,7 @@ class PipelineEngine:
         # --2bw-mitigation warmup: batches t < flush_warmup_iters run under flush
         # semantics on buffer 0, later ones under 2BW (see ``schedule_at``).
         self.flush_warmup_iters = flush_warmup_iters if schedule == "2bw" else 0
-        self.weights = WeightBuffers(model, 2 if schedule == "2bw" else 1)
-        if grad_dtype is not None:
-            self.weights.set_grad_dtype(grad_dtype)
-        self.tracker = StashTracker(self.weights.storage_ptrs())
-        self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
+        self._init_weights(grad_dtype)
         # Saved-tensor hooks run on the first batch this engine trains, and on
         # every batch t with t % memory_count_interval == 0 when it is > 0 (1: always);
         # other batches replay the bytes counted for the same microbatch position.
@@ -158,15 +132,7 @@ class PipelineEngine:
         self.clock_origin = time.perf_counter()
         self._get_rng_state = get_rng_state
         self._set_rng_state = set_rng_state
-        shape = model.stage_input_shape(micro_batch_size) if self.num_stages > 1 else (1,)
-        if prepost_receives is None:
-            prepost_receives = self.num_stages > 1 and dist.is_initialized() and prepost_pays(
-                dist.get_backend(),
-                int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-                torch.get_num_threads(), available_cores())
-        self.p2p = P2PCommunicator(groups.prev_rank, groups.next_rank, shape,
-                                   activation_dtype, device, prepost_receives=prepost_receives,
-                                   max_pending_sends=2 * self.num_stages)
+        self.p2p = self._build_p2p(activation_dtype, prepost_receives)
         # Waits (a receive in flight, the optimizer's agreement) read the segment's next
         # microbatches, at most one batch ahead: data loading leaves the critical path.
         self._seg: Optional[_Segment] = None
@@ -177,49 +143,43 @@ class PipelineEngine:
             Op.SEND_GRAD: self._send_grad, Op.RECV_GRAD: self._recv_grad,
             Op.REDUCE_GRADS: self._reduce_grads, Op.STEP: self._step,
         }
-        # The tied word embedding of first and last stage: its sum between the two
-        # stages starts at REDUCE_GRADS; its data-parallel average follows at STEP.
-        # (an untied output layer, --untie-embeddings-and-output-weights, shares nothing)
-        self._tied = any(getattr(p, "shared_embedding", False) for p in self.weights.params(0))
-        self._tied_early = (groups.in_embedding_group and groups.embedding is not None
-                            and self._tied)
-        # one gradient reducer per weight buffer (its hooks sit on that buffer's params)
-        # per weight buffer, the weights whose gradients are summed over the tensor ranks
-        # at each step (sequence parallelism: ``_sum_sequence_parallel_grads``)
-        self._sequence_parallel_params = [
-            [p for p in self.weights.params(j)
-             if getattr(p, "sequence_parallel", False) and p.requires_grad]
-            if groups.tp_size > 1 and groups.tensor is not None else []
-            for j in range(self.weights.num_buffers)]
-        self._reducers = [GradientReduction(
-            self.weights.params(j), groups.data, groups.dp_size, num_microbatches,
-            overlap=overlap_grad_reduce, bucket_elements=grad_bucket_elements,
-            exclude=tuple(p for p in self.weights.params(j)
-                          if self._tied_early and getattr(p, "shared_embedding", False)),
-            shard=getattr(optimizer, "shard", None))
-            for j in range(self.weights.num_buffers)]
-        self._reductions: Dict[int, GradientReduction] = {}
+        # REDUCE_GRADS and STEP: gradient sums, optimizer steps and per-batch loss scales
+        self.updater = Updater(
+            weights=self.weights, optimizer=optimizer, groups=groups, device=device,
+            num_microbatches=num_microbatches, buffer_for=self.buffer_for,
+            schedule_at=self.schedule_at, version=self._version,
+            prefetch=self._prefetch_during, on_finished=self._step_finished,
+            per_token_loss=per_token_loss, fault_injection=fault_injection,
+            overlap_grad_reduce=overlap_grad_reduce, grad_bucket_elements=grad_bucket_elements)
         # --overlap-param-gather: a step's weight all-gathers stay in flight into the next
         # forward pass, whose layers wait for their own buckets (None: waited at the step)
         self._gather_hooks = gather_hooks(model, self.weights, optimizer)
-        self._embedding_work: Dict[int, Any] = {}
-        # On gloo the tied-embedding sum is an ExchangeSum (None: not built yet, False:
-        # all_reduce), as is the optimizer's agreement (``agreement_exchange``).  Their
-        # receives are posted ahead (``_post_sum_receives``), only for rounds the current
-        # segment will still start (counted here), so none is left over.
-        self._embedding_exchange: Union[None, bool, ExchangeSum] = None
-        self._embedding_unstarted = 0
-        self._agreement_unstarted = 0
-        self._pending_steps: List[tuple] = []
-        # Loss scale each batch's backward passes use.  A batch may start its backward
-        # before the previous batch's STEP updated the scaler (2BW), so the scale of
-        # batch t is fixed as the one in force after STEP(t - lag): lag 2 under 2BW
-        # (STEP(t-2) precedes all of batch t), 1 otherwise.  Identical on every stage.
-        self._scale_lag = 2 if self.schedule_at(0) == "2bw" else 1
-        self._batch_scales: Dict[int, float] = {}
-        self._seed_batch_scales()
-        self._lr_provider: Callable[[], float] = lambda: 0.0
         self._on_step: Optional[Callable[[StepReport], None]] = None
+
+    def _init_weights(self, grad_dtype: Optional[torch.dtype]) -> None:
+        """The stage's weight buffers (two for 2BW) and the tracker that counts their
+        versions among the stashed bytes."""
+        self.weights = WeightBuffers(self.model, 2 if self.schedule_name == "2bw" else 1)
+        if grad_dtype is not None:
+            self.weights.set_grad_dtype(grad_dtype)
+        self.tracker = StashTracker(self.weights.storage_ptrs())
+        self.tracker.note_weight_versions(1, self.weights.bytes_per_buffer())
+
+    def _build_p2p(self, activation_dtype: torch.dtype,
+                   prepost_receives: Optional[bool]) -> P2PCommunicator:
+        """The communicator with the neighbouring stages (``prepost_receives`` None: on
+        where ``prepost_pays``)."""
+        shape = (self.model.stage_input_shape(self.micro_batch_size)
+                 if self.num_stages > 1 else (1,))
+        if prepost_receives is None:
+            prepost_receives = self.num_stages > 1 and dist.is_initialized() and prepost_pays(
+                dist.get_backend(),
+                int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+                torch.get_num_threads(), available_cores())
+        return P2PCommunicator(self.groups.prev_rank, self.groups.next_rank, shape,
+                               activation_dtype, self.device,
+                               prepost_receives=prepost_receives,
+                               max_pending_sends=2 * self.num_stages)
 
     # -- buffers -----------------------------------------------------------------------
     def buffer_for(self, t: int) -> int:
@@ -254,24 +214,21 @@ class PipelineEngine:
     def install_latest(self) -> None:
         self.weights.install(self.latest_buffer)
 
-    def _seed_batch_scales(self) -> None:
-        for t in range(self.iteration, self.iteration + self._scale_lag):
-            self._batch_scales.setdefault(t, self.optimizer.loss_scale)
-
     def state_dict(self) -> dict:
         """Executor state a checkpoint must carry (per-batch loss scales in flight)."""
-        return {"iteration": self.iteration, "batch_scales": dict(self._batch_scales)}
+        return {"iteration": self.iteration, "batch_scales": dict(self.updater.batch_scales)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.iteration = sd["iteration"]
-        self._batch_scales = {int(k): float(v) for k, v in sd.get("batch_scales", {}).items()}
-        self._seed_batch_scales()
+        self.updater.batch_scales = {int(k): float(v)
+                                     for k, v in sd.get("batch_scales", {}).items()}
+        self.updater.seed_batch_scales(self.iteration)
 
     def set_iteration(self, iteration: int) -> None:
         """Resume at ``iteration`` without executor state (older checkpoints)."""
         self.iteration = iteration
-        self._batch_scales = {}
-        self._seed_batch_scales()
+        self.updater.batch_scales = {}
+        self.updater.seed_batch_scales(self.iteration)
 
     def set_num_microbatches(self, num_microbatches: int) -> None:
         """Train the next segments with batches of ``num_microbatches`` (a batch-size
@@ -279,7 +236,7 @@ class PipelineEngine:
         and every step of the last segment has finished."""
         if num_microbatches == self.num_microbatches:
             return
-        if self._seg is not None or self._pending_steps:
+        if self._seg is not None or self.updater.pending_steps:
             raise RuntimeError("set_num_microbatches inside a training segment")
         if num_microbatches < 1 or (self.schedule_name == "2bw"
                                     and num_microbatches < self.num_stages):
@@ -287,15 +244,14 @@ class PipelineEngine:
                              f"{self.schedule_name} at depth {self.num_stages} needs at least "
                              f"{self.num_stages if self.schedule_name == '2bw' else 1}")
         self.num_microbatches = num_microbatches
-        for reducer in self._reducers:
-            reducer.microbatches = num_microbatches
+        self.updater.set_num_microbatches(num_microbatches)
 
     # -- public entry points ------------------------------------------------------------
     def train_batches(self, data_iterator: Iterator[Any], num_batches: int,
                       lr_provider: Callable[[], float],
                       on_step: Optional[Callable[[StepReport], None]] = None) -> List[StepReport]:
         """Run ``num_batches`` optimizer steps and drain the pipeline at the end."""
-        self._lr_provider = lr_provider
+        self.updater.lr_provider = lr_provider
         self._on_step = on_step
         reports: List[StepReport] = []
         end = self.iteration + num_batches
@@ -308,8 +264,7 @@ class PipelineEngine:
                 # last warm-up step's all-gathers in flight (the other replicas' pieces)
                 self.optimizer.wait_gathers()
                 self.weights.sync_all_from(self.latest_buffer)  # 2BW starts from W(N)
-            self._scale_lag = 2 if name == "2bw" else 1
-            self._seed_batch_scales()
+            self.updater.start_schedule(name, self.iteration)
             actions = build_schedule(name, self.num_stages, self.num_microbatches,
                                      stop - self.iteration)
             seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator,
@@ -348,9 +303,9 @@ class PipelineEngine:
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0) + v
         if self.per_token_loss:
-            return self._dp_per_token(totals, seg.token_sums.get(0))
+            return self.updater.dp_per_token(totals, seg.token_sums.get(0))
         count = num_batches * self.eval_microbatches
-        return self._dp_mean({k: v / count for k, v in totals.items()})
+        return self.updater.dp_mean({k: v / count for k, v in totals.items()})
 
     def memory_stats(self) -> dict:
         return self.tracker.stats.as_dict()
@@ -359,9 +314,8 @@ class PipelineEngine:
     def _run(self, actions: List[List[Action]], seg: _Segment) -> None:
         mine = actions[self.stage]
         seg.fetches_left = sum(1 for a in mine if a.op is Op.FORWARD)
-        self._embedding_unstarted = (sum(1 for a in mine if a.op is Op.REDUCE_GRADS)
-                                     if self._tied_early else 0)
-        self._agreement_unstarted = sum(1 for a in mine if a.op is Op.STEP)
+        self.updater.expect_rounds(sum(1 for a in mine if a.op is Op.REDUCE_GRADS),
+                                   sum(1 for a in mine if a.op is Op.STEP))
         self.p2p.expect_receives(sum(1 for a in mine if a.op is Op.RECV_ACT),
                                  sum(1 for a in mine if a.op is Op.RECV_GRAD))
         self._seg = seg
@@ -390,47 +344,17 @@ class PipelineEngine:
             if self.trace_enabled:
                 self._trace(action, seg, start, time.perf_counter(),
                             time.thread_time() - cpu_start)
-        self._finish_steps(seg)
+        self.updater.finish_steps(seg)
         self.p2p.wait_all()
-        self._check_sums()
+        self.updater.check_sums()
         if self.p2p.num_posted_receives:  # the schedule's receives were counted at start
             raise RuntimeError(f"stage {self.stage}: {self.p2p.num_posted_receives} "
                                "receive(s) posted ahead were never used")
 
-    def _check_sums(self) -> None:
-        """End of a segment: no exchange has a receive left posted.  Their last sends
-        are not waited on here: segments can be one batch long, and the first stage,
-        whose sends go last, would wait for every one of them to land on the critical
-        path (about 1.2 ms a batch on the small GPT when flush segments were always one
-        batch, by a bench/step_chain.py run of that version, not kept).  The next
-        round's start waits for them, and ``finish_sums`` at the end of training."""
-        for what, exchange in (("tied-embedding", self._embedding_exchange),
-                               ("optimizer agreement", self._agreement_exchange())):
-            if exchange and exchange.num_posted:
-                raise RuntimeError(f"stage {self.stage}: {exchange.num_posted} "
-                                   f"{what} receive(s) posted ahead were never used")
-
     def finish_sums(self) -> None:
         """Wait for the exchanges' sends still in flight (end of training, before the
-        process groups go).  Their receivers have posted every receive they match, so
-        this only waits for the data to land."""
-        for exchange in (self._embedding_exchange, self._agreement_exchange()):
-            if exchange:
-                exchange.drain()
-
-    def _agreement_exchange(self) -> Optional[ExchangeSum]:
-        get = getattr(self.optimizer, "agreement_exchange", None)
-        return get() if get is not None else None
-
-    def _post_sum_receives(self, exchange: Union[None, bool, ExchangeSum],
-                           unstarted: int) -> None:
-        """Post ``exchange``'s receives for its current round and the next one (of those
-        this segment will still start; see ``megatron.exchange``).  Called just before the
-        round starts -- the tied embedding's at REDUCE_GRADS, the agreement's at STEP --
-        before the stage waits on anything: never right after a wait returned, where
-        posting blocked for milliseconds now and then, as in ``P2PCommunicator``."""
-        while exchange and exchange.num_posted < min(unstarted, 2):
-            exchange.post_receives()
+        process groups go): ``Updater.finish_sums``."""
+        self.updater.finish_sums()
 
     def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
         try:
@@ -541,8 +465,8 @@ class PipelineEngine:
     def _forward(self, a: Action, seg: _Segment) -> None:
         mb = a.microbatch
         t = self._global_batch(a, seg)
-        if seg.train and self._pending_steps:
-            self._finish_steps(seg, before_batch=t)
+        if seg.train and self.updater.pending_steps:
+            self.updater.finish_steps(seg, before_batch=t)
         if seg.train:
             self.weights.install(self.buffer_for(t))
         # evaluation: every batch on the newest weights, installed by evaluate().  Picking
@@ -603,9 +527,9 @@ class PipelineEngine:
                 self._set_rng_state(saved)
         if self.is_last:
             if self.per_token_loss:  # the sum, divided at the step by the batch's tokens
-                loss = out * self._batch_scales[t]
+                loss = out * self.updater.batch_scales[t]
             else:
-                loss = out / self.num_microbatches * self._batch_scales[t]
+                loss = out / self.num_microbatches * self.updater.batch_scales[t]
             torch.autograd.backward(loss)
         else:
             torch.autograd.backward(out, grad_tensors=seg.out_grads.pop(mb))
@@ -633,227 +557,21 @@ class PipelineEngine:
 
     # -- gradient reduction and the optimizer step ----------------------------------------------
     def _reduce_grads(self, a: Action, seg: _Segment) -> None:
-        """Batch t's backward passes on this stage are done: buckets whose gradients
-        were final early are already in flight (hooks); start the rest now."""
-        t = self._global_batch(a, seg)
-        j = self.buffer_for(t)
-        for p in self.weights.params(j):
-            if p.requires_grad and p.grad is None:
-                p.grad = zero_grad_like(p)
-        reducer = self._reducers[j]
-        reducer.launch_remaining()
-        self._reductions[t] = reducer
-        if self._tied_early:
-            self._post_sum_receives(self._embedding_exchange, self._embedding_unstarted)
-            # Start the tied-embedding sum now, not at STEP: the last stage finishes batch
-            # t's backward passes long before the first stage does, so by the first
-            # stage's STEP(t) its half is already posted and neither end waits for the
-            # other (under 2BW, STEP(t) of first and last stage need not coincide).  The
-            # sum and the data-parallel average are linear, so their order is free; the
-            # average of this one tensor follows at STEP, among replicas of this stage.
-            self._embedding_work[t] = self._start_embedding_sum(self.weights.params(j))
+        """Start batch t's gradient sums (``Updater.reduce_grads``)."""
+        self.updater.reduce_grads(self._global_batch(a, seg))
 
     def _step(self, a: Action, seg: _Segment) -> None:
-        """Start the update of batch t: data-parallel and tied-embedding gradient sums,
-        then the optimizer's agreement all-reduce, which is left in flight.  The update
-        itself is finished by ``_finish_steps`` when the new weights are first needed:
-        before batch t+1 starts (flush/gpipe/none: at once) or before batch t+2 starts
-        (2BW), so under 2BW stages do not wait for each other at every step.  The first
-        stage under 2BW begins there too (below)."""
-        t = self._global_batch(a, seg)
-        if self.stage == 0 and self.schedule_at(t) == "2bw":
-            # The first stage ends batch t's backward passes last, so its data-parallel
-            # all-reduce would be waited on here, exposed, at every step.  Its update
-            # begins when the new weights are first needed instead (``_finish_steps``,
-            # before batch t+2), and the all-reduce runs beside the m - d + 1 forward/
-            # backward pairs between.  Safe: every other stage needs this step's
-            # agreement only before its own batch t+2, which starts after the first
-            # stage's; decided by stage, so all of the stage's tensor and data-parallel
-            # peers issue their collectives in the same order.
-            self._pending_steps.append((t, None, None))
-            return
-        pending, grad_scale = self._begin_update(t, seg)
-        self._pending_steps.append((t, pending, grad_scale))
-        if self.schedule_at(t) != "2bw":
-            self._finish_steps(seg, before_batch=t + 1)
+        """Start batch t's update, finished when the new weights are first needed
+        (``Updater.step``)."""
+        self.updater.step(self._global_batch(a, seg), seg)
 
-    def _begin_update(self, t: int, seg: _Segment) -> Tuple[Any, float]:
-        """Wait for batch t's gradient sums and start the optimizer's agreement:
-        (pending update, the batch's gradient scale)."""
-        params = self.weights.params(self.buffer_for(t))
-        self._post_sum_receives(self._agreement_exchange(), self._agreement_unstarted)
-        reduction = self._reductions.pop(t, None)
-        if reduction is not None:
-            reduction.finish()
-        self._sum_sequence_parallel_grads(self._sequence_parallel_params[self.buffer_for(t)])
-        grad_scale = self._batch_scales.pop(t)
-        # The last stage's copy of the tied embedding counts in no statistic (the first
-        # stage counts the sum), so the agreement starts before that sum is complete:
-        # the first stage, last to finish a flushed batch, then finds it received.
-        late = getattr(self.optimizer, "late_grad_indices", ()) if self._tied_early else ()
-        pending = None
-        if late:
-            pending = self._begin_step(params, grad_scale, seg, t, late)
-        if t in self._embedding_work:
-            work = self._embedding_work.pop(t)
-            if work is not None:
-                self._prefetch_during(work)  # the other end may still be in its backward
-                work.wait()
-            if self.groups.data is not None and self.groups.dp_size > 1:
-                shared = next(p for p in params if getattr(p, "shared_embedding", False))
-                shared.grad.div_(self.groups.dp_size)
-                dist.all_reduce(shared.grad, group=self.groups.data)
-        else:
-            self._allreduce_embedding_grads(params)
-        if pending is None:
-            pending = self._begin_step(params, grad_scale, seg, t)
-        else:
-            self.optimizer.take_late_grads(pending)
-        return pending, grad_scale
-
-    def _sum_sequence_parallel_grads(self, chosen: List[nn.Parameter]) -> None:
-        """Sequence parallelism: the replicated weights that act on s/t positions per
-        tensor rank (norms, the row-parallel biases) hold partial gradients; sum them
-        over the tensor group -- one flat all-reduce per gradient dtype, once per step,
-        as Megatron-LM does -- so every tensor rank holds the whole, equal gradient."""
-        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = defaultdict(list)
-        for p in chosen:
-            if p.grad is None:  # no microbatch reached it: its share is zero
-                p.grad = zero_grad_like(p)
-            by_dtype[p.grad.dtype].append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            dist.all_reduce(flat, group=self.groups.tensor)
-            offset = 0
-            for p in group:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-
-    def _begin_step(self, params: List[nn.Parameter], grad_scale: float, seg: _Segment,
-                    t: int, late: Sequence[int] = ()) -> Any:
-        if self.fault_injection and self.fault_injection(t, self.stage):
-            with torch.no_grad():  # into a gradient that is final and counted here
-                next(p for i, p in enumerate(params) if p.grad is not None and i not in late
-                     ).grad.view(-1)[0] = float("inf")
-        self._agreement_unstarted -= 1
-        tokens = None
-        if self.per_token_loss:
-            # the last stage's count, from one tensor rank (the agreement sums the replica)
-            tokens = (seg.token_sums.get(t, 0.0)
-                      if self.is_last and self.groups.tp_rank == 0 else 0.0)
-        return self.optimizer.begin_step(params, grad_scale=grad_scale, late=late,
-                                         extra_found_inf=self._loss_nonfinite(seg, t),
-                                         num_tokens=tokens)
-
-    def _loss_nonfinite(self, seg: _Segment, t: int) -> Union[bool, torch.Tensor]:
-        """Last stage: whether batch t's reported loss is inf/nan, as a device tensor (no
-        sync).  Fed into the optimizer's agreement so every stage skips the step: a loss
-        like ``l + nan`` leaves the gradients finite, so the gradient check alone would
-        apply the step."""
-        sums = seg.loss_sums.get(t, {}) if self.is_last else {}
-        if not sums:
-            return False
-        vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
-                           for v in sums.values()])
-        return (~torch.isfinite(vec)).any()
-
-    def _finish_steps(self, seg: _Segment, before_batch: Optional[int] = None) -> None:
-        """Finish pending updates that batch ``before_batch`` needs (all when None)."""
-        while self._pending_steps:
-            t, pending, grad_scale = self._pending_steps[0]
-            if before_batch is not None and t + self._scale_lag > before_batch:
-                return
-            self._pending_steps.pop(0)
-            if pending is None:  # the first stage's 2BW step, begun only now (``_step``)
-                pending, grad_scale = self._begin_update(t, seg)
-            # Losses first: reading them waits for batch t's backward, as the optimizer's
-            # agreement does anyway; read after the update they would also wait for the
-            # optimizer's kernels, and the CPU could not queue the next batch meanwhile.
-            losses = None
-            if self.is_last:
-                sums = seg.loss_sums.pop(t, {})
-                if self.per_token_loss:
-                    losses = self._dp_per_token(sums, seg.token_sums.pop(t, None))
-                else:
-                    losses = self._dp_mean({k: v / self.num_microbatches
-                                            for k, v in sums.items()})
-            if pending.work is not None:
-                self._prefetch_during(pending.work)
-            lr = self._lr_provider()
-            # base: the buffer holding W(t) (a flush step, warm-up included, updates in place)
-            base = self.buffer_for(t + 1 if self.schedule_at(t) == "2bw" else t)
-            info = self.optimizer.finish_step(pending, self.weights.params(self.buffer_for(t)),
-                                              self.weights.params(base), lr)
-            self._batch_scales[t + self._scale_lag] = self.optimizer.loss_scale
-            self.iteration = t + 1
-            report = StepReport(iteration=t, skipped=info.skipped, grad_norm=info.grad_norm,
-                                loss_scale=info.loss_scale, lr=lr,
-                                weight_version=self._version(t),
-                                losses=losses, grad_scale=grad_scale, num_zeros=info.num_zeros,
-                                params_norm=info.params_norm)
-            seg.reports.append(report)
-            self._note_versions(seg)
-            if self._on_step is not None:
-                self._on_step(report)
-
-    def _start_embedding_sum(self, params: List[nn.Parameter]) -> Any:
-        """Start the tied word-embedding gradient sum of first and last stage: on gloo
-        by direct exchange (``megatron.exchange``), else an async all_reduce."""
-        self._embedding_unstarted -= 1
-        if self._embedding_exchange is None:
-            self._embedding_exchange = False
-            if exchange_pays(self.groups.embedding):
-                p = self._shared_embedding(params)
-                self._embedding_exchange = ExchangeSum(self.groups.embedding, p.shape,
-                                                       grad_dtype_of(p), p.device)
-        if not self._embedding_exchange:
-            return self._allreduce_embedding_grads(params, async_op=True)
-        p = self._shared_embedding(params)
-        if p.grad is None:
-            p.grad = zero_grad_like(p)
-        return self._embedding_exchange.start(p.grad)
-
-    def _shared_embedding(self, params: List[nn.Parameter]) -> nn.Parameter:
-        shared = [p for p in params if getattr(p, "shared_embedding", False)]
-        if len(shared) != 1:
-            raise RuntimeError(f"stage {self.stage} should hold exactly one tied word-embedding "
-                               f"parameter, found {len(shared)}")
-        return shared[0]
-
-    def _allreduce_embedding_grads(self, params: List[nn.Parameter], async_op: bool = False):
-        """Sum the tied word-embedding gradient of the first and last stage (returns the
-        pending work with ``async_op``, else None)."""
-        if not self.groups.in_embedding_group or self.groups.embedding is None \
-                or not self._tied:
-            return None
-        p = self._shared_embedding(params)
-        if p.grad is None:
-            p.grad = zero_grad_like(p)
-        return dist.all_reduce(p.grad, group=self.groups.embedding, async_op=async_op)
-
-    def _dp_mean(self, values: Dict[str, torch.Tensor]) -> Dict[str, float]:
-        if not values:
-            return {}
-        keys = sorted(values)
-        # one stacked tensor and ONE device-to-host copy per step (the only sync here)
-        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=self.device)
-                           for k in keys])
-        if self.groups.data is not None and self.groups.dp_size > 1:
-            dist.all_reduce(vec, group=self.groups.data)
-            vec = vec / self.groups.dp_size
-        return dict(zip(keys, vec.tolist()))
-
-    def _dp_per_token(self, sums: Dict[str, torch.Tensor],
-                      tokens: Optional[torch.Tensor]) -> Dict[str, float]:
-        """Per-token losses: every reported sum over the data-parallel replicas, divided
-        by their tokens.  The ratio of the replicas' means is that of their sums, so
-        ``_dp_mean``'s one all-reduce carries the token count along."""
-        if not sums:
-            return {}
-        means = self._dp_mean({**sums, " tokens": 0.0 if tokens is None else tokens})
-        count = means.pop(" tokens")
-        return {k: v / count if count > 0 else v for k, v in means.items()}
+    def _step_finished(self, seg: _Segment, report: StepReport) -> None:
+        """Batch t's update is applied: the newest weights are W(t + 1)."""
+        self.iteration = report.iteration + 1
+        seg.reports.append(report)
+        self._note_versions(seg)
+        if self._on_step is not None:
+            self._on_step(report)
 
     def _note_versions(self, seg: _Segment) -> None:
         """Count weight versions live now: the newest, plus any used by in-flight work."""

@@ -36,9 +36,10 @@ run, F=1, B=2; the moment stage 0 finishes batch b where that is later, as when 
 and at the end of the segment).  Every stage then arrives at the step's agreement about
 one pair before stage 0 needs it, and a stage's gradient all-reduce, waited on at its
 STEP, has until then to run beside its compute (the executor begins stage 0's update
-just before batch b+2 whatever its STEP's place: ``PipelineEngine._step``).  Before
-2026-11-24 the target was the moment stage 0 finishes batch b, which left the later
-stages' all-reduces only the earlier stages' remaining backward passes to hide behind.
+just before batch b+2 whatever its STEP's place: ``Updater.step`` in
+``megatron.pipeline.update``).  Before 2026-11-24 the target was the moment stage 0
+finishes batch b, which left the later stages' all-reduces only the earlier stages'
+remaining backward passes to hide behind.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The first stage ends each batch's backward passes last.  Its STEP(t) does not wait for
 the gradient all-reduce: the update begins, and is finished, when batch t+2 first needs
-the new weights (``PipelineEngine._step``).  Under Flush the STEP waits, as it must.
+the new weights (``megatron.pipeline.update.Updater.step``).  Under Flush the STEP waits, as it must.
 A slow all-reduce (``GradientReduction.finish`` made to take 0.4 s) shows where the
 wait lands in the executor's own trace: in a STEP under Flush, in a forward under 2BW.
 The float64 losses of both are checked against the schedules' semantics elsewhere

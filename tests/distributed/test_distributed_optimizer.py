@@ -249,16 +249,16 @@ def _one_replica_loss_worker(rank: int, world: int, argv):
     import io
 
     import pretrain_gpt
-    from megatron.pipeline import engine as eng
+    from megatron.pipeline.update import Updater
     from megatron.training import pretrain
 
-    original = eng.PipelineEngine._loss_nonfinite
+    original = Updater._loss_nonfinite
 
     def one_replica(self, seg, t):
         found = original(self, seg, t)
         return True if (t == 2 and self.groups.dp_rank == 1) else found
 
-    eng.PipelineEngine._loss_nonfinite = one_replica
+    Updater._loss_nonfinite = one_replica
     with contextlib.redirect_stdout(io.StringIO()):
         result = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                           pretrain_gpt.forward_step, argv=list(argv))

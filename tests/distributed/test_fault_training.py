@@ -135,7 +135,7 @@ def test_nan_under_flush_and_2bw_is_agreed_skipped_and_stops(tmp_path):
 
 
 def test_skip_monitor_counts_floor_and_calibration():
-    from megatron.pipeline.engine import StepReport
+    from megatron.pipeline.update import StepReport
     from megatron.training import SkipMonitor
 
     def rep(t, skipped, scale=1.0, norm=float("nan")):
@@ -180,7 +180,7 @@ def test_batches_before_verdict_is_the_first_batch_that_could_stop_the_run():
     report could stop the run, never later (the run would go on past its stop) and,
     away from a streak or the loss-scale floor, not every batch."""
     from megatron.optimizer.grad_scaler import DynamicGradScaler
-    from megatron.pipeline.engine import StepReport
+    from megatron.pipeline.update import StepReport
     from megatron.training import SkipMonitor
 
     def rep(t, skipped, scale=1.0, norm=1.0):

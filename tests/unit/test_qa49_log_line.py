@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.pipeline.engine import StepReport
+from megatron.pipeline.update import StepReport
 from tests import fake_tensorboard as tb_stub
 from tests.distributed.gpt_harness import TINY
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.pipeline.engine import StepReport
+from megatron.pipeline.update import StepReport
 from tests import fake_tensorboard
 from tests.distributed.gpt_harness import TINY
 
