@@ -52,7 +52,7 @@ from megatron.pipeline.planner.model_spec import (ATTENTION_BACKENDS, NORMALIZAT
                                                   POSITION_EMBEDDING_TYPES)
 from megatron.pipeline.planner.presets import HARDWARE_PRESETS, MODEL_PRESETS  # noqa: E402
 from megatron.arguments import OneLineParser  # noqa: E402
-from megatron.pipeline.planner.profile import Profile  # noqa: E402
+from megatron.pipeline.planner.profile import ARCH_FIELDS, Profile  # noqa: E402
 from megatron.pipeline.planner.search import planned_precision  # noqa: E402
 from megatron.pipeline.planner.search import RECOMMENDED_2BW_MITIGATION  # noqa: E402
 
@@ -112,7 +112,18 @@ def choose_for_run(rows, model: ModelSpec, hw: HardwareSpec, options: CostOption
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("model (a preset, or Megatron's flags)")
+    _add_model_flags(p.add_argument_group("model (a preset, or Megatron's flags)"))
+    _add_cluster_flags(p.add_argument_group("cluster (a preset, overridable field by field)"))
+    _add_search_flags(p.add_argument_group("search"))
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
+    o.add_argument("--json", metavar="PATH", help="write all rows and the best plan as JSON")
+    return p
+
+
+def _add_model_flags(g: argparse._ArgumentGroup) -> None:
+    """The model: a preset, or Megatron's shape and block flags (a preset's or a profile's
+    own where left out)."""
     g.add_argument("--model", choices=sorted(MODEL_PRESETS), help="named model")
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
@@ -169,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer's --fp32-residual-connection: the residual stream "
                         "(stage inputs and outputs, the norms' inputs) in float32, 4 bytes "
                         "a value where the counts have 2")
-    c = p.add_argument_group("cluster (a preset, overridable field by field)")
+
+
+def _add_cluster_flags(c: argparse._ArgumentGroup) -> None:
+    """The cluster: a preset, overridable field by field."""
     c.add_argument("--cluster", default="p3.16xlarge", choices=sorted(HARDWARE_PRESETS))
     c.add_argument("--num-gpus", type=int, required=True, help="N: GPUs to plan for")
     c.add_argument("--gpus-per-server", type=int)
@@ -178,7 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--inter-server-bandwidth", type=float,
                    help="GB/s out of one server (25 Gbit/s = 3.125)")
     c.add_argument("--achieved-tflops", type=float, help="sustained TFLOP/s per GPU")
-    s = p.add_argument_group("search")
+
+
+def _add_search_flags(s: argparse._ArgumentGroup) -> None:
+    """What to search (Algorithm 1's bounds, the schedules, recomputation, the
+    optimizer) and the cost model's inputs (--c-extra, a profile)."""
     s.add_argument("--max-batch-size", type=int, required=True,
                    help="B: largest global batch known to converge well")
     s.add_argument("--schedules", default=",".join(SCHEDULES),
@@ -220,18 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
                    help="profile times to use: elapsed (default) or the profiling thread's "
                         "CPU time (CPU profiles taken on a machine shared with others)")
-    o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
-    o.add_argument("--json", metavar="PATH", help="write all rows and the best plan as JSON")
-    return p
-
-
-ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
-               "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
-               "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights", "attention_backend")
-"""ModelSpec's Llama-style options and attention backend, each set by the trainer's flag
-of the same name."""
 
 
 def arch_from_args(args: argparse.Namespace) -> dict:

@@ -122,52 +122,29 @@ JSON schema (``megatron.pipeline.planner.profile.Profile.load`` reads it)::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from megatron.config import ModelConfig, OptimizerConfig, PrecisionConfig  # noqa: E402
-from megatron.pipeline.memory import StashTracker  # noqa: E402
+from megatron.config import ModelConfig  # noqa: E402
 from megatron.model.transformer import ATTENTION_BACKENDS  # noqa: E402
 from megatron.arguments import OneLineParser  # noqa: E402
+from megatron.pipeline.planner.profile import ARCH_FIELDS, PIECES, SCHEMA  # noqa: E402
+from megatron.pipeline.planner.measure import (optimizer_step_model,  # noqa: E402
+                                               optimizer_step_time, param_count,
+                                               trainer_grad_dtype, widen_grads)
+from tools.profile_pieces import (STAGE_KINDS, EmbeddingPiece, HeadPiece,  # noqa: E402
+                                  document_task, profile_pieces, profile_stages)
 
-SCHEMA = "megatron-pipedream-profile/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "fp64": torch.float64}
-COMPONENTS = ("block", "embedding", "head")
-# ModelConfig's block options, recorded in the profile's "model" (the planner's ModelSpec
-# carries the same names: megatron/pipeline/planner/profile.py)
-ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
-               "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
-               "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
-               "untie_embeddings_and_output_weights", "attention_backend")
-# the end-of-document id of the profiled batches with --reset-attention-mask (any id:
-# only the number of documents a sample holds could change a cost, not which id ends them)
-EOD = 0
-# stage kind -> (pre_process, post_process) of the GPTModel stage timed whole
-STAGE_KINDS = {"whole": (True, True), "first": (True, False), "middle": (False, False),
-               "last": (False, True)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def weight_storage_ptrs(module: nn.Module) -> set:
-    """Storages of a module's parameters (left out of activation counts, as the engine)."""
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
 
 
 def block_params(config: ModelConfig) -> int:
@@ -183,320 +160,6 @@ def block_params(config: ModelConfig) -> int:
                      add_qkv_bias=config.add_qkv_bias).params_per_layer
 
 
-def param_count(module: nn.Module) -> Tuple[int, int]:
-    """(parameters, bytes) of a module."""
-    params = list(module.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
-
-
-def saved_activation_bytes(run: Callable[[], Any], weight_ptrs: set) -> Tuple[Any, int]:
-    """Run ``run()`` and count the bytes autograd saves for backward during it
-    (``megatron.pipeline.memory.StashTracker``: distinct storages, weights excluded)."""
-    tracker = StashTracker(weight_ptrs)
-    with tracker.counting(0):
-        out = run()
-    return out, tracker.in_flight.get(0, 0)
-
-
-class EmbeddingPiece(nn.Module):
-    """First-stage piece: tokens of a microbatch -> [s, b, h] (the model's Embedding)."""
-
-    def __init__(self, config: ModelConfig, seed: int) -> None:
-        super().__init__()
-        from megatron.model.language_model import Embedding
-        from megatron.tensor_parallel import TPInfo
-        self.embedding = Embedding(config, TPInfo.single(), seed=seed)
-
-    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.embedding(batch["tokens"], batch["position_ids"])
-
-
-class HeadPiece(nn.Module):
-    """Last-stage piece: final norm -> logits (tied word embedding, or the untied output
-    layer) -> per-token cross-entropy -> ``pretrain_gpt.loss_func``, the same calls
-    ``GPTModel`` makes."""
-
-    def __init__(self, config: ModelConfig, seed: int = 1234) -> None:
-        super().__init__()
-        from megatron.model.language_model import embedding_init_key
-        from megatron.model.transformer import fp32_residual, layer_norm
-        from megatron.tensor_parallel import ColumnParallelLinear, TPInfo, init_method_normal
-        # the final norm reads the residual stream (in float32 with a float32 stream) and
-        # hands the output layer its output in params_dtype, as ``ParallelTransformer``
-        self.final_layernorm = layer_norm(config, stream=True)
-        self.compute_dtype = config.params_dtype if fp32_residual(config) else None
-        self.fused = config.cross_entropy_loss_fusion
-        self.word_embeddings: Optional[nn.Parameter] = None
-        self.output_layer: Optional[nn.Module] = None
-        if config.untie_embeddings_and_output_weights:
-            # GPTModel's own output layer: a head weight of the last stage
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size, tp=TPInfo.single(), bias=False,
-                init_method=init_method_normal(config.init_method_std),
-                params_dtype=config.params_dtype,
-                init_key=embedding_init_key(seed).child("output_layer"))
-        else:
-            # Stands for the word embedding (first stage's or the last stage's tied
-            # copy); it is not counted as a head weight (see ``tied_embedding_*``).
-            self.word_embeddings = nn.Parameter(
-                torch.randn(config.padded_vocab_size, config.hidden_size,
-                            dtype=config.params_dtype) * config.init_method_std)
-
-    def own_parameters(self) -> List[nn.Parameter]:
-        own = list(self.final_layernorm.parameters())
-        return own + (list(self.output_layer.parameters()) if self.output_layer else [])
-
-    def forward(self, hidden: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        from megatron.model.language_model import parallel_lm_logits
-        from megatron.tensor_parallel import TPInfo, vocab_parallel_cross_entropy
-        from pretrain_gpt import loss_func
-        tp = TPInfo.single()
-        normed = self.final_layernorm(hidden)
-        if self.compute_dtype is not None:
-            normed = normed.to(self.compute_dtype)
-        if self.output_layer is not None:
-            logits, _ = self.output_layer(normed)
-        else:
-            logits = parallel_lm_logits(normed, self.word_embeddings, tp)
-        losses = vocab_parallel_cross_entropy(logits, batch["labels"].transpose(0, 1), tp,
-                                              inplace_backward=True, fused=self.fused)
-        loss, _ = loss_func(batch["loss_mask"], losses.transpose(0, 1).contiguous())
-        return loss
-
-
-def sample_text(config: ModelConfig, b: int, generator: torch.Generator) -> torch.Tensor:
-    """b samples of s+1 token ids as the data loader hands them over, each cut by a few
-    end-of-document ids (``EOD``: every quarter of a sample, at a per-sample offset) into
-    documents, which only --reset-attention-mask reads."""
-    s = config.seq_length
-    text = torch.randint(0, config.padded_vocab_size, (b, s + 1), generator=generator)
-    step = max(2, (s + 1) // 4)
-    for i in range(b):
-        text[i, (step // 2 + i) % step::step] = EOD
-    return text
-
-
-def make_batch(config: ModelConfig, b: int, device: torch.device,
-               generator: torch.Generator) -> Dict[str, torch.Tensor]:
-    """A microbatch as ``pretrain_gpt.get_batch`` builds it from b samples of s+1 ids
-    (with ``document_task(True)`` in effect, its document mask too)."""
-    from pretrain_gpt import get_batch
-    return get_batch({"text": sample_text(config, b, generator)}, device)
-
-
-@contextlib.contextmanager
-def document_task(reset_attention_mask: bool) -> Iterator[None]:
-    """``pretrain_gpt.GPTTask``'s document-boundary settings as the trainer sets them for
-    --reset-attention-mask (positions and the loss mask as without the flag), or with no
-    boundary flag; the previous settings are restored afterwards."""
-    from pretrain_gpt import GPTTask
-    keys = ("eod", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
-    saved = {k: getattr(GPTTask, k) for k in keys}
-    GPTTask.eod = EOD if reset_attention_mask else None
-    GPTTask.eod_mask_loss = GPTTask.reset_position_ids = False
-    GPTTask.reset_attention_mask = reset_attention_mask
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(GPTTask, k, v)
-
-
-def trainer_grad_dtype(config: ModelConfig) -> Optional[torch.dtype]:
-    """The dtype the trainer's gradients of ``config``'s weights accumulate in by
-    default: float32 under bf16 (``--bf16`` turns --accumulate-allreduce-grads-in-fp32
-    on), else the weights' own (None)."""
-    from megatron.config import GRAD_DTYPE_SUPPORTED
-    if config.params_dtype == torch.bfloat16 and GRAD_DTYPE_SUPPORTED:
-        return torch.float32
-    return None
-
-
-def _widen_grads(module: nn.Module, grad_dtype: Optional[torch.dtype]) -> None:
-    """Gradients of ``module`` accumulate in ``grad_dtype`` (as the trainer's do): the
-    backward pays the same cast per parameter."""
-    from megatron.pipeline.weights import set_grad_dtype
-    if grad_dtype is not None:
-        set_grad_dtype(module.parameters(), grad_dtype)
-
-
-def _measure(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
-             module: nn.Module, weight_ptrs: set, device: torch.device, warmup: int,
-             repeat: int, per_sync: int = 1, units: int = 1) -> Dict[str, Any]:
-    """Median forward/backward time, counted stash bytes (identical every run) and,
-    on CUDA, the allocator's view of the forward.  ``units``: ``forward`` runs that many
-    identical pieces in a chain; times, stash bytes and allocator bytes are per piece
-    (the chain's divided by ``units``).
-
-    The stash is counted in passes of its own, before the timed runs: the saved-tensor
-    hooks do Python work per saved tensor, which inside the timed region swamped the
-    forward time of a block on a GPU (the same 1.30 ms at b=1 and b=8 on an H100).
-
-    ``per_sync`` > 1 (the CUDA default): each timed sample runs that many forwards back
-    to back, then their backwards, with one synchronisation per phase, and divides.  The
-    trainer never synchronises between layers, so the host queues kernels while the GPU
-    runs earlier ones; one synchronised forward per sample times the host's launch work
-    and the GPU's work one after the other, which overstated an H100's step by 1.3-1.7x
-    (bench/planner_validation.py --cuda)."""
-    fwd, bwd, fwd_cpu, bwd_cpu, counts = [], [], [], [], set()
-    cuda_stats: Dict[str, int] = {}
-    for _ in range(2):  # twice: the count must not depend on the run
-        for p in module.parameters():
-            p.grad = None
-        out, nbytes = saved_activation_bytes(forward, weight_ptrs)
-        counts.add(nbytes)
-        backward(out)
-        del out
-    if device.type == "cuda":  # the allocator's view of one forward, untimed
-        for p in module.parameters():
-            p.grad = None
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        out = forward()
-        _sync(device)
-        cuda_stats = {"cuda_forward_peak_bytes": torch.cuda.max_memory_allocated(device) - base,
-                      "cuda_retained_bytes": torch.cuda.memory_allocated(device) - base}
-        backward(out)
-        del out
-        # queued forwards keep their activations until their backwards: stay within half
-        # of the free memory (a 16 GB card profiling a large head at b=8 queues fewer)
-        free, _ = torch.cuda.mem_get_info(device)
-        per_sync = max(1, min(per_sync, int(0.5 * free)
-                              // max(1, cuda_stats["cuda_forward_peak_bytes"])))
-    for i in range(warmup + repeat):
-        for p in module.parameters():
-            p.grad = None
-        _sync(device)
-        c0, t0 = time.thread_time(), time.perf_counter()
-        outs = [forward() for _ in range(per_sync)]
-        _sync(device)
-        c1, t1 = time.thread_time(), time.perf_counter()
-        for out in reversed(outs):
-            backward(out)
-        _sync(device)
-        c2, t2 = time.thread_time(), time.perf_counter()
-        if i >= warmup:
-            fwd.append((t1 - t0) / per_sync)
-            bwd.append((t2 - t1) / per_sync)
-            fwd_cpu.append((c1 - c0) / per_sync)
-            bwd_cpu.append((c2 - c1) / per_sync)
-        del outs
-    if len(counts) != 1:
-        raise RuntimeError(f"saved-activation bytes changed between runs: {sorted(counts)}")
-    stash = counts.pop()
-    if stash % units:
-        raise RuntimeError(f"a chain of {units} identical pieces saved {stash} bytes, not a "
-                           f"multiple of {units}")
-    per = lambda xs: [x / units for x in xs]  # noqa: E731
-    fwd, bwd, fwd_cpu, bwd_cpu = per(fwd), per(bwd), per(fwd_cpu), per(bwd_cpu)
-    cuda_stats = {k: v // units for k, v in cuda_stats.items()}
-    out = {"forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-           "forward_cpu_s": statistics.median(fwd_cpu),
-           "backward_cpu_s": statistics.median(bwd_cpu),
-           "stash_bytes": stash // units, "forward_samples_s": fwd, "backward_samples_s": bwd,
-           "runs_per_sync": per_sync, **cuda_stats}
-    if units > 1:
-        out["chained"] = units
-    return out
-
-
-def _optimizer_step_time(params: Sequence[nn.Parameter], config: ModelConfig,
-                         optimizer: str, warmup: int, repeat: int,
-                         device: torch.device) -> Tuple[float, float]:
-    """Median (wall, thread CPU) seconds of the trainer's optimizer step over ``params``
-    (fake gradients)."""
-    from megatron.optimizer import get_megatron_optimizer
-    dtype = config.params_dtype
-    prec = PrecisionConfig(fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
-                           fp64=dtype == torch.float64, loss_scale=1.0)
-    params = [nn.Parameter(p.detach().clone()) for p in params]
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer), prec, params)
-    grad_dtype = trainer_grad_dtype(config) or dtype
-    for p in params:
-        p.grad_dtype = grad_dtype
-    times, cpu = [], []
-    for i in range(warmup + repeat):
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3, dtype=grad_dtype)
-        _sync(device)
-        c0, t0 = time.thread_time(), time.perf_counter()
-        opt.step(grads_from=params, write_to=params, base=params, lr=1e-4)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-    return statistics.median(times), statistics.median(cpu)
-
-
-def optimizer_step_model(calls: Dict[str, float], chain: int) -> Dict[str, float]:
-    """A stage's optimizer step as ``fixed + sum of its pieces' marginal costs``, from
-    steps timed over each piece's parameters alone (``calls``; ``"blocks"``: the chain of
-    ``chain`` blocks).  The trainer runs one step over a whole stage; on a GPU a step's
-    launches and statistics cost about the same for one block as for 24 (an H100 steps
-    one GPT-345M block in 0.99 ms), so summing per-piece calls overstated a 24-layer
-    stage's step by about 20 ms.  The chain separates the two: per block
-    (T(chain) - T(1)) / (chain - 1), fixed = T(1) - per block; every other piece costs
-    its call minus the fixed part.  With one block in the chain nothing separates them:
-    fixed 0 and each piece its whole call (the sum, as before)."""
-    if chain > 1 and "blocks" in calls:
-        per_block = max((calls["blocks"] - calls["block"]) / (chain - 1), 0.0)
-        fixed = max(calls["block"] - per_block, 0.0)
-    else:
-        per_block, fixed = calls["block"], 0.0
-    out = {"fixed": fixed, "block": per_block}
-    for key in ("embedding", "head", "tied_embedding"):
-        out[key] = max(calls[key] - fixed, 0.0)
-    return out
-
-
-def _profile_stages(config: ModelConfig, rows: List[Dict[str, Any]], chain: int,
-                    device: torch.device, warmup: int, repeat: int, per_sync: int,
-                    seed: int) -> None:
-    """Time a ``GPTModel`` stage of ``chain`` layers of each kind through the trainer's
-    ``forward_step`` and loss function; adds ``row["stages"][kind]`` to every row.  One
-    stage model lives at a time (a GPU that holds the pieces holds it)."""
-    from megatron.model import GPTModel
-    from megatron.tensor_parallel import TPInfo
-    from pretrain_gpt import forward_step
-
-    s, h = config.seq_length, config.hidden_size
-    gen = torch.Generator().manual_seed(seed + 1)
-    for row in rows:
-        row["stages"] = {}
-    for kind, (pre, post) in STAGE_KINDS.items():
-        # layer numbers as in a pipeline of 3 such stages (one for the whole model)
-        start = 0 if pre else chain if not post else 2 * chain
-        stage_config = dataclasses.replace(config, num_layers=chain if pre and post else 3 * chain)
-        model = GPTModel(stage_config, TPInfo.single(), pre_process=pre, post_process=post,
-                         layer_numbers=range(start, start + chain), seed=seed).to(device)
-        model.train()
-        _widen_grads(model, trainer_grad_dtype(config))
-        for row in rows:
-            b = row["micro_batch_size"]
-            # what the data loader hands the executor: token ids on the host
-            data = {"text": sample_text(config, b, gen)}
-            # what the previous stage sends, and the gradient the next one returns: the
-            # residual stream (float32 with --fp32-residual-connection)
-            x = torch.randn(s, b, h, dtype=config.residual_dtype, device=device,
-                            requires_grad=True)
-            grad = torch.randn(s, b, h, dtype=config.residual_dtype, device=device)
-
-            def run(model=model, data=data, x=x, pre=pre, post=post) -> torch.Tensor:
-                if not pre:
-                    model.set_input_tensor(x)
-                out, loss_fn = forward_step(iter([data]), model)
-                return loss_fn(out)[0] if post else out
-
-            def push(out: torch.Tensor, post=post, grad=grad) -> None:
-                torch.autograd.backward(out, grad_tensors=None if post else grad)
-
-            row["stages"][kind] = {"layers": chain, **_measure(
-                run, push, model, weight_storage_ptrs(model), device, warmup, repeat,
-                per_sync)}
-        del model
-
-
 def default_chain_blocks(config: ModelConfig, device: torch.device,
                          free_bytes: Optional[int] = None) -> int:
     """min(num_layers, 4) distinct layers, fewer on a GPU whose free memory (``free_bytes``,
@@ -510,73 +173,6 @@ def default_chain_blocks(config: ModelConfig, device: torch.device,
         layer_bytes = block_params(config) * dtype_bytes
         chain = max(1, min(chain, int(0.25 * free_bytes) // max(1, layer_bytes)))
     return chain
-
-
-def _profile_pieces(config: ModelConfig, blocks: nn.ModuleList, embedding: nn.Module,
-                    head: HeadPiece, micro_batch_sizes: Sequence[int], device: torch.device,
-                    warmup: int, repeat: int, per_sync: int, seed: int) -> List[Dict[str, Any]]:
-    """One row per microbatch size: the chain of ``blocks`` (per block), the embedding
-    and the head measured on batches of ``make_batch`` (the document settings in effect:
-    ``document_task``)."""
-    from megatron.model.transformer import RotaryEmbedding
-    dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
-    # the residual stream: the blocks' input and output, the embedding's output and the
-    # head's input (float32 with --fp32-residual-connection), and their gradients
-    stream = config.residual_dtype
-    stream_bytes = torch.empty((), dtype=stream).element_size()
-    # RoPE's cos/sin tables, made once as a stage makes them for all its layers (in
-    # params_dtype, whatever the stream's): left out of the block count (as weights are)
-    # and recorded once per stage instead
-    rotary = (RotaryEmbedding(config)(s, device, dtype)
-              if config.position_embedding_type == "rope" else None)
-    rotary_ptrs = {t.untyped_storage().data_ptr() for t in rotary} if rotary else set()
-    rotary_bytes = sum(t.untyped_storage().nbytes() for t in rotary) if rotary else 0
-    core = blocks[0].self_attention.core_attention
-
-    def run_blocks(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        for layer in blocks:
-            x = layer(x, mask, rotary)
-        return x
-
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for b in sorted(set(int(x) for x in micro_batch_sizes)):
-        batch = make_batch(config, b, device, gen)
-        # the attention mask as a stage makes it from the batch's for all its layers:
-        # causal, the explicit softmax's one [s, s] bool tensor shared by every
-        # microbatch (none for the fused kernels); with --reset-attention-mask the
-        # microbatch's document mask, [b, 1, s, s] (bool for the explicit softmax,
-        # additive in params_dtype for the fused kernels).  Left out of the block count
-        # like the tables: the profile records what it measured, and the planner
-        # charges that once per stage
-        mask = core.prepare_mask(batch["attention_mask"], dtype, s, device)
-        mask_ptrs = {mask.untyped_storage().data_ptr()} if mask is not None else set()
-        x = torch.randn(s, b, h, dtype=stream, device=device, requires_grad=True)
-        grad = torch.randn(s, b, h, dtype=stream, device=device)
-
-        def push(out: torch.Tensor) -> None:
-            torch.autograd.backward(out, grad_tensors=grad)
-
-        def push_loss(out: torch.Tensor) -> None:
-            torch.autograd.backward(out)
-
-        row: Dict[str, Any] = {"micro_batch_size": b,
-                               "stage_input_bytes": s * b * h * stream_bytes,
-                               "data_bytes": b * (s + 1) * 8}
-        if rotary:
-            row["rotary_table_bytes"] = rotary_bytes
-        if batch["attention_mask"] is not None:
-            row["attention_mask_bytes"] = mask.untyped_storage().nbytes()
-        row["block"] = _measure(lambda: run_blocks(x, mask), push, blocks,
-                                weight_storage_ptrs(blocks) | rotary_ptrs | mask_ptrs,
-                                device, warmup, repeat, per_sync, units=len(blocks))
-        row["embedding"] = _measure(lambda: embedding(batch), push, embedding,
-                                    weight_storage_ptrs(embedding), device, warmup, repeat,
-                                    per_sync)
-        row["head"] = _measure(lambda: head(x, batch), push_loss, head,
-                               weight_storage_ptrs(head), device, warmup, repeat, per_sync)
-        rows.append(row)
-    return rows
 
 
 def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
@@ -620,32 +216,21 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
     head = HeadPiece(config, seed).to(device)
     for m in (blocks, embedding, head):
         m.train()
-        _widen_grads(m, trainer_grad_dtype(config))
+        widen_grads(m, trainer_grad_dtype(config))
     with document_task(reset_attention_mask):
-        rows = _profile_pieces(config, blocks, embedding, head, micro_batch_sizes, device,
-                               warmup, repeat, per_sync, seed)
+        rows = profile_pieces(config, blocks, embedding, head, micro_batch_sizes, device,
+                              warmup, repeat, per_sync, seed)
         if stages:
-            _profile_stages(config, rows, chain, device, warmup, repeat, per_sync, seed)
+            profile_stages(config, rows, chain, device, warmup, repeat, per_sync, seed)
     dtype, s, h = config.params_dtype, config.seq_length, config.hidden_size
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     bp, bb = param_count(block)
     ep, eb = param_count(embedding)
-    head_own = head.own_parameters()
-    hp = sum(p.numel() for p in head_own)
+    hp = sum(p.numel() for p in head.own_parameters())
     word = embedding.embedding.word_embeddings.weight
     tied = not config.untie_embeddings_and_output_weights
-    pieces = {"block": list(block.parameters()), "embedding": list(embedding.parameters()),
-              "head": head_own}
-    if tied:
-        pieces["tied_embedding"] = [word]
-    if chain > 1:
-        pieces["blocks"] = list(blocks.parameters())
-    calls = {k: _optimizer_step_time(v, config, optimizer, warmup, repeat, device)
-             for k, v in pieces.items()}
-    if not tied:  # no last-stage copy of the word embedding to update
-        calls["tied_embedding"] = (0.0, 0.0)
-    steps = {clock: optimizer_step_model({k: v[clock] for k, v in calls.items()}, chain)
-             for clock in (0, 1)}
+    calls, steps = _optimizer_steps(config, blocks, embedding, head, chain, optimizer,
+                                    warmup, repeat, device)
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     return {
         "schema": SCHEMA,
@@ -673,6 +258,29 @@ def profile_model(config: ModelConfig, micro_batch_sizes: Sequence[int], *,
         "optimizer_step_calls_s": {k: v[0] for k, v in calls.items()},
         "microbatches": rows,
     }
+
+
+def _optimizer_steps(config: ModelConfig, blocks: nn.ModuleList, embedding: EmbeddingPiece,
+                     head: HeadPiece, chain: int, optimizer: str, warmup: int, repeat: int,
+                     device: torch.device
+                     ) -> Tuple[Dict[str, Tuple[float, float]], Dict[int, Dict[str, float]]]:
+    """The trainer's optimizer step timed over each piece's parameters alone (the tied
+    word embedding's copy, the chain of ``chain`` blocks), as (wall, CPU) seconds, and
+    the stage's step those give per clock (0: wall, 1: CPU; ``optimizer_step_model``)."""
+    tied = not config.untie_embeddings_and_output_weights
+    pieces = {"block": list(blocks[0].parameters()), "embedding": list(embedding.parameters()),
+              "head": head.own_parameters()}
+    if tied:
+        pieces["tied_embedding"] = [embedding.embedding.word_embeddings.weight]
+    if chain > 1:
+        pieces["blocks"] = list(blocks.parameters())
+    calls = {k: optimizer_step_time(v, config, optimizer, warmup, repeat, device)
+             for k, v in pieces.items()}
+    if not tied:  # no last-stage copy of the word embedding to update
+        calls["tied_embedding"] = (0.0, 0.0)
+    steps = {clock: optimizer_step_model({k: v[clock] for k, v in calls.items()}, chain)
+             for clock in (0, 1)}
+    return calls, steps
 
 
 def device_name(device: torch.device) -> str:
@@ -802,7 +410,7 @@ def summary(profile: Dict[str, Any]) -> str:
              f"{profile['device']['threads']} threads), torch {profile['device']['torch']}",
              f"{'b':>4} {'piece':10} {'fwd ms':>9} {'bwd ms':>9} {'stash MiB':>10}"]
     for row in profile["microbatches"]:
-        for name in COMPONENTS:
+        for name in PIECES:
             c = row[name]
             lines.append(f"{row['micro_batch_size']:>4} {name:10} {1e3 * c['forward_s']:9.3f} "
                          f"{1e3 * c['backward_s']:9.3f} {c['stash_bytes'] / 2 ** 20:10.3f}")

@@ -2,7 +2,7 @@
 tensor parallelism replicates -- the norms' and the column-parallel linears' inputs, the
 residual dropout masks, the stage inputs and outputs -- are split along the sequence.
 
-Expected values are written out from the formulas of model_spec's docstring (and
+Expected values are written out from the formulas of the activations module's docstring (and
 Korthikanti's s b h (34 + 5 a s / h) / t), not by calling the module's helpers; one test
 holds the formulas against what the trainer's own sequence-parallel layers and heads
 keep on 2 gloo tensor ranks (the executor's saved-tensor counter)."""

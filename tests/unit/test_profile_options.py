@@ -135,7 +135,7 @@ def test_the_pieces_run_on_the_float32_stream_with_each_microbatchs_mask(monkeyp
     stream."""
     from megatron.model import GPTModel
     from megatron.model.transformer import ParallelTransformerLayer
-    from tools.profile_model import EmbeddingPiece, HeadPiece
+    from tools.profile_pieces import EmbeddingPiece, HeadPiece
 
     seen = {"mask": [], "layer": [], "embedding": [], "head": [], "stage": []}
     layer_fwd, emb_fwd, head_fwd = (ParallelTransformerLayer.forward, EmbeddingPiece.forward,
@@ -246,7 +246,8 @@ def test_the_causal_mask_is_one_tensor_for_every_microbatch_in_flight(profiles, 
     from megatron.pipeline.memory import StashTracker
     from megatron.tensor_parallel import TPInfo
     from pretrain_gpt import forward_step
-    from tools.profile_model import sample_text, weight_storage_ptrs
+    from megatron.pipeline.planner.measure import weight_storage_ptrs
+    from tools.profile_pieces import sample_text
 
     data = profiles["causal_unfused"]
     prof = Profile(data)

@@ -13,8 +13,8 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.pipeline.planner.profile import Profile
-from tools.profile_model import (main, profile_model, saved_activation_bytes,
-                                 weight_storage_ptrs)
+from megatron.pipeline.planner.measure import saved_activation_bytes, weight_storage_ptrs
+from tools.profile_model import main, profile_model
 
 S, H, HEADS, V = 16, 32, 4, 64
 
@@ -270,7 +270,7 @@ def test_default_chain_fits_a_small_gpu():
 def test_optimizer_step_model_splits_a_fixed_cost_from_per_block_costs():
     """A step costs a fixed part once per stage plus a part per parameter: the chain of
     blocks separates them, and a 24-block stage is predicted from one and four blocks."""
-    from tools.profile_model import optimizer_step_model
+    from megatron.pipeline.planner.measure import optimizer_step_model
     fixed, per_block = 0.9e-3, 0.05e-3
     calls = {"block": fixed + per_block, "blocks": fixed + 4 * per_block,
              "embedding": fixed + 0.2e-3, "head": fixed / 2, "tied_embedding": fixed + 0.2e-3}
@@ -288,7 +288,8 @@ def test_optimizer_step_model_splits_a_fixed_cost_from_per_block_costs():
 def test_fused_loss_flag_reaches_the_head_and_the_profile():
     """--cross-entropy-loss-fusion: the head is timed with the fused loss, and the profile
     says so (tools/plan.py then passes the flag on)."""
-    from tools.profile_model import HeadPiece, build_parser, config_from_args
+    from tools.profile_model import build_parser, config_from_args
+    from tools.profile_pieces import HeadPiece
     base = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
             "--seq-length", "8", "--vocab-size", "64"]
     plain = config_from_args(build_parser().parse_args(base))

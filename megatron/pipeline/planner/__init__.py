@@ -4,10 +4,11 @@
     row = best_plan(get_model("gpt-2.2b"), get_hardware("p3.16xlarge"), 64, 512)
     print(command_line(row, get_model("gpt-2.2b")))
 
-Modules: ``model_spec`` (sizes, FLOPs, activations), ``hardware`` (clusters, links),
-``cost_model`` (THROUGHPUT(.) / MEMORY(.)), ``presets`` (named models/clusters),
-``search`` (Algorithm 1, command line), ``simulate`` (the same costs through the
-event simulator of ``megatron.pipeline.simulator``).
+Modules: ``model_spec`` (sizes, FLOPs), ``activations`` (its activation bytes),
+``hardware`` (clusters, links), ``cost_model`` (THROUGHPUT(.) / MEMORY(.)), ``presets``
+(named models/clusters), ``search`` (Algorithm 1, command line), ``simulate`` (the same
+costs through the event simulator of ``megatron.pipeline.simulator``); ``profile`` (the
+measured costs tools/profile_model.py writes, timed with ``measure``).
 """
 from .cost_model import SCHEDULES, Config, CostModel, CostOptions, Estimate, StageCost
 from .hardware import HardwareSpec

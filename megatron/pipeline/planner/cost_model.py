@@ -10,7 +10,7 @@ microbatch b, m microbatches per pipeline per batch):
 * tensor parallelism (Megatron): per layer two all-reduces of s b h fp16 values in the
   forward pass and two in the backward pass, inside the tensor group.  With sequence
   parallelism (``ModelSpec.sequence_parallel``, t > 1) each is an all-gather and a
-  reduce-scatter of the same s b h values: the same bytes, the same time (model_spec's
+  reduce-scatter of the same s b h values: the same bytes, the same time (activations'
   docstring).
 * inter-stage traffic (Appendix A, T^comm_{i->j} = 2 |A^{inp.+out.}(b)| I(d > 1) /
   bwdth_depth(d)): per microbatch, each boundary a stage touches carries one activation
@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron.optimizer.sharding import plan_buckets
 
@@ -304,6 +304,33 @@ class StageCost:
                 + self.stash_bytes + self.shared_bytes)
 
 
+class _StageWork(NamedTuple):
+    """One microbatch on a stage before its communication, from the closed forms or a
+    profile: compute seconds (``recompute_s``: the extra backward of stage-level
+    recomputation; ``step_s``: the optimizer step), what one tensor-parallel collective
+    moves, |A_i(b)| and |A_input(b)|, and one layer's forward seconds and activations."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    step_s: float
+    hidden_bytes: float
+    activation_bytes: float
+    input_bytes: float
+    layer_forward_s: float
+    layer_activation_bytes: float
+
+
+class _GradientReduction(NamedTuple):
+    """A stage's gradient traffic per batch: the ``StageCost`` fields of the same names."""
+
+    allreduce_s: float
+    dp_allreduce_s: float
+    dp_exposed_s: float
+    dp_buckets: int
+    gather_buckets: int
+
+
 @dataclass(frozen=True)
 class Estimate:
     """THROUGHPUT(.) and MEMORY(.) of one configuration."""
@@ -413,11 +440,71 @@ class CostModel:
         return kinds, order
 
     def _stage(self, c: Config, i: int, links: Links) -> StageCost:
-        mdl, hw, opt = self.model, self.hardware, self.options
-        d, t, b, sp = c.d, c.t, c.b, self.splits_sequence(c)
+        mdl, opt = self.model, self.options
+        d, t, b = c.d, c.t, c.b
         first, last = i == 0, i == d - 1
         layers = c.layer_counts(mdl.num_layers)[i]
-        rate = hw.flops_rate(b * mdl.seq_length)
+        rate = self.hardware.flops_rate(b * mdl.seq_length)
+        # What crosses a stage boundary and is kept of a stage's input per microbatch (a
+        # rank's s / t positions with sequence parallelism).
+        act = self.boundary_bytes(c)
+        work = (self._closed_form_work(c, layers, last, rate, act) if self.profile is None
+                else self._profiled_work(c, layers, first, last))
+        act_stage, layer_act = work.activation_bytes, work.layer_activation_bytes
+        if c.selective_recompute:  # the core attention's own tensors are not kept
+            scores = mdl.score_bytes(b) / t
+            act_stage -= layers * scores
+            layer_act -= scores
+        # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
+        # vocab-parallel embedding (forward) and the output layer's input grad (backward);
+        # with sequence parallelism an all-gather + reduce-scatter each, the same bytes.
+        ar = ring_allreduce_time(work.hidden_bytes, t, links.tensor)
+        tp_f = (2 * layers + (1 if first else 0)) * ar
+        tp_b = (2 * layers + (1 if last else 0)) * ar
+        forward = work.forward_s + tp_f
+        backward = work.backward_s + tp_b
+        if c.selective_recompute:
+            backward += layers * mdl.core_attention_flops(b) / t / rate
+        if c.recompute:
+            backward += work.recompute_s + tp_f
+        # layer-level recomputation: the checkpointed layers' forward runs again in the
+        # backward pass; a microbatch keeps one hidden state per chunk instead of their
+        # activations, and one chunk's activations exist while it is rebuilt
+        k, chunks, rebuilt = c.layer_recompute(layers)
+        transient = 0.0
+        if k:
+            backward += k * (work.layer_forward_s + 2 * ar)
+            act_stage = act_stage - k * layer_act + chunks * act
+            transient = rebuilt * layer_act
+        p2p = 0.0
+        if not first:
+            p2p += 2.0 * act / links.boundary[i - 1]
+        if not last:
+            p2p += 2.0 * act / links.boundary[i]
+        params = self.stage_params(i, d, layers) / t
+        grads = self._gradient_reduction(c, i, params, backward, links)
+        n = in_flight(c.schedule, i, d, c.m)
+        versions = 2 if c.schedule == "2bw" else 1
+        activations = act_stage if c.recompute else n * act_stage + transient
+        optimizer_bytes, step = self._optimizer_state(c, params, work.step_s, forward,
+                                                      grads.gather_buckets, links)
+        shared = (float(self.profile.shared_bytes(layers)) if self.profile is not None
+                  else mdl.causal_mask_bytes())
+        return StageCost(
+            stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
+            p2p_s=p2p, allreduce_s=grads.allreduce_s,
+            weights_bytes=versions * params * opt.weight_bytes_per_param,
+            optimizer_bytes=optimizer_bytes,
+            activation_bytes=activations, stash_bytes=n * work.input_bytes, in_flight=n,
+            activation_per_microbatch_bytes=act_stage, input_bytes=work.input_bytes,
+            step_s=step, dp_allreduce_s=grads.dp_allreduce_s, dp_exposed_s=grads.dp_exposed_s,
+            transient_bytes=transient, shared_bytes=shared, dp_buckets=grads.dp_buckets,
+            gather_buckets=grads.gather_buckets)
+
+    def _closed_form_work(self, c: Config, layers: int, last: bool, rate: float,
+                          act: float) -> _StageWork:
+        """A stage's compute and activations from the closed forms (``act``: its input)."""
+        mdl, hw, t, b = self.model, self.hardware, c.t, c.b
         flops = layers * mdl.layer_forward_flops(b) + (mdl.head_forward_flops(b) if last else 0.0)
         comp_f = flops / t / rate
         # LayerNorm/dropout/residual work: replicated on every tensor rank, or split
@@ -428,76 +515,56 @@ class CostModel:
         comp_b = 2.0 * comp_f
         comp_f_layer = mdl.layer_forward_flops(b) / t / rate + (
             elementwise / hw.memory_bandwidth if hw.memory_bandwidth > 0 else 0.0)
-        # What one tensor-parallel collective moves (the whole sequence's s b h values,
-        # with or without sequence parallelism), and what crosses a stage boundary and
-        # is kept of a stage's input per microbatch (a rank's s / t positions with it).
-        hidden = mdl.tensor_parallel_bytes(b)
-        act = self.boundary_bytes(c)
         act_stage = layers * mdl.layer_activation_bytes(b, t) + mdl.stage_mask_bytes(b)
         if last:
             act_stage += mdl.head_activation_bytes(b, t)
-        stash_one = act
-        recompute_extra = (opt.c_extra - 1.0) * (comp_f + comp_b)
-        step = 0.0
-        if self.profile is not None:
-            ps = self.profile.stage(layers, first, last, b, d, t, sequence_parallel=sp)
-            comp_f, comp_b, recompute_extra, step = (ps.forward_s, ps.backward_s,
-                                                     ps.recompute_s, ps.step_s)
-            hidden = float(self.profile.stage_input_bytes(b))
-            # input_bytes = what a microbatch stashes under recompute; the rest of the
-            # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
-            stash_one = float(ps.recompute_stash_bytes)
-            act_stage = float(ps.stash_bytes) - stash_one
-            if mdl.kind == "gpt":  # a stage's document mask, left out of the pieces
-                # as measured by a --reset-attention-mask profile; for a causal profile the
-                # closed form, in the profile's dtype (the fused kernels' additive mask)
-                mask = float(self.profile.attention_mask_bytes(b))
-                if not mask:
-                    mask = mdl.stage_mask_bytes(b) * (
-                        1.0 if mdl.keeps_scores else self.profile.model.get("dtype_bytes", 2) / 2.0)
-                act_stage += mask
-            block = self.profile.piece("block", b)
-            layer_f, layer_act = block.forward_s / t, float(block.stash_bytes) / t
-        else:
-            layer_f = comp_f_layer
-            layer_act = mdl.layer_activation_bytes(b, t)
-        if c.selective_recompute:  # the core attention's own tensors are not kept
-            scores = mdl.score_bytes(b) / t
-            act_stage -= layers * scores
-            layer_act -= scores
-        # Megatron's f/g operators: 2 all-reduces per layer each way, plus the
-        # vocab-parallel embedding (forward) and the output layer's input grad (backward);
-        # with sequence parallelism an all-gather + reduce-scatter each, the same bytes.
-        ar = ring_allreduce_time(hidden, t, links.tensor)
-        tp_f = (2 * layers + (1 if first else 0)) * ar
-        tp_b = (2 * layers + (1 if last else 0)) * ar
-        forward = comp_f + tp_f
-        backward = comp_b + tp_b
-        if c.selective_recompute:
-            backward += layers * mdl.core_attention_flops(b) / t / rate
-        if c.recompute:
-            backward += recompute_extra + tp_f
-        # layer-level recomputation: the checkpointed layers' forward runs again in the
-        # backward pass; a microbatch keeps one hidden state per chunk instead of their
-        # activations, and one chunk's activations exist while it is rebuilt
-        k, chunks, rebuilt = c.layer_recompute(layers)
-        transient = 0.0
-        if k:
-            backward += k * (layer_f + 2 * ar)
-            act_stage = act_stage - k * layer_act + chunks * act
-            transient = rebuilt * layer_act
-        p2p = 0.0
-        if not first:
-            p2p += 2.0 * act / links.boundary[i - 1]
-        if not last:
-            p2p += 2.0 * act / links.boundary[i]
-        params = self.stage_params(i, d, layers) / t
+        # What one tensor-parallel collective moves: the whole sequence's s b h values,
+        # with or without sequence parallelism.
+        return _StageWork(forward_s=comp_f, backward_s=comp_b,
+                          recompute_s=(self.options.c_extra - 1.0) * (comp_f + comp_b),
+                          step_s=0.0, hidden_bytes=mdl.tensor_parallel_bytes(b),
+                          activation_bytes=act_stage, input_bytes=act,
+                          layer_forward_s=comp_f_layer,
+                          layer_activation_bytes=mdl.layer_activation_bytes(b, t))
+
+    def _profiled_work(self, c: Config, layers: int, first: bool, last: bool) -> _StageWork:
+        """A stage's compute and activations as the profile measured them."""
+        mdl, profile, b, t = self.model, self.profile, c.b, c.t
+        ps = profile.stage(layers, first, last, b, c.d, t,
+                           sequence_parallel=self.splits_sequence(c))
+        # input_bytes = what a microbatch stashes under recompute; the rest of the
+        # no-recompute count is |A_i(b)|, so n (|A_i| + |A_input|) is the exact count.
+        stash_one = float(ps.recompute_stash_bytes)
+        act_stage = float(ps.stash_bytes) - stash_one
+        if mdl.kind == "gpt":  # a stage's document mask, left out of the pieces
+            # as measured by a --reset-attention-mask profile; for a causal profile the
+            # closed form, in the profile's dtype (the fused kernels' additive mask)
+            mask = float(profile.attention_mask_bytes(b))
+            if not mask:
+                mask = mdl.stage_mask_bytes(b) * (
+                    1.0 if mdl.keeps_scores else profile.model.get("dtype_bytes", 2) / 2.0)
+            act_stage += mask
+        block = profile.piece("block", b)
+        return _StageWork(forward_s=ps.forward_s, backward_s=ps.backward_s,
+                          recompute_s=ps.recompute_s, step_s=ps.step_s,
+                          hidden_bytes=float(profile.stage_input_bytes(b)),
+                          activation_bytes=act_stage, input_bytes=stash_one,
+                          layer_forward_s=block.forward_s / t,
+                          layer_activation_bytes=float(block.stash_bytes) / t)
+
+    def _gradient_reduction(self, c: Config, i: int, params: float, backward: float,
+                            links: Links) -> _GradientReduction:
+        """Stage i's gradient traffic once per batch (``params`` per GPU, ``backward`` its
+        backward pass per microbatch): the data-parallel all-reduce, what of it that
+        backward leaves exposed, and the tied word embedding's sum."""
+        mdl, opt, d, t = self.model, self.options, c.d, c.t
+        first, last = i == 0, i == d - 1
         grad_bytes = params * opt.grad_bytes_per_param
         allreduce = ring_allreduce_time(grad_bytes, c.w, links.data)
         if c.distributed_optimizer and c.w > 1:
             # each bucket is reduce-scattered (a rank receives the average of its own
             # 1/w segment only): half a ring all-reduce's bytes; the all-gather of the
-            # new weights after the step (below) is the other half.
+            # new weights after the step (``_optimizer_state``) is the other half.
             allreduce *= 0.5
             if d > 1 and (first or last) and mdl.tied_output:
                 # ...but the tied word embedding, averaged apart after its sum between
@@ -513,9 +580,14 @@ class CostModel:
         if d > 1 and (first or last) and mdl.tied_output:
             emb = mdl.vocab_size * mdl.hidden_size / t * opt.grad_bytes_per_param
             allreduce += ring_allreduce_time(emb, 2, links.embedding)
-        n = in_flight(c.schedule, i, d, c.m)
-        versions = 2 if c.schedule == "2bw" else 1
-        activations = act_stage if c.recompute else n * act_stage + transient
+        return _GradientReduction(allreduce, dp_allreduce, dp_exposed, dp_buckets,
+                                  gather_buckets)
+
+    def _optimizer_state(self, c: Config, params: float, step: float, forward: float,
+                         gather_buckets: int, links: Links) -> Tuple[float, float]:
+        """(optimizer state bytes, step seconds) of a stage of ``params`` per GPU whose
+        optimizer step takes ``step`` and forward pass ``forward`` per microbatch."""
+        opt = self.options
         optimizer_bytes = params * opt.optimizer_bytes_per_param
         if c.distributed_optimizer and c.w > 1:
             # every rank owns one equal segment of each bucket: state / w, whatever
@@ -528,18 +600,7 @@ class CostModel:
             if opt.overlap_param_gather:
                 gather = max(gather / gather_buckets, gather - forward)
             step = step / c.w + gather
-        shared = (float(self.profile.shared_bytes(layers)) if self.profile is not None
-                  else mdl.causal_mask_bytes())
-        return StageCost(
-            stage=i, num_layers=layers, params=params, forward_s=forward, backward_s=backward,
-            p2p_s=p2p, allreduce_s=allreduce,
-            weights_bytes=versions * params * opt.weight_bytes_per_param,
-            optimizer_bytes=optimizer_bytes,
-            activation_bytes=activations, stash_bytes=n * stash_one, in_flight=n,
-            activation_per_microbatch_bytes=act_stage, input_bytes=stash_one, step_s=step,
-            dp_allreduce_s=dp_allreduce, dp_exposed_s=dp_exposed, transient_bytes=transient,
-            shared_bytes=shared, dp_buckets=dp_buckets,
-            gather_buckets=gather_buckets)
+        return optimizer_bytes, step
 
     def bucket_counts(self, config: Config, stage: int) -> Tuple[int, int]:
         """(buckets of the stage's data-parallel gradient reduction, buckets of its weight

@@ -67,6 +67,12 @@ if TYPE_CHECKING:
 
 SCHEMA = "megatron-pipedream-profile/1"
 PIECES = ("block", "embedding", "head")
+ARCH_FIELDS = ("normalization", "position_embedding_type", "rotary_base", "rotary_percent",
+               "rope_scaling", "rope_scaling_factor", "swiglu", "qk_layernorm",
+               "kv_channels", "num_query_groups", "add_bias_linear", "add_qkv_bias",
+               "untie_embeddings_and_output_weights", "attention_backend")
+"""ModelConfig's block options a profile records in its "model" (the planner's ModelSpec
+and tools/plan.py's flags carry the same names)."""
 STAGE_KINDS = ("whole", "first", "middle", "last")
 CLOCKS = ("wall", "cpu")
 _SIZE_FIELDS = ("hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
@@ -175,100 +181,16 @@ class Profile:
         if data.get("schema") != SCHEMA:
             raise ValueError(f"--profile {source}: schema {data.get('schema')!r}, expected "
                              f"{SCHEMA!r} (written by tools/profile_model.py)")
-        def num(value: Any, where: str, integer: bool = False) -> float:
-            # a hand-edited or foreign file: a string or null here would surface as a
-            # TypeError deep inside the cost model, naming neither the file nor the field
-            ok = (isinstance(value, int) if integer else isinstance(value, (int, float)))
-            if not ok or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                kind = "a non-negative integer" if integer else "a non-negative number"
-                raise ValueError(f"--profile {source}: {where} must be {kind}, got "
-                                 f"{_shown(value)}")
-            return value
-
-        def obj(value: Any, where: str) -> Dict[str, Any]:
-            if not isinstance(value, dict):
-                raise ValueError(f"--profile {source}: {where} must be a JSON object, got "
-                                 f"{_shown(value)}")
-            return dict(value)
-
         try:
-            self.model: Dict[str, Any] = obj(data["model"], "model")
-            for key in ("num_layers", *_SIZE_FIELDS):
-                num(self.model[key], f"model.{key}", integer=True)
-            for key, default in _ARCH_DEFAULTS.items():
-                value = self.model.setdefault(key, default)
-                types = _ARCH_TYPES[key]
-                if not isinstance(value, types) or (isinstance(value, bool)
-                                                    and bool not in types):
-                    raise ValueError(f"--profile {source}: model.{key} must be "
-                                     f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
-            for key in _RUN_OPTIONS:
-                if not isinstance(self.model.setdefault(key, False), bool):
-                    raise ValueError(f"--profile {source}: model.{key} must be bool, got "
-                                     f"{self.model[key]!r}")
-            if self.model["num_query_groups"] is None:  # ModelConfig's meaning of None
-                self.model["num_query_groups"] = self.model["num_attention_heads"]
-            heads = self.model["num_attention_heads"]
-            if self.model["kv_channels"] is None and heads and \
-                    self.model["hidden_size"] % heads == 0:
-                # ModelConfig's meaning of None (older profiles: h / a); a shape h / a does
-                # not divide is left to model_spec() below, which names --kv-channels
-                self.model["kv_channels"] = self.model["hidden_size"] // heads
-            for key in ("dtype_bytes", "grad_bytes"):  # bytes per value: 0 is no width
-                value = self.model.get(key, 1)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                        not (math.isfinite(value) and value > 0):
-                    raise ValueError(f"--profile {source}: model.{key} must be a positive "
-                                     f"number, got {_shown(self.model[key])}")
-            if self.model.get("dtype") is not None and self.model["dtype"] not in DTYPES:
-                raise ValueError(f"--profile {source}: model.dtype must be one of "
-                                 f"{', '.join(DTYPES)}, got {_shown(self.model['dtype'])}")
-            if not isinstance(self.model.get("cross_entropy_loss_fusion", False), bool):
-                raise ValueError(f"--profile {source}: model.cross_entropy_loss_fusion must be "
-                                 f"bool, got {_shown(self.model['cross_entropy_loss_fusion'])}")
-            self.device: Dict[str, Any] = obj(data["device"], "device")
-            self.weights: Dict[str, int] = obj(data["weights"], "weights")
+            self.model: Dict[str, Any] = self._read_model(data["model"])
+            self.device: Dict[str, Any] = self._object(data["device"], "device")
+            self.weights: Dict[str, int] = self._object(data["weights"], "weights")
             for key, value in self.weights.items():
-                num(value, f"weights.{key}")
-            self.optimizer_step_s: Dict[str, float] = obj(data[f"optimizer_step{suffix}"],
-                                                          f"optimizer_step{suffix}")
-            for key in (*PIECES, "tied_embedding"):
-                num(self.optimizer_step_s[key], f"optimizer_step{suffix}.{key}")
-            # once per stage (profiles written before it existed: 0, pieces whole calls)
-            num(self.optimizer_step_s.setdefault("fixed", 0.0), f"optimizer_step{suffix}.fixed")
-            rows = list(data["microbatches"])
-            for i, r in enumerate(rows):
-                where = f"microbatches[{i}]"
-                num(r["micro_batch_size"], f"{where}.micro_batch_size", integer=True)
-                for name in PIECES:
-                    for key in (f"forward{suffix}", f"backward{suffix}", "stash_bytes"):
-                        num(r[name][key], f"{where}.{name}.{key}")
-                for key in ("stage_input_bytes", "data_bytes"):
-                    num(r[key], f"{where}.{key}")
-                # RoPE's table, once per stage (profiles without RoPE, or older: none)
-                num(r.get("rotary_table_bytes", 0), f"{where}.rotary_table_bytes")
-                # the document mask, once per stage (causal profiles: none)
-                num(r.get("attention_mask_bytes", 0), f"{where}.attention_mask_bytes")
-                stages = r.get("stages", {})
-                if not isinstance(stages, dict):
-                    raise TypeError("stages")
-                for kind, st in stages.items():
-                    num(st["layers"], f"{where}.stages.{kind}.layers", integer=True)
-                    for key in (f"forward{suffix}", f"backward{suffix}"):
-                        num(st[key], f"{where}.stages.{kind}.{key}")
-            rows.sort(key=lambda r: r["micro_batch_size"])
-            self.micro_batch_sizes: Tuple[int, ...] = tuple(int(r["micro_batch_size"])
-                                                            for r in rows)
-            self._pieces = {name: [PieceCost(float(r[name][f"forward{suffix}"]),
-                                             float(r[name][f"backward{suffix}"]),
-                                             r[name]["stash_bytes"]) for r in rows]
-                            for name in PIECES}
-            self._input = [r["stage_input_bytes"] for r in rows]
-            self._overhead = self._stage_overheads(rows, suffix)
-            self._data = [r["data_bytes"] for r in rows]
-            # s x rotary dims, whatever b is
-            self._rotary = int(max((r.get("rotary_table_bytes", 0) for r in rows), default=0))
-            self._mask = [r.get("attention_mask_bytes", 0) for r in rows]
+                self._number(value, f"weights.{key}")
+            self.optimizer_step_s: Dict[str, float] = self._read_optimizer_steps(
+                data[f"optimizer_step{suffix}"], f"optimizer_step{suffix}")
+            rows = self._read_rows(data["microbatches"], suffix)
+            self._tabulate(rows, suffix)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"--profile {source}: malformed profile, missing or not an "
                              f"object: {exc}") from None
@@ -281,6 +203,112 @@ class Profile:
         except ValueError as exc:
             raise ValueError(f"--profile {source}: {exc}") from None
         self.raw = data
+
+    # -- reading the JSON: ValueError naming the field (KeyError, TypeError: __init__'s)
+    def _number(self, value: Any, where: str, integer: bool = False) -> float:
+        # a hand-edited or foreign file: a string or null here would surface as a
+        # TypeError deep inside the cost model, naming neither the file nor the field
+        ok = (isinstance(value, int) if integer else isinstance(value, (int, float)))
+        if not ok or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            kind = "a non-negative integer" if integer else "a non-negative number"
+            raise ValueError(f"--profile {self.source}: {where} must be {kind}, got "
+                             f"{_shown(value)}")
+        return value
+
+    def _object(self, value: Any, where: str) -> Dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ValueError(f"--profile {self.source}: {where} must be a JSON object, got "
+                             f"{_shown(value)}")
+        return dict(value)
+
+    def _read_model(self, raw: Any) -> Dict[str, Any]:
+        """The profile's "model", checked, with the defaults of fields older profiles
+        lack filled in."""
+        source, num = self.source, self._number
+        model = self._object(raw, "model")
+        for key in ("num_layers", *_SIZE_FIELDS):
+            num(model[key], f"model.{key}", integer=True)
+        for key, default in _ARCH_DEFAULTS.items():
+            value = model.setdefault(key, default)
+            types = _ARCH_TYPES[key]
+            if not isinstance(value, types) or (isinstance(value, bool)
+                                                and bool not in types):
+                raise ValueError(f"--profile {source}: model.{key} must be "
+                                 f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
+        for key in _RUN_OPTIONS:
+            if not isinstance(model.setdefault(key, False), bool):
+                raise ValueError(f"--profile {source}: model.{key} must be bool, got "
+                                 f"{model[key]!r}")
+        if model["num_query_groups"] is None:  # ModelConfig's meaning of None
+            model["num_query_groups"] = model["num_attention_heads"]
+        heads = model["num_attention_heads"]
+        if model["kv_channels"] is None and heads and model["hidden_size"] % heads == 0:
+            # ModelConfig's meaning of None (older profiles: h / a); a shape h / a does
+            # not divide is left to model_spec(), which names --kv-channels
+            model["kv_channels"] = model["hidden_size"] // heads
+        for key in ("dtype_bytes", "grad_bytes"):  # bytes per value: 0 is no width
+            value = model.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--profile {source}: model.{key} must be a positive "
+                                 f"number, got {_shown(model[key])}")
+        if model.get("dtype") is not None and model["dtype"] not in DTYPES:
+            raise ValueError(f"--profile {source}: model.dtype must be one of "
+                             f"{', '.join(DTYPES)}, got {_shown(model['dtype'])}")
+        if not isinstance(model.get("cross_entropy_loss_fusion", False), bool):
+            raise ValueError(f"--profile {source}: model.cross_entropy_loss_fusion must be "
+                             f"bool, got {_shown(model['cross_entropy_loss_fusion'])}")
+        return model
+
+    def _read_optimizer_steps(self, raw: Any, where: str) -> Dict[str, float]:
+        """The optimizer step seconds of one clock, checked."""
+        steps = self._object(raw, where)
+        for key in (*PIECES, "tied_embedding"):
+            self._number(steps[key], f"{where}.{key}")
+        # once per stage (profiles written before it existed: 0, pieces whole calls)
+        self._number(steps.setdefault("fixed", 0.0), f"{where}.fixed")
+        return steps
+
+    def _read_rows(self, raw: Any, suffix: str) -> List[Dict[str, Any]]:
+        """The "microbatches" rows, checked, by microbatch size."""
+        num = self._number
+        rows = list(raw)
+        for i, r in enumerate(rows):
+            where = f"microbatches[{i}]"
+            num(r["micro_batch_size"], f"{where}.micro_batch_size", integer=True)
+            for name in PIECES:
+                for key in (f"forward{suffix}", f"backward{suffix}", "stash_bytes"):
+                    num(r[name][key], f"{where}.{name}.{key}")
+            for key in ("stage_input_bytes", "data_bytes"):
+                num(r[key], f"{where}.{key}")
+            # RoPE's table, once per stage (profiles without RoPE, or older: none)
+            num(r.get("rotary_table_bytes", 0), f"{where}.rotary_table_bytes")
+            # the document mask, once per stage (causal profiles: none)
+            num(r.get("attention_mask_bytes", 0), f"{where}.attention_mask_bytes")
+            stages = r.get("stages", {})
+            if not isinstance(stages, dict):
+                raise TypeError("stages")
+            for kind, st in stages.items():
+                num(st["layers"], f"{where}.stages.{kind}.layers", integer=True)
+                for key in (f"forward{suffix}", f"backward{suffix}"):
+                    num(st[key], f"{where}.stages.{kind}.{key}")
+        rows.sort(key=lambda r: r["micro_batch_size"])
+        return rows
+
+    def _tabulate(self, rows: List[Dict[str, Any]], suffix: str) -> None:
+        """The per-size tables the cost functions interpolate, from the checked rows."""
+        self.micro_batch_sizes: Tuple[int, ...] = tuple(int(r["micro_batch_size"])
+                                                        for r in rows)
+        self._pieces = {name: [PieceCost(float(r[name][f"forward{suffix}"]),
+                                         float(r[name][f"backward{suffix}"]),
+                                         r[name]["stash_bytes"]) for r in rows]
+                        for name in PIECES}
+        self._input = [r["stage_input_bytes"] for r in rows]
+        self._overhead = self._stage_overheads(rows, suffix)
+        self._data = [r["data_bytes"] for r in rows]
+        # s x rotary dims, whatever b is
+        self._rotary = int(max((r.get("rotary_table_bytes", 0) for r in rows), default=0))
+        self._mask = [r.get("attention_mask_bytes", 0) for r in rows]
 
     @staticmethod
     def _stage_overheads(rows: List[Dict[str, Any]], suffix: str
