@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import bench_command, format_table, median, write_results  # noqa: E402
-from megatron.checkpointing import (file_entries, load_payload, save_payload,  # noqa: E402
-                                    write_manifest)
+from megatron.checkpoint_files import (file_entries, load_payload,  # noqa: E402
+                                       write_manifest)
+from megatron.checkpointing import save_payload  # noqa: E402
 
 FULL = {"layers": 12, "hidden": 512, "vocab": 32768}    # about 45M parameters
 QUICK = {"layers": 2, "hidden": 128, "vocab": 4096}

@@ -37,12 +37,13 @@ from megatron.checkpoint_merge import (LAYER_NAME, MODEL_FILE, OUTPUT_EMBEDDING_
                                        merge_shards, model_config_of, partition_dim_by_name,
                                        partition_stride_by_name, read_checkpoint,
                                        split_for_stage, to_global, to_local)
-from megatron.checkpointing import (CHECKPOINT_VERSION, TRACKER, existing_checkpoints,
-                                    iteration_dir, payload_exists, save_payload)
+from megatron.checkpoint_discovery import existing_checkpoints
+from megatron.checkpoint_files import TRACKER, iteration_dir
+from megatron.checkpoint_payload import CHECKPOINT_VERSION, payload_exists, save_payload
 from megatron.errors import CheckpointError, UserError, check_parents_are_directories
 
 try:  # the manifest (size + sha256 per file) that training saves write
-    from megatron.checkpointing import write_manifest
+    from megatron.checkpoint_files import write_manifest
 except ImportError:  # pragma: no cover - checkpointing without manifests
     write_manifest = None
 

@@ -33,9 +33,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpointing import (TRACKER, check_model_payload, iteration_dir,
-                                    load_payload, payload_exists, rank_dir, read_tracker,
-                                    refuse_hf_model_dir, refuse_iteration_dir)
+from megatron.checkpoint_discovery import refuse_hf_model_dir, refuse_iteration_dir
+from megatron.checkpoint_files import TRACKER, iteration_dir, load_payload, rank_dir, read_tracker
+from megatron.checkpoint_load import check_model_payload
+from megatron.checkpoint_payload import payload_exists
 from megatron.errors import CheckpointError
 from megatron.tensor_parallel.param_init import shard, unshard
 
@@ -423,7 +424,7 @@ def load_into_stage(module: torch.nn.Module, root: str, *, layer_offset: int, tp
         ckpt = read_checkpoint(root, iteration, allow_unsafe=allow_unsafe, flag=flag)
         config = getattr(module, "config", None)
         if flag != "checkpoint" and config is not None:
-            from megatron.checkpointing import check_model_shape
+            from megatron.checkpoint_shape import check_model_shape
             # a GPT checkpoint for a BERT task, another --hidden-size...: one line, not
             # one size mismatch per tensor (the vocabulary is checked below, padding
             # allowed)

@@ -28,10 +28,11 @@ import torch
 from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullState,
                                          check_save_path, recorded_split,
                                          target_stage_counts, write_layout)
-from megatron.checkpointing import split_text
+from megatron.checkpoint_load import split_text
 from megatron.errors import CheckpointError, UserError
-from megatron.hf_interop import (_ATTN, _GELU_EXACT, _GELU_TANH, _LLAMA_FAMILY, _RELU_SQUARED,
-                                 say, qkv_groups_to_ours, qkv_hf_to_ours)
+from megatron.export_output import say
+from megatron.hf_layouts import (QKV_NAME, GELU_EXACT, GELU_TANH, LLAMA_FAMILY, RELU_SQUARED,
+                                 qkv_groups_to_ours, qkv_hf_to_ours)
 from megatron.model.transformer import (LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR,
                                         LLAMA3_ORIGINAL_CONTEXT, flag_number)
 
@@ -205,7 +206,7 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
             raise UserError(f"--from-hf {cfg_path}: {key}={cfg[key]} has no equivalent in "
                             f"this trainer's GPT (expected {ok})")
     act = cfg.get("activation_function", "gelu_new")
-    if act not in _GELU_TANH + _GELU_EXACT + (_RELU_SQUARED,):
+    if act not in GELU_TANH + GELU_EXACT + (RELU_SQUARED,):
         raise UserError(f"--from-hf {cfg_path}: activation_function {act!r} has no "
                         f"equivalent here (expected gelu, gelu_new with --openai-gelu, or "
                         f"relu2 with --squared-relu)")
@@ -235,9 +236,9 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
         h, o = f"h.{i}.", f"encoder.layers.{i}."
         full[o + "input_layernorm.weight"] = get(h + "ln_1.weight", hidden)
         full[o + "input_layernorm.bias"] = get(h + "ln_1.bias", hidden)
-        full[o + f"{_ATTN}.weight"] = qkv_hf_to_ours(
+        full[o + f"{QKV_NAME}.weight"] = qkv_hf_to_ours(
             get(h + "attn.c_attn.weight", hidden, 3 * hidden).t(), heads)
-        full[o + f"{_ATTN}.bias"] = qkv_hf_to_ours(get(h + "attn.c_attn.bias", 3 * hidden),
+        full[o + f"{QKV_NAME}.bias"] = qkv_hf_to_ours(get(h + "attn.c_attn.bias", 3 * hidden),
                                                    heads)
         full[o + "self_attention.dense.weight"] = get(h + "attn.c_proj.weight", hidden,
                                                       hidden).t()
@@ -259,8 +260,8 @@ def hf_gpt2_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool 
                  "ffn_hidden_size": ffn, "seq_length": positions,
                  "max_position_embeddings": positions, "padded_vocab_size": padded,
                  "layernorm_epsilon": eps, "hidden_dropout": resid, "attention_dropout": attn,
-                 "init_method_std": init, "openai_gelu": act in _GELU_TANH,
-                 "squared_relu": act == _RELU_SQUARED,
+                 "init_method_std": init, "openai_gelu": act in GELU_TANH,
+                 "squared_relu": act == RELU_SQUARED,
                  "untie_embeddings_and_output_weights": not tied,
                  "params_dtype": str(full[WORD_EMBEDDING].dtype)}
     return full, model_cfg, vocab
@@ -398,7 +399,7 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
 
     cfg, cfg_path = _read_hf_config(hf_dir)
     family = cfg.get("model_type")
-    if family not in _LLAMA_FAMILY:
+    if family not in LLAMA_FAMILY:
         raise UserError(f"--from-hf {cfg_path}: expected model_type 'llama', 'qwen2' or "
                         f"'qwen3', found {family!r}")
     act = cfg.get("hidden_act", "silu")
@@ -455,7 +456,7 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
         ("rms_norm_eps", 1e-6), ("attention_dropout", 0.0), ("initializer_range", 0.02)))
     weights = _strip_prefix(_read_hf_weights(hf_dir, allow_unsafe), "model.")
     padded = vocab_size_with_padding(vocab, divisible_by, tp)
-    get = _tensor_getter(weights, hf_dir, f"{_LLAMA_FAMILY[family]} / {family} base model",
+    get = _tensor_getter(weights, hf_dir, f"{LLAMA_FAMILY[family]} / {family} base model",
                          f"{cfg_path} (num_hidden_layers {layers}, hidden_size {hidden}, "
                          f"intermediate_size {ffn}, num_attention_heads {heads}, "
                          f"num_key_value_heads {groups}, head_dim {d}, vocab_size {vocab})")
@@ -467,7 +468,7 @@ def hf_llama_to_ours(hf_dir: str, divisible_by: int, tp: int, allow_unsafe: bool
         full[o + "input_layernorm.weight"] = get(h + "input_layernorm.weight", hidden)
         for part in ("weight", "bias") if qkv_bias else ("weight",):
             rest = (hidden,) if part == "weight" else ()
-            full[o + f"{_ATTN}.{part}"] = qkv_groups_to_ours(
+            full[o + f"{QKV_NAME}.{part}"] = qkv_groups_to_ours(
                 get(h + f"self_attn.q_proj.{part}", heads * d, *rest),
                 get(h + f"self_attn.k_proj.{part}", groups * d, *rest),
                 get(h + f"self_attn.v_proj.{part}", groups * d, *rest), groups)

@@ -63,12 +63,13 @@ import torch
 from megatron.checkpoint_convert import (WORD_EMBEDDING, check_true_vocab, divisor_keeping,
                                          read_full_state, refuse_unknown_model_options,
                                          repad_rows, target_padded_vocab, true_vocab_size)
+from megatron.checkpoint_files import TRACKER
 from megatron.checkpoint_merge import (LAYER_NAME, model_config_of, partition_dim_by_name,
                                        partition_stride_by_name)
-from megatron.checkpointing import TRACKER
 from megatron.errors import CheckpointError, UserError
-from megatron.hf_interop import block_options, publish_export, say
-from megatron.hf_interop import check_export_path as hf_check_export_path
+from megatron.export_output import check_export_path as hf_check_export_path
+from megatron.export_output import publish_export, say
+from megatron.hf_export_target import block_options
 from megatron.megatron_lm_arch import MegatronArch, expected_shapes
 from megatron.megatron_lm_files import PT_FILE
 from megatron.tensor_parallel.param_init import shard

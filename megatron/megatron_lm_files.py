@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.checkpoint_payload import numpy_safe_globals, weights_only_refusal
-from megatron.checkpointing import TRACKER, UNSAFE_FLAG, hf_model_files
+from megatron.checkpoint_discovery import hf_model_files
+from megatron.checkpoint_files import TRACKER
+from megatron.checkpoint_payload import UNSAFE_FLAG, numpy_safe_globals, weights_only_refusal
 from megatron.errors import CheckpointError, UserError
 
 FLAG = "--from-megatron"

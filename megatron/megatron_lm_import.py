@@ -76,11 +76,11 @@ import torch
 from megatron.checkpoint_convert import (WORD_EMBEDDING, CheckpointShards, FullState,
                                          check_save_path, recorded_split,
                                          target_stage_counts, true_vocab_size, write_layout)
+from megatron.checkpoint_load import split_text
 from megatron.checkpoint_merge import partition_dim_by_name
-from megatron.checkpointing import split_text
 from megatron.errors import CheckpointError
 from megatron.hf_import import model_flags
-from megatron.hf_interop import say
+from megatron.export_output import say
 from megatron.megatron_lm_arch import (MegatronArch, infer_architecture, check_tensors,
                                        model_config_for, tokenizer_settings, expected_shapes)
 from megatron.megatron_lm_files import FLAG, PT_FILE, CheckpointSource, load_megatron_file, locate

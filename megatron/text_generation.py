@@ -124,7 +124,8 @@ def recorded_config(load: str, iteration: Optional[int], allow_unsafe: bool = Fa
     that cannot be read (no tracker, an old pickle checkpoint, a damaged layout) the full
     reader gives its error, or reads it."""
     from megatron.checkpoint_merge import read_checkpoint
-    from megatron.checkpointing import iteration_dir, read_tracker, recorded_config_at
+    from megatron.checkpoint_discovery import recorded_config_at
+    from megatron.checkpoint_files import iteration_dir, read_tracker
 
     try:
         it = iteration if iteration is not None else read_tracker(load)

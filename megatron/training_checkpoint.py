@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from megatron.checkpointing import TrainState, check_state_fits, load_for_run, save_checkpoint
+from megatron.checkpoint_load import load_for_run
+from megatron.checkpoint_shape import check_state_fits
+from megatron.checkpointing import TrainState, save_checkpoint
 from megatron.config import MegatronConfig
 from megatron.errors import CheckpointError, alike_on_every_rank
 from megatron.parallel_state import ParallelGroups

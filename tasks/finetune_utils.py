@@ -294,11 +294,12 @@ def finetune(task: FinetuneTask, argv: Optional[Sequence[str]] = None) -> Finetu
 
 def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
               valid_ds, reports, per_epoch, tokenizer) -> FinetuneResult:
-    from megatron.checkpointing import find_checkpoint
+    from megatron.checkpoint_discovery import find_checkpoint
     from megatron.errors import UserError, alike_on_every_rank
     from megatron.initialize import barrier_with_message
-    from megatron.training import (ExitRequests, NonFiniteError, TrainingResult,
-                                   _save_checked, setup_model_and_optimizer, train)
+    from megatron.training_exits import ExitRequests, NonFiniteError
+    from megatron.training_loop import TrainingResult, _save_checked, train
+    from megatron.training_setup import setup_model_and_optimizer
     from megatron.training_checkpoint import maybe_load
     from megatron.training_log import TrainingLogger, print_rank_last
 

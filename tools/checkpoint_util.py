@@ -247,7 +247,8 @@ def main(argv: Optional[Iterable[str]] = None) -> str:
                                      allow_unsafe=args.allow_unsafe_checkpoint,
                                      vocab_flag="--true-vocab-size")
         elif workflow == "export":
-            from megatron.hf_interop import check_export_path, export_hf
+            from megatron.export_output import check_export_path
+            from megatron.hf_interop import export_hf
             check_export_path(args.load, args.to_hf)
             out = export_hf(args.load, args.to_hf, iteration=args.iteration,
                             true_vocab=args.true_vocab_size,

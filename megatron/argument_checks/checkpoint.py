@@ -46,7 +46,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
     or tokenizer file that is not on this machine is not taken (the note says so)."""
     if not getattr(args, "use_checkpoint_args", False):
         return
-    from megatron.checkpointing import find_checkpoint, read_saved_config
+    from megatron.checkpoint_discovery import find_checkpoint, read_saved_config
     from megatron.errors import CheckpointError
 
     notes = args.megatron_lm_notes = getattr(args, "megatron_lm_notes", [])
@@ -116,7 +116,7 @@ def _check_save_holds_no_other_run(args: argparse.Namespace) -> None:
     """A run that trains into a --save directory holding checkpoints must resume from
     them: a fresh run would replace their iterations one by one and move the tracker
     file back to its own (worse) ones."""
-    from megatron.checkpointing import existing_checkpoints, newest_iteration
+    from megatron.checkpoint_discovery import existing_checkpoints, newest_iteration
 
     resumes = (args.load is not None
                and os.path.realpath(args.load) == os.path.realpath(args.save))
@@ -168,7 +168,7 @@ def check_checkpoint_and_logging(args: argparse.Namespace) -> None:
                 f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
     if args.exit_on_missing_checkpoint:
         require(args.load is not None, "--exit-on-missing-checkpoint needs --load")
-        from megatron.checkpointing import existing_checkpoints
+        from megatron.checkpoint_discovery import existing_checkpoints
 
         require(os.path.isdir(args.load) and existing_checkpoints(args.load) is not None,
                 f"--exit-on-missing-checkpoint: --load {args.load} holds no checkpoint "

@@ -98,7 +98,7 @@ def _same_norms(plain, sharded, rel=1e-12):
 
 
 def _payload(root: str):
-    from megatron.checkpointing import load_payload
+    from megatron.checkpoint_files import load_payload
     stems = glob.glob(os.path.join(root, "iter_0000004", "*", "model_optim_rng.json"))
     assert len(stems) == 1, stems
     return load_payload(stems[0][:-len(".json")])

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpointing import (MANIFEST, TRACKER, find_checkpoint, iteration_dir,
-                                    load_checkpoint, load_payload)
+from megatron.checkpoint_discovery import find_checkpoint
+from megatron.checkpoint_files import MANIFEST, TRACKER, iteration_dir, load_payload
+from megatron.checkpoint_load import load_checkpoint
 from megatron.errors import CheckpointError
 from megatron.parallel_state import ParallelGroups
 from tests.dist_utils import run_distributed

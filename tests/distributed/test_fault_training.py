@@ -136,7 +136,7 @@ def test_nan_under_flush_and_2bw_is_agreed_skipped_and_stops(tmp_path):
 
 def test_skip_monitor_counts_floor_and_calibration():
     from megatron.pipeline.update import StepReport
-    from megatron.training import SkipMonitor
+    from megatron.training_exits import SkipMonitor
 
     def rep(t, skipped, scale=1.0, norm=float("nan")):
         return StepReport(iteration=t, skipped=skipped, grad_norm=norm, loss_scale=scale,
@@ -181,7 +181,7 @@ def test_batches_before_verdict_is_the_first_batch_that_could_stop_the_run():
     away from a streak or the loss-scale floor, not every batch."""
     from megatron.optimizer.grad_scaler import DynamicGradScaler
     from megatron.pipeline.update import StepReport
-    from megatron.training import SkipMonitor
+    from megatron.training_exits import SkipMonitor
 
     def rep(t, skipped, scale=1.0, norm=1.0):
         return StepReport(iteration=t, skipped=skipped, grad_norm=norm, loss_scale=scale,
@@ -218,7 +218,7 @@ def test_batches_before_verdict_is_the_first_batch_that_could_stop_the_run():
 
 
 def test_validation_nan_prints_nan_not_a_ppl(capsys):
-    from megatron.training import evaluate_and_print
+    from megatron.training_loop import evaluate_and_print
 
     class Engine:
         def evaluate(self, it, n):
@@ -676,7 +676,7 @@ def test_parent_death_check_is_off_outside_torchrun(monkeypatch):
 
 def test_fault_checks_drain_2bw_rarely_and_flush_where_a_stop_could_come():
     from megatron.arguments import parse_and_validate
-    from megatron.training import _check_every
+    from megatron.training_loop import _check_every
 
     def cfg(*extra):
         return parse_and_validate(_argv(*extra), world_size=1)[1]
@@ -726,7 +726,7 @@ def test_suspect_weights_are_not_saved_and_a_run_ending_on_them_fails(tmp_path, 
     """fp32, --save-interval 2: a checkpoint whose last step was skipped for NaN is held
     back (the weights produced the NaN), a later good step saves again; a run whose last
     step is skipped exits 1 and leaves the tracker on the last good checkpoint."""
-    from megatron.training import NonFiniteError
+    from megatron.training_exits import NonFiniteError
 
     mid = tmp_path / "mid"
     _train(_argv("--save", str(mid), "--save-interval", "2", "--eval-iters", "0"),

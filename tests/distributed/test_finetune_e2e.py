@@ -82,7 +82,7 @@ def test_finetuning_that_ends_on_nan_steps_fails_and_saves_nothing(tmp_path):
     """lr 1e30: the first step sends the weights to ~1e30 and every later step is skipped
     for a non-finite loss; the run ends on those weights, so it fails and saves nothing
     (it used to save them and exit 0)."""
-    from megatron.training import NonFiniteError
+    from megatron.training_exits import NonFiniteError
     from tasks.main import main
     from tests.distributed.test_bert_harness import REAL
 
@@ -119,7 +119,7 @@ def test_megatron_finetune_script_flags_and_its_time_limit(tmp_path, monkeypatch
     ignored --exit-signal-handler)."""
     import time
 
-    import megatron.training as training
+    import megatron.training_exits as training
     from tasks.main import main
     from tests.distributed.test_bert_harness import REAL
 

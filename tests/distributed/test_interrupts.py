@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.checkpointing import TRACKER, _complete, iteration_dir
+from megatron.checkpoint_files import TRACKER, iteration_dir
+from megatron.checkpoint_files import is_complete as _complete
 from tests.dist_utils import free_port, run_distributed
 from tests.distributed.gpt_harness import TINY
 
@@ -149,12 +150,12 @@ _FAILING_SAVE = textwrap.dedent("""
             return real_stale(root)
         ck._remove_stale = stale
     elif step == "tracker":   # the disk fills up just before the tracker is rewritten
-        real_text = ck._atomic_write_text
+        real_text = ck.atomic_write_text
         def text(path, content):
             if content == "4":
                 fail(path + ".tmp.1")
             return real_text(path, content)
-        ck._atomic_write_text = text
+        ck.atomic_write_text = text
     import pretrain_gpt
     from megatron.entry import run_entry_point
     run_entry_point(pretrain_gpt.main)

@@ -288,7 +288,7 @@ def test_dropout_keeps_replicated_weights_equal_across_tensor_ranks(trained, sav
     import glob
     import os
 
-    from megatron.checkpointing import load_payload
+    from megatron.checkpoint_files import load_payload
     losses = trained[2]["dropout_sp"]["losses"]
     assert sorted(losses) == [1, 2, 3, 4] and all(v == v and v < 10 for v in losses.values())
     stems = sorted(glob.glob(os.path.join(save_dir, "iter_0000004", "*",

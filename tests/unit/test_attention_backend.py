@@ -164,5 +164,5 @@ def test_flag_reaches_the_model_config():
 def test_export_ignores_the_backend():
     """How attention was computed is not part of the model: a checkpoint trained with
     the explicit softmax exports like any other."""
-    from megatron.hf_interop import _check_known_options
-    _check_known_options({"attention_backend": "local", "num_layers": 2})
+    from megatron.hf_export_target import check_known_options
+    check_known_options({"attention_backend": "local", "num_layers": 2})

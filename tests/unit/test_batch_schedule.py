@@ -220,7 +220,8 @@ def test_check_skips_the_sizes_a_resumed_run_has_passed(capsys):
     from types import SimpleNamespace
 
     from megatron.errors import UserError
-    from megatron.training import TrainState, check_batch_schedule
+    from megatron.checkpointing import TrainState
+    from megatron.training_setup import check_batch_schedule
 
     sched = BatchSchedule.from_rampup((16, 16, 5859375), 1536)
     sched.check(1, 32, consumed_samples=6_000_000)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.checkpointing import TrainState, load_for_run, save_checkpoint
+from megatron.checkpoint_load import load_for_run
+from megatron.checkpointing import TrainState, save_checkpoint
 from megatron.config import ModelConfig
 from megatron.errors import CheckpointError
 from megatron.parallel_state import ParallelGroups, RankLayout
@@ -67,7 +68,7 @@ def test_recorded_heads_of_the_wrong_type_are_one_error(tmp_path):
     CheckpointError naming the flag, not a TypeError traceback."""
     saved = {"model": dict(num_layers=4, hidden_size=32, num_attention_heads="4",
                            kv_channels=None)}
-    from megatron.checkpointing import check_model_shape
+    from megatron.checkpoint_shape import check_model_shape
     with pytest.raises(CheckpointError, match="--num-attention-heads 4 in the checkpoint"):
         check_model_shape("ck", saved, _model())
 
@@ -78,7 +79,7 @@ def test_malformed_recorded_config_is_one_error(tmp_path):
     import json
     import os
 
-    from megatron.checkpointing import read_saved_config
+    from megatron.checkpoint_discovery import read_saved_config
     _save(tmp_path, _model(), range(0, 4))
     js = os.path.join(tmp_path, "iter_0000002", "mp_rank_00", "model_optim_rng.json")
     doc = json.load(open(js))
@@ -92,7 +93,7 @@ def test_load_of_an_iteration_directory_names_its_parent(tmp_path):
     """--load CKPT/iter_0000002 (the path a save prints) is not a fresh start: it names
     the checkpoint directory to pass instead, for the trainer and the tool alike."""
     from megatron.checkpoint_merge import read_checkpoint
-    from megatron.checkpointing import find_checkpoint
+    from megatron.checkpoint_discovery import find_checkpoint
     _save(tmp_path / "ck", _model(), range(0, 4))
     inner = str(tmp_path / "ck" / "iter_0000002")
     for call in (find_checkpoint, read_checkpoint):

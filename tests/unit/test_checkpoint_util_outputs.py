@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from megatron.checkpointing import TRACKER, find_checkpoint  # noqa: E402
+from megatron.checkpoint_discovery import find_checkpoint  # noqa: E402
+from megatron.checkpoint_files import TRACKER  # noqa: E402
 from megatron.errors import CheckpointError, UserError  # noqa: E402
 from tests.unit.test_tasks_checkpoint_util import _trained_full_state_checkpoint  # noqa: E402
 from tests.unit.test_untrusted_files import _hf_dir  # noqa: E402
@@ -149,7 +150,7 @@ def test_to_hf_is_renamed_into_place_when_complete(tmp_path, capsys, monkeypatch
     ck = _gpt_checkpoint(tmp_path)
     out = tmp_path / "exports" / "hf_out"
     out.parent.mkdir()
-    real = hf_interop._tokenizer_files
+    real = hf_interop.tokenizer_files
     seen = {}
 
     def tokenizer_files(data_cfg, where, n_positions):  # the last file written
@@ -157,7 +158,7 @@ def test_to_hf_is_renamed_into_place_when_complete(tmp_path, capsys, monkeypatch
         seen["out_exists"] = out.exists()
         return real(data_cfg, where, n_positions)
 
-    monkeypatch.setattr(hf_interop, "_tokenizer_files", tokenizer_files)
+    monkeypatch.setattr(hf_interop, "tokenizer_files", tokenizer_files)
     main(["--load", ck, "--to-hf", str(out)])
     assert seen["out_exists"] is False and seen["files"] == ["config.json", "model.safetensors"]
     assert os.path.dirname(seen["where"]) == str(out.parent)  # a sibling: one rename
@@ -177,7 +178,7 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise RuntimeError("killed while writing")
 
-    monkeypatch.setattr(hf_interop, "_tokenizer_files", crash)
+    monkeypatch.setattr(hf_interop, "tokenizer_files", crash)
     out = tmp_path / "exports" / "hf_out"
     with pytest.raises(RuntimeError, match="killed while writing"):
         main(["--load", ck, "--to-hf", str(out)])

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpointing import (MANIFEST, TRACKER, TrainState, check_model_shape,
-                                    find_checkpoint, iteration_dir, load_checkpoint,
-                                    load_payload, payload_exists, rank_dir, read_tracker,
-                                    save_checkpoint, save_payload)
+from megatron.checkpoint_discovery import find_checkpoint
+from megatron.checkpoint_files import (MANIFEST, TRACKER, iteration_dir, load_payload, rank_dir,
+                                       read_tracker)
+from megatron.checkpoint_load import load_checkpoint
+from megatron.checkpoint_payload import payload_exists
+from megatron.checkpoint_shape import check_model_shape
+from megatron.checkpointing import TrainState, save_checkpoint, save_payload
 from megatron.config import ModelConfig
 from megatron.errors import CheckpointError
 from megatron.parallel_state import ParallelGroups, RankLayout

@@ -141,7 +141,7 @@ def test_compile_layers_compiles_each_layer_in_place(monkeypatch):
 def test_trainer_prints_the_fp16_warning_once_on_rank_0(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from megatron import initialize, training
+    from megatron import initialize, training_setup as training
 
     monkeypatch.setattr(initialize, "half_matmul_slowdown", lambda dtype: 12.5)
     cfg = SimpleNamespace(model=SimpleNamespace(params_dtype=torch.float16))

@@ -246,7 +246,7 @@ def test_the_flag_is_parsed_and_noted_without_half_precision():
 
 def test_a_checkpoint_loads_with_either_value():
     """Numerics, not shape: a checkpoint saved with the flag loads without it and back."""
-    from megatron.checkpointing import check_model_shape
+    from megatron.checkpoint_shape import check_model_shape
     from tests.unit.test_model_options import _saved
 
     on, off = _config(), _config(fp32_residual_connection=False)

@@ -16,7 +16,7 @@ pytest.importorskip("safetensors")
 from megatron.checkpointing import save_payload  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.errors import CheckpointError, UserError  # noqa: E402
-from megatron.hf_interop import qkv_hf_to_ours, qkv_ours_to_hf  # noqa: E402
+from megatron.hf_layouts import qkv_hf_to_ours, qkv_ours_to_hf  # noqa: E402
 from megatron.model.bert_model import BertModel  # noqa: E402
 from megatron.model.gpt_model import GPTModel  # noqa: E402
 from megatron.tensor_parallel import TPInfo  # noqa: E402
@@ -116,14 +116,14 @@ def test_bert_export_loads_as_megatron_bert_with_our_logits(tmp_path):
 
 
 def test_gpt2_tokenizer_files_are_written(tmp_path):
-    from megatron.hf_interop import _tokenizer_files
+    from megatron.hf_tokenizer_files import tokenizer_files
 
     data = {"tokenizer_type": "GPT2BPETokenizer",
             "vocab_file": os.path.join(GPT2_DIR, "encoder.json"),
             "merge_file": os.path.join(GPT2_DIR, "vocab.bpe")}
     if not os.path.isfile(data["vocab_file"]):
         pytest.skip("shared GPT-2 vocabulary not available")
-    note = _tokenizer_files(data, str(tmp_path), 1024)
+    note = tokenizer_files(data, str(tmp_path), 1024)
     assert "vocab.json" in note and "merges.txt" in note
     tok = transformers.GPT2Tokenizer.from_pretrained(str(tmp_path))
     assert tok("Hello world, it's me.")["input_ids"] == [15496, 995, 11, 340, 338, 502, 13]

@@ -27,7 +27,8 @@ from megatron.checkpointing import save_payload  # noqa: E402
 from megatron.config import ModelConfig  # noqa: E402
 from megatron.errors import CheckpointError  # noqa: E402
 from megatron.hf_import import import_hf  # noqa: E402
-from megatron.hf_interop import export_hf, qkv_groups_to_ours, qkv_ours_to_groups  # noqa: E402
+from megatron.hf_interop import export_hf  # noqa: E402
+from megatron.hf_layouts import qkv_groups_to_ours, qkv_ours_to_groups  # noqa: E402
 from megatron.model.bert_model import BertModel  # noqa: E402
 from megatron.model.gpt_model import GPTModel  # noqa: E402
 from megatron.tensor_parallel import TPInfo  # noqa: E402
@@ -320,7 +321,7 @@ def test_printed_flags_build_the_recorded_model(tmp_path, capsys, kind):
     (also with --qk-layernorm, --kv-channels and --use-rope-scaling: a Qwen3 with Llama
     3.1's RoPE scaling, which transformers' Qwen3 computes too)."""
     from megatron.arguments import build_config, parse_args, validate_args
-    from megatron.checkpointing import check_model_shape
+    from megatron.checkpoint_shape import check_model_shape
 
     if kind == "llama":
         _, path = _hf_llama(tmp_path, num_key_value_heads=2)
@@ -550,7 +551,7 @@ def test_export_refuses_a_recorded_option_it_does_not_know(tmp_path, capsys):
     """A key of the recorded model config that the export does not map is refused with
     one line unless it has its default: an option added to the trainer later (or by a
     newer version) never vanishes silently from an exported model."""
-    from megatron.hf_interop import _EXPORT_IGNORES, _EXPORT_READS
+    from megatron.hf_export_target import EXPORT_IGNORES, EXPORT_READS
 
     cfg = _cfg(num_query_groups=2, add_bias_linear=False)
     model = GPTModel(cfg, TP, seed=1)
@@ -566,8 +567,8 @@ def test_export_refuses_a_recorded_option_it_does_not_know(tmp_path, capsys):
     # every field of ModelConfig is either written (or refused) or known not to matter,
     # so a field added to it must be placed in one of the two here
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    assert fields == _EXPORT_READS | _EXPORT_IGNORES
-    assert not _EXPORT_READS & _EXPORT_IGNORES
+    assert fields == EXPORT_READS | EXPORT_IGNORES
+    assert not EXPORT_READS & EXPORT_IGNORES
 
 
 def test_export_refuses_a_tensor_its_record_does_not_account_for(tmp_path, capsys):

@@ -139,12 +139,12 @@ def test_bert_export_refusals(tmp_path, capsys, kw, expected):
 def test_every_new_field_is_read_or_ignored_by_the_export():
     """A ModelConfig field neither mapped nor ignored would make every export with it
     fail with the generic 'does not know' error: each new one is placed on purpose."""
-    from megatron.hf_interop import _EXPORT_IGNORES, _EXPORT_READS
+    from megatron.hf_export_target import EXPORT_IGNORES, EXPORT_READS
 
-    assert "init_method_xavier_uniform" in _EXPORT_IGNORES
+    assert "init_method_xavier_uniform" in EXPORT_IGNORES
     for name in ("squared_relu", "rotary_interleaved", "rotary_seq_len_interpolation_factor",
                  "apply_residual_connection_post_layernorm"):
-        assert name in _EXPORT_READS, name
+        assert name in EXPORT_READS, name
     record = _record(_cfg())
-    assert set(record) <= _EXPORT_READS | _EXPORT_IGNORES, set(record) - (_EXPORT_READS
-                                                                           | _EXPORT_IGNORES)
+    assert set(record) <= EXPORT_READS | EXPORT_IGNORES, set(record) - (EXPORT_READS
+                                                                           | EXPORT_IGNORES)

@@ -494,7 +494,8 @@ def test_printed_flags_build_the_recorded_model(tmp_path, capsys):
     """The printed command line parses, and a run with it finds the checkpoint's shape
     (the check --load makes before loading)."""
     from megatron.arguments import parse_and_validate
-    from megatron.checkpointing import check_model_shape, read_saved_config
+    from megatron.checkpoint_discovery import read_saved_config
+    from megatron.checkpoint_shape import check_model_shape
 
     spec = _spec(bert=False, tp=2, layers=4, hidden=32, heads=4, groups=2, kv=8, ffn=48,
                  rms=True, bias=False, swiglu=True, untied=True, binary=False, rope=True,
@@ -771,7 +772,7 @@ def test_flag_combinations(tmp_path, capsys):
 def test_trainer_load_of_a_megatron_lm_file_points_at_the_import(tmp_path):
     """--load (the trainer's pickle path) of a Megatron-LM file names --from-megatron,
     without the flag and, with it, when the file's args (argparse.Namespace) are refused."""
-    from megatron.checkpointing import load_payload
+    from megatron.checkpoint_files import load_payload
     from megatron.errors import CheckpointError
 
     _, src = _small(tmp_path)

@@ -322,7 +322,7 @@ def test_bert_refuses_the_options_at_argument_time():
 
 # ------------------------------------------------------------------ checkpoints
 def test_checkpoint_of_another_block_is_refused_naming_the_flags():
-    from megatron.checkpointing import check_model_shape
+    from megatron.checkpoint_shape import check_model_shape
     from megatron.errors import CheckpointError
 
     run = _config(num_query_groups=2, **LLAMA)

@@ -171,7 +171,7 @@ def test_interleaved_attention_is_rotate_half_on_reordered_heads():
     """The model-level identity the transformers export relies on: a GPT with
     interleaved RoPE computes what a rotate-half GPT computes when each query/key head's
     rows are reordered [even dims, odd dims]."""
-    from megatron.hf_interop import rotate_half_order
+    from megatron.hf_layouts import rotate_half_order
 
     cfg = _config(position_embedding_type="rope", rotary_interleaved=True,
                   num_query_groups=2, qk_layernorm=True)
@@ -360,7 +360,7 @@ def _saved(cfg: ModelConfig, drop=()) -> dict:
      "--rotary-interleaved off in the checkpoint, on in this run"),
 ])
 def test_resuming_with_another_option_is_refused(saved_kw, run_kw, flag):
-    from megatron.checkpointing import check_model_shape
+    from megatron.checkpoint_shape import check_model_shape
 
     with pytest.raises(CheckpointError) as info:
         check_model_shape("ckpt", _saved(_config(**saved_kw)), _config(**run_kw))
@@ -370,7 +370,7 @@ def test_resuming_with_another_option_is_refused(saved_kw, run_kw, flag):
 def test_old_checkpoints_and_init_only_options_load():
     """A checkpoint from before the options (no keys) is of the default block; the
     initialiser is not the model's shape (the weights come from the checkpoint)."""
-    from megatron.checkpointing import check_model_shape
+    from megatron.checkpoint_shape import check_model_shape
 
     new_keys = ("squared_relu", "apply_residual_connection_post_layernorm",
                 "rotary_interleaved", "rotary_seq_len_interpolation_factor",

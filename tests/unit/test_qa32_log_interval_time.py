@@ -19,7 +19,8 @@ def test_evaluation_and_saves_are_not_counted_as_iteration_time(tmp_path, monkey
     import torch
 
     import pretrain_gpt
-    import megatron.training as training
+    import megatron.training_loop as training
+    from megatron.training import pretrain
 
     evaluate, save = training.evaluate_and_print, training._save_checked
 
@@ -40,11 +41,11 @@ def test_evaluation_and_saves_are_not_counted_as_iteration_time(tmp_path, monkey
     torch.set_num_threads(1)  # iterations of steady length on a machine shared with others
     try:
         with contextlib.redirect_stdout(out):
-            training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                              pretrain_gpt.forward_step,
-                              argv=TINY + ["--train-iters", "3", "--log-interval", "1",
-                                           "--eval-interval", "2", "--save",
-                                           str(tmp_path / "ck"), "--save-interval", "2"])
+            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                     pretrain_gpt.forward_step,
+                     argv=TINY + ["--train-iters", "3", "--log-interval", "1",
+                                  "--eval-interval", "2", "--save",
+                                  str(tmp_path / "ck"), "--save-interval", "2"])
     finally:
         torch.set_num_threads(threads)
     ms = {int(i): float(t) for i, t in re.findall(

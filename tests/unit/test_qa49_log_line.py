@@ -106,7 +106,7 @@ def test_tensorboard_tags_and_steps_are_megatrons():
 
 
 def test_validation_and_test_lines_and_scalars(capsys):
-    from megatron.training import evaluate_and_print
+    from megatron.training_loop import evaluate_and_print
 
     class Engine:
         def evaluate(self, it, n):
@@ -130,7 +130,7 @@ def test_validation_and_test_lines_and_scalars(capsys):
 
 
 def test_ppl_is_clamped_at_exp_20(capsys):
-    from megatron.training import evaluate_and_print
+    from megatron.training_loop import evaluate_and_print
 
     class Engine:
         def evaluate(self, it, n):

@@ -60,7 +60,7 @@ def _train(log, n, skipped=(), gbs=8):
 
 
 def _validate(log, iteration=4, samples=32):
-    from megatron.training import evaluate_and_print
+    from megatron.training_loop import evaluate_and_print
 
     class Engine:
         def evaluate(self, it, n):

@@ -64,7 +64,7 @@ def ckpt(tmp_path_factory):
 
 
 def _model(ckpt):
-    from megatron.checkpointing import load_payload
+    from megatron.checkpoint_files import load_payload
     from megatron.config import ModelConfig
     from megatron.model import GPTModel
     from megatron.tensor_parallel import TPInfo

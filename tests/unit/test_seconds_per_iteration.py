@@ -7,7 +7,7 @@ import time
 
 import torch
 
-import megatron.training as training
+import megatron.training_loop as training
 
 ARGV = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "96",

@@ -75,7 +75,7 @@ def _direct_total_loss(ckpt: str, tokens, seq: int, stride: int) -> float:
                       padded_vocab_size=320, hidden_dropout=0.0, attention_dropout=0.0,
                       params_dtype=torch.float64)
     model = GPTModel(cfg, TPInfo.single(), seed=0)
-    from megatron.checkpointing import load_payload
+    from megatron.checkpoint_files import load_payload
 
     payload = load_payload(os.path.join(ckpt, "iter_0000001", "mp_rank_00", "model_optim_rng"))
     model.load_state_dict(payload["model"])

@@ -264,7 +264,7 @@ def test_training_records_the_null_tokenizer_vocabulary(tmp_path):
     import sys
     from pathlib import Path
 
-    from megatron.checkpointing import read_saved_config
+    from megatron.checkpoint_discovery import read_saved_config
 
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DEBUG"}

@@ -103,9 +103,9 @@ def test_preprocess_writes_the_bytes_gpt2bpe_writes(gpt2_dir, tmp_path):
 
 
 def test_export_writes_a_tokenizer_that_loads_back(gpt2_dir, tmp_path):
-    from megatron.hf_interop import _tokenizer_files
+    from megatron.hf_tokenizer_files import tokenizer_files
 
-    note = _tokenizer_files({"tokenizer_type": "HuggingFaceTokenizer",
+    note = tokenizer_files({"tokenizer_type": "HuggingFaceTokenizer",
                              "tokenizer_model": str(gpt2_dir)}, str(tmp_path), 64)
     assert note.startswith("tokenizer files (HuggingFaceTokenizer") and "tokenizer_config.json" in note
     back = HuggingFaceTokenizer(str(tmp_path))

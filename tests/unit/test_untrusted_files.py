@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpointing import (TRACKER, check_model_payload, check_state_fits,
-                                    load_checkpoint, load_payload, read_manifest, read_tracker,
-                                    save_payload, write_manifest)
+from megatron.checkpoint_files import (TRACKER, load_payload, read_manifest, read_tracker,
+                                       write_manifest)
+from megatron.checkpoint_load import check_model_payload, load_checkpoint
+from megatron.checkpoint_shape import check_state_fits
+from megatron.checkpointing import save_payload
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
 from megatron.errors import CheckpointError, DataError, UserError
 from megatron.parallel_state import ParallelGroups
@@ -648,14 +650,14 @@ def test_load_errors_every_rank_shares_print_once_per_node(monkeypatch):
     """load_for_run gathers every rank's finding: one text on all ranks (another shape or
     layout, found alike) is marked for one line per node; different texts (each rank's
     own damaged file) still print on each rank."""
-    import megatron.checkpointing as ckpt
+    import megatron.checkpoint_load as ckpt
 
     def boom(root):
         raise CheckpointError("--load ck: the checkpoint is of another model shape")
     monkeypatch.setattr(ckpt, "find_checkpoint", boom)
     for gathered, alike in ((["same", "same"], True), (["same", None], True),
                             (["mine", "yours"], False)):
-        monkeypatch.setattr(ckpt, "_gather", lambda error, g=gathered: list(g))
+        monkeypatch.setattr(ckpt, "gather", lambda error, g=gathered: list(g))
         with pytest.raises(CheckpointError) as info:
             ckpt.load_for_run("ck", None, None)
         assert info.value.every_rank_alike is alike, gathered
