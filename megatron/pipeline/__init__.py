@@ -4,6 +4,7 @@
 * ``validate``/``simulator``: checks and cost-model runs of those lists, no processes.
 * ``engine``: runs one rank's list on real process groups (``PipelineEngine``),
   dispatching each action to its handler.
+* ``stage_plan``: the stage's list of each segment shape, built once (``StagePlans``).
 * ``update``: the gradient sums and optimizer steps those handlers start (``Updater``).
 * ``weights``: the one or two weight buffers of a stage (2BW's double buffering).
 * ``grad_reduction``/``param_gather``: bucketed data-parallel gradient reduction

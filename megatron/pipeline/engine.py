@@ -1,6 +1,7 @@
 """The executor: runs one rank's action list on real process groups.
 
-The schedule (``megatron.pipeline.schedules.build_schedule``) says what this stage does
+The schedule (``megatron.pipeline.schedules.build_schedule``, this stage's list of each
+segment shape built once by ``megatron.pipeline.stage_plan``) says what this stage does
 and in which order; the engine only dispatches each action to a small handler.  It is
 model-agnostic: a microbatch is processed by the trainer's
 ``forward_step(data_iterator, model) -> (output, loss_fn)``; on the last stage
@@ -34,7 +35,7 @@ from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
 from megatron.pipeline.p2p import P2PCommunicator, available_cores, prepost_pays
 from megatron.pipeline.param_gather import gather_hooks
-from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.stage_plan import StagePlan, StagePlans
 from megatron.pipeline.update import StepReport, Updater
 from megatron.pipeline.weights import WeightBuffers
 
@@ -115,6 +116,8 @@ class PipelineEngine:
         self.per_token_loss = per_token_loss
         self.fault_injection = fault_injection
         self.stage = groups.pp_rank
+        self.plans = StagePlans(self.stage)
+        """This stage's action lists of the segment shapes last run (built once each)."""
         self.num_stages = groups.pp_size
         self.is_first = groups.is_first_stage
         self.is_last = groups.is_last_stage
@@ -265,8 +268,8 @@ class PipelineEngine:
                 self.optimizer.wait_gathers()
                 self.weights.sync_all_from(self.latest_buffer)  # 2BW starts from W(N)
             self.updater.start_schedule(name, self.iteration)
-            actions = build_schedule(name, self.num_stages, self.num_microbatches,
-                                     stop - self.iteration)
+            plan = self.plans.get(name, self.num_stages, self.num_microbatches,
+                                  stop - self.iteration)
             seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator,
                            train=True)
             self.model.train()
@@ -275,7 +278,7 @@ class PipelineEngine:
             # short segments (down to one batch as a streak of skipped steps nears its
             # limit, see training.SkipMonitor.batches_before_verdict), which would
             # otherwise count every batch.
-            self._run(actions, seg)
+            self._run(plan, seg)
             reports += seg.reports
         self.optimizer.wait_gathers()  # checkpoints and evaluation read every weight
         self.install_latest()
@@ -284,8 +287,8 @@ class PipelineEngine:
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator[Any], num_batches: int) -> Optional[Dict[str, float]]:
         """Forward-only passes with the newest weights; mean losses on the last stage."""
-        actions = build_schedule(self.schedule_name, self.num_stages, self.eval_microbatches,
-                                 num_batches, forward_only=True)
+        plan = self.plans.get(self.schedule_name, self.num_stages, self.eval_microbatches,
+                              num_batches, forward_only=True)
         seg = _Segment(start_iteration=self.iteration, data_iterator=data_iterator, train=False)
         self.model.eval()
         self.install_latest()
@@ -293,7 +296,7 @@ class PipelineEngine:
         try:
             with (true_weights(self.weights.params(self.latest_buffer)) if true_weights
                   else contextlib.nullcontext()):
-                self._run(actions, seg)
+                self._run(plan, seg)
         finally:
             self.model.train()
         if not self.is_last:
@@ -311,22 +314,18 @@ class PipelineEngine:
         return self.tracker.stats.as_dict()
 
     # -- the dispatch loop ---------------------------------------------------------------
-    def _run(self, actions: List[List[Action]], seg: _Segment) -> None:
-        mine = actions[self.stage]
-        seg.fetches_left = sum(1 for a in mine if a.op is Op.FORWARD)
-        self.updater.expect_rounds(sum(1 for a in mine if a.op is Op.REDUCE_GRADS),
-                                   sum(1 for a in mine if a.op is Op.STEP))
-        self.p2p.expect_receives(sum(1 for a in mine if a.op is Op.RECV_ACT),
-                                 sum(1 for a in mine if a.op is Op.RECV_GRAD))
+    def _run(self, plan: StagePlan, seg: _Segment) -> None:
+        seg.fetches_left = plan.forwards
+        self.updater.expect_rounds(plan.reduces, plan.steps)
+        self.p2p.expect_receives(plan.act_receives, plan.grad_receives)
         self._seg = seg
         try:
-            self._run_actions(actions, mine, seg)
+            self._run_actions(plan, seg)
         finally:
             self._seg = None
 
-    def _run_actions(self, actions: List[List[Action]], mine: List[Action],
-                     seg: _Segment) -> None:
-        for index, action in enumerate(mine):
+    def _run_actions(self, plan: StagePlan, seg: _Segment) -> None:
+        for index, action in enumerate(plan.actions):
             start = time.perf_counter()
             # this thread's CPU time: wall minus CPU of a compute action is time the
             # stage was descheduled (CPU contention), not work
@@ -340,7 +339,8 @@ class PipelineEngine:
             except (PipelineError, UserError):
                 raise  # a bad token id or file is the user's to fix: no schedule grid
             except Exception as exc:
-                raise PipelineError(self._report_failure(actions, index, action, exc)) from exc
+                raise PipelineError(self._report_failure(plan.full_schedule(), index, action,
+                                                         exc)) from exc
             if self.trace_enabled:
                 self._trace(action, seg, start, time.perf_counter(),
                             time.thread_time() - cpu_start)

@@ -261,3 +261,15 @@ def test_document_masks_quick(tmp_path: Path) -> None:
     for r in rows.values():  # the counter saw exactly the mask the planner charges
         assert r["extra_bytes"] == r["expected_extra_bytes"] > 0
         assert r["s_per_iter_causal"] > 0 and r["s_per_iter_mask"] > 0
+
+
+def test_segment_setup_quick(tmp_path: Path) -> None:
+    data = _quick("segment_setup", tmp_path)
+    rows = data["rows"]
+    assert [(r["schedule"], r["d"], r["m"], r["batches"], r["forward_only"]) for r in rows] == [
+        ("flush", 2, 4, 10, False), ("2bw", 2, 4, 20, False), ("2bw", 4, 8, 10, True)]
+    for r in rows:
+        assert r["build_seconds"] > 0 and r["cached_seconds"] > 0
+        assert r["build_seconds_per_batch"] == pytest.approx(r["build_seconds"] / r["batches"])
+        # one stage's list is kept, not every stage's
+        assert 0 < r["stage_bytes"] < r["all_stages_bytes"]
