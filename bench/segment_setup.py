@@ -38,7 +38,8 @@ from megatron.pipeline.stage_plan import StagePlans  # noqa: E402
 
 FULL = [("flush", 4, 8, 10, False), ("2bw", 4, 8, 100, False),
         ("flush", 8, 64, 10, False), ("2bw", 8, 32, 100, False),
-        ("2bw", 8, 64, 100, False), ("flush", 8, 64, 10, True)]
+        ("2bw", 8, 64, 100, False), ("flush", 8, 64, 10, True),
+        ("2bw", 16, 128, 100, False)]  # tools/plan.py's pick for GPT-3.8B on 64 V100s
 QUICK = [("flush", 2, 4, 10, False), ("2bw", 2, 4, 20, False), ("2bw", 4, 8, 10, True)]
 
 
