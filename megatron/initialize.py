@@ -112,6 +112,10 @@ class LaunchError(UserError):
         self.exit_code = exit_code
 
 
+_STORE_CLOSED = ("Connection was likely closed", "Connection reset by peer", "Broken pipe")
+"""How a TCPStore client's wait reports that the store's host went away."""
+
+
 def _rendezvous_error(exc: BaseException, env: "DistributedEnv",
                       timeout_minutes: float) -> Optional[LaunchError]:
     """``init_process_group``'s store errors as one line naming the variables and the
@@ -133,6 +137,32 @@ def _rendezvous_error(exc: BaseException, env: "DistributedEnv",
             f"{where} within --distributed-timeout-minutes {timeout_minutes:g}: a rank did "
             f"not start, failed before joining, or was given another MASTER_ADDR, "
             f"MASTER_PORT or WORLD_SIZE (see its own log)", exit_code=1)
+    if "wait timeout" in text.lower() and "keys:" in text:
+        # the store is up (torchrun's agent holds it, or rank 0 does) but a rank never
+        # wrote its address there: under torchrun, another node whose workers failed
+        # before joining (a mistyped flag on that node) or never started
+        missing = _rank_of_store_key(text.split("keys:", 1)[1])
+        who = f"rank {missing}" if missing is not None else "a peer rank"
+        err = LaunchError(
+            f"rank {env.rank}: {who} of WORLD_SIZE={env.world_size} did not join the job "
+            f"within --distributed-timeout-minutes {timeout_minutes:g} ({where}): its "
+            f"node's torchrun did not start, or its workers failed before joining (a bad "
+            f"flag or file on that node: see that node's own error line), or it was given "
+            f"another --nnodes, --nproc-per-node or master address", exit_code=1)
+        # every waiting rank of a node meets it at the same moment: one line per node
+        err.every_rank_alike = _launcher_numbers_local_ranks()
+        return err
+    if any(words in text for words in _STORE_CLOSED):
+        # the store's host exited while this rank waited in it: under torchrun node 0's
+        # agent, which exits as soon as its own workers fail (a mistyped flag on node 0,
+        # the --save directory in use)
+        err = LaunchError(
+            f"rank {env.rank}: the rendezvous store at {where} closed before every rank "
+            f"joined: the process holding it exited (under torchrun, node 0's agent, "
+            f"which stops when its own workers fail: see node 0's own error line)",
+            exit_code=1)
+        err.every_rank_alike = _launcher_numbers_local_ranks()
+        return err
     if "timed out" in text.lower() and ("connect" in text.lower() or "client" in text.lower()):
         return LaunchError(
             f"rank {env.rank}: could not reach rank 0 at {where} within "
@@ -140,6 +170,22 @@ def _rendezvous_error(exc: BaseException, env: "DistributedEnv",
             f"failed before listening, or runs with another MASTER_ADDR / MASTER_PORT "
             f"(see its own log)", exit_code=1)
     return None
+
+
+def _launcher_numbers_local_ranks() -> bool:
+    """LOCAL_RANK is set (torchrun): an error every rank of a node meets may be left to
+    its local rank 0.  A hand launch without it counts RANK 0 as that rank, which may be
+    the very rank that is missing, so there every rank prints its own line."""
+    return "LOCAL_RANK" in os.environ
+
+
+def _rank_of_store_key(keys: str) -> Optional[int]:
+    """The rank a gloo rendezvous key names (its last path component, as in
+    ``/default_pg/0//cpu//0/2``: the address of rank 2, which rank 0 waited for), or None
+    when the text holds no such key (another backend's keys name no rank this way)."""
+    first = keys.strip().split(",")[0].strip().strip("[]").strip()
+    last = first.rsplit("/", 1)[-1]
+    return int(last) if "/cpu/" in first and last.isdigit() else None
 
 
 def check_same_command_line(mine: Optional[Dict[str, object]]) -> None:

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -43,7 +42,7 @@ from megatron.data.dataset_utils import (alike_on_every_rank, build_per_split_da
                                          cache_key, check_token_ids, empty_split_error,
                                          index_cache_dir, load_cached_arrays, open_prefix,
                                          parse_data_path, save_npy_atomic, split_boundaries,
-                                         write_text_atomic)
+                                         warn_cache_not_written, write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
@@ -424,8 +423,7 @@ def _mapping(name: str, ds: IndexedDataset, docs: np.ndarray, num_samples: int,
                           json.dumps(description, indent=2, sort_keys=True))
         save_npy_atomic(path, mapping)
     except OSError as exc:
-        warnings.warn(f"could not cache the BERT sample mapping in {cache} ({exc}); it will be "
-                      f"rebuilt next run. Point --data-cache-path at a writable directory.")
+        warn_cache_not_written("BERT sample mappings", cache, exc)
     return mapping, False
 
 

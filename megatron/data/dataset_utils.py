@@ -5,11 +5,13 @@ in ``helpers.cpp`` compute; tests compare the two on random inputs.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -300,6 +302,26 @@ def index_cache_dir(prefix: str, data_cache_path: Optional[str]) -> Path:
     return Path(prefix).resolve().parent / "cache"
 
 
+_UNWRITABLE_CACHES: set = set()
+"""Cache directories this process has already warned about."""
+
+
+def warn_cache_not_written(what: str, cache: Path, exc: OSError) -> None:
+    """The index arrays were built but could not be written to ``cache``: one ``warning:``
+    line per node (every rank of a node meets the same directory, and each node may
+    have a file system of its own), once per directory; it was a Python warning, with
+    its source line, on every rank."""
+    from megatron.errors import prints_for_its_node
+
+    if str(cache) in _UNWRITABLE_CACHES:
+        return
+    _UNWRITABLE_CACHES.add(str(cache))
+    if prints_for_its_node():
+        print(f"warning: could not cache {what} in {cache} ({exc}); they are rebuilt at every "
+              f"start. Point --data-cache-path at a writable directory", file=sys.stderr,
+              flush=True)
+
+
 def cache_key(description: Dict) -> str:
     """Stable short hash of the parameters that determine an index."""
     text = json.dumps(description, sort_keys=True)
@@ -308,15 +330,44 @@ def cache_key(description: Dict) -> str:
 
 def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     """np.save to a temporary name then rename, so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with _atomic_file(path) as f:
         np.save(f, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    with _atomic_file(path) as f:
+        f.write(text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def _atomic_file(path: Path):
+    """A binary file written under a name no other writer uses, renamed to ``path`` when
+    complete (removed if the write fails).
+
+    Every rank builds the same index arrays and writes them to the same cache directory,
+    which on a cluster is often one file system shared by all nodes.  A temporary name
+    made of the pid alone is not unique there: nodes run in containers of their own
+    start their workers with the same pids, so two nodes wrote into one temporary file
+    at once, one truncating what the other had written, and the second's rename failed
+    (the file was already gone).  ``mkstemp`` creates the name exclusively (O_EXCL)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide it from other users
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@functools.lru_cache(maxsize=None)
+def _umask() -> int:
+    """The process's umask (read once: reading it means setting it for a moment)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import sys
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -35,7 +34,7 @@ from megatron.data.dataset_utils import (alike_on_every_rank, build_per_split_da
                                          cache_key, check_token_ids, empty_split_error,
                                          index_cache_dir, load_cached_arrays, open_prefix,
                                          parse_data_path, save_npy_atomic, split_boundaries,
-                                         write_text_atomic)
+                                         warn_cache_not_written, write_text_atomic)
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.errors import DataError
 
@@ -174,8 +173,7 @@ def _index_mappings(name: str, ds: IndexedDataset, documents: np.ndarray, num_sa
         save_npy_atomic(paths["sample"], sample_idx)
         save_npy_atomic(paths["shuffle"], shuffle_idx)
     except OSError as exc:
-        warnings.warn(f"could not cache dataset indices in {cache} ({exc}); they will be "
-                      f"rebuilt next run. Point --data-cache-path at a writable directory.")
+        warn_cache_not_written("dataset indices", cache, exc)
     return doc_idx, sample_idx, shuffle_idx, False
 
 
