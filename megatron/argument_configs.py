@@ -15,6 +15,7 @@ from megatron.config import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
+    ProfileOptions,
     TensorBoardOptions,
     TrainingConfig,
 )
@@ -158,6 +159,11 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
     training.tensorboard = _tensorboard_options(args)
+    if getattr(args, "profile", False):  # an entry point's own parser may lack it
+        training.profile = ProfileOptions(
+            start=args.profile_step_start, end=args.profile_step_end,
+            ranks=tuple(args.profile_ranks), pytorch=args.use_pytorch_profiler,
+            trace_dir=args.profile_dir or args.tensorboard_dir)
     return training
 
 

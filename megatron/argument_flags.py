@@ -472,9 +472,35 @@ def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
                    help="Layers per chunk (uniform) or checkpointed layers per stage (block).")
 
 
+def _add_profile_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("profiling",
+                                  "Megatron-LM's profiler window (megatron/profiling.py)")
+    g.add_argument("--profile", action="store_true",
+                   help="Profile batches --profile-step-start to --profile-step-end - 1 on "
+                        "--profile-ranks: with --use-pytorch-profiler, torch.profiler writes "
+                        "a trace per rank under --profile-dir or --tensorboard-dir; without "
+                        "it (CUDA only) "
+                        "the window is cudaProfilerStart/Stop with NVTX ranges, for nsys "
+                        "profile --capture-range=cudaProfilerApi.")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="With --profile: torch.profiler (CPU and CUDA activity, shapes, "
+                        "stacks), a Chrome/TensorBoard trace per profiled rank.")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="First profiled batch (0-based iteration, as in the log).")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="Profiling stops once this many batches are done (exclusive).")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK",
+                   help="Global ranks that profile (default: 0).")
+    g.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="Where --use-pytorch-profiler writes its traces (default: "
+                        "--tensorboard-dir, Megatron-LM's place; this one needs no "
+                        "tensorboard package).")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the trainer's flag groups to ``parser``, in ``--help`` order."""
     for add in (_add_model_args, _add_batch_args, _add_parallel_args, _add_pipeline_args,
                 _add_precision_args, _add_optimizer_args, _add_checkpoint_args,
-                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args):
+                _add_logging_args, _add_data_args, _add_recompute_args, _add_fault_args,
+                _add_profile_args):
         add(parser)

@@ -420,6 +420,19 @@ class TensorBoardOptions:
     world_size: bool = False
 
 
+@dataclass(frozen=True)
+class ProfileOptions:
+    """Megatron-LM's --profile window (``megatron.profiling.StepProfiler``): batches
+    ``start`` <= t < ``end`` on global ``ranks``; ``pytorch``: torch.profiler traces under
+    ``trace_dir``, else (CUDA) cudaProfilerStart/Stop with NVTX ranges for nsys."""
+
+    start: int = 10
+    end: int = 12
+    ranks: Tuple[int, ...] = (0,)
+    pytorch: bool = False
+    trace_dir: Optional[str] = None
+
+
 @dataclass(kw_only=True)
 class TrainingConfig:
     """Batches, length of training, logging, evaluation and checkpoints."""
@@ -474,6 +487,8 @@ class TrainingConfig:
     measure_memory_interval: int = 0
     """Saved-tensor hooks count the stash on batches divisible by this (0: only the first
     batch of each training segment; the counts of later batches are replayed, exactly)."""
+    profile: Optional[ProfileOptions] = None
+    """--profile: the profiled batches and ranks; None: no profiling."""
     host_malloc_tuning: bool = True
     """CPU ranks: glibc's malloc keeps freed memory for reuse (megatron.initialize.
     tune_host_malloc); False leaves glibc's defaults."""

@@ -239,6 +239,26 @@ TENSORBOARD_FLAGS: Tuple[Tuple[str, str, str], ...] = (
 """Megatron-LM's TensorBoard selection flags, which this parser honours: (flag, default,
 effect) for docs/megatron_lm_flags.md."""
 
+PROFILE_FLAGS: Tuple[Tuple[str, str, str], ...] = (
+    ("--profile", "off",
+     "profile batches `--profile-step-start` <= t < `--profile-step-end` (the log's 0-based "
+     "iterations) on `--profile-ranks`; the window's edges are optimizer steps, so no "
+     "pipeline drains for it"),
+    ("--use-pytorch-profiler", "off",
+     "torch.profiler (CPU, and CUDA on a CUDA device; shapes and stacks) writes "
+     "`<host>_rank<R>.<ns>.pt.trace.json` under `--tensorboard-dir`, or under this "
+     "trainer's `--profile-dir` (no tensorboard package needed); without it the window is "
+     "`cudaProfilerStart`/`Stop` with NVTX ranges for `nsys profile "
+     "--capture-range=cudaProfilerApi`, refused on CPU ranks"),
+    ("--profile-step-start N", "10", "first profiled batch; must be below `--train-iters`"),
+    ("--profile-step-end N", "12", "profiling stops once this many batches are done "
+     "(exclusive); must exceed `--profile-step-start`"),
+    ("--profile-ranks R ...", "0", "global ranks that profile; each must be a rank of the "
+     "run"),
+)
+"""Megatron-LM's profiler flags, which this parser honours (``megatron/profiling.py``):
+(flag, default, effect) for docs/megatron_lm_flags.md."""
+
 _BY_NAME = {f.name: f for f in FLAGS}
 assert len(_BY_NAME) == len(FLAGS), "a Megatron-LM flag is listed twice"
 assert not set(_BY_NAME) & set(RENAMED), "a flag is both renamed and ignored/refused"
@@ -397,6 +417,13 @@ def markdown() -> str:
               "`lm loss validation` at each evaluation.", "",
               "| flag | default | effect |", "|---|---|---|"]
     lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in TENSORBOARD_FLAGS]
+    lines += ["", "## Profiling (as Megatron-LM)", "",
+              "Flags of this parser with Megatron-LM's meaning and defaults "
+              "(`megatron/profiling.py`). The window flags without `--profile` are an error "
+              "(they would do nothing). A resumed run profiles what is left of the window; "
+              "its trace's `ProfilerStep#k` count from the resumed run's first batch.", "",
+              "| flag | default | effect |", "|---|---|---|"]
+    lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in PROFILE_FLAGS]
     for kind, title in (("ignored", "Accepted, no effect here"),
                         ("refused", "Refused: not built here")):
         lines += ["", f"## {title}", "", "| flag | values | why |", "|---|---|---|"]

@@ -21,6 +21,7 @@ from megatron.config import MegatronConfig
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.engine import PipelineEngine
 from megatron.pipeline.update import StepReport
+from megatron.profiling import StepProfiler
 from megatron.training_checkpoint import save
 from megatron.training_exits import ExitRequests, NonFiniteError, SkipMonitor, check_weights_finite
 from megatron.training_log import TrainingLogger, print_rank_last
@@ -185,10 +186,11 @@ def _segment_end(cfg: MegatronConfig, state: TrainState, train_iters: int, do_ev
 
 def _step_callback(cfg: MegatronConfig, scheduler, state: TrainState, result: TrainingResult,
                    logger: TrainingLogger, monitor: SkipMonitor,
-                   batch_at: Callable[[int], int]) -> Callable[[StepReport], None]:
+                   batch_at: Callable[[int], int],
+                   profiler: StepProfiler) -> Callable[[StepReport], None]:
     """The engine's ``on_step``: after each agreed optimizer step, move the LR schedule
     (unless the step was skipped), the iteration and sample counters, record the report
-    in ``result``, log it and show it to the skip monitor."""
+    in ``result``, log it, show it to the skip monitor and tell the profiler."""
     decoupled = cfg.optimizer.decoupled_lr is not None
     # a weight decay that changes (the scheduler's, after a resume that may adopt the
     # checkpoint's): the log line shows it
@@ -208,6 +210,7 @@ def _step_callback(cfg: MegatronConfig, scheduler, state: TrainState, result: Tr
             result.losses[report.iteration + 1] = report.losses
         logger.on_step(report, state, size, decoupled_lr, weight_decay)
         monitor.update(report)
+        profiler.on_step(report.iteration)
 
     return on_step
 
@@ -226,66 +229,70 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     samples_per_microbatch = tr.micro_batch_size * groups.dp_size
     monitor = SkipMonitor.from_config(cfg)
 
-    on_step = _step_callback(cfg, scheduler, state, result, logger, monitor, batch_at)
+    profiler = StepProfiler(tr.profile, groups.rank, state.iteration, engine.device)
+    on_step = _step_callback(cfg, scheduler, state, result, logger, monitor, batch_at,
+                             profiler)
 
     start_iteration = state.iteration
     t0 = time.perf_counter()
     off_clock = 0.0  # seconds of evaluations and saves between segments
     check_every = _check_every(cfg, 0.0)
     scaler = getattr(optimizer, "scaler", None)
-    while state.iteration < train_iters:
-        stop = _segment_end(cfg, state, train_iters, valid_iter is not None, check_every,
-                            monitor, scaler, batch_sizes)
-        segment_batch = batch_at(state.consumed_train_samples)
-        if batch_sizes is not None:  # a segment trains batches of one size
-            engine.set_num_microbatches(segment_batch // samples_per_microbatch)
-        t_segment, first = time.perf_counter(), state.iteration
-        engine.train_batches(train_iter, stop - state.iteration,
-                             lr_provider=scheduler.get_lr, on_step=on_step)
-        it = state.iteration
-        # Identical on every rank (agreed step reports): all stop here, none saves.
-        if monitor.reason is not None:
-            logger.close()
-            raise NonFiniteError(monitor.reason)
-        code = ExitRequests.NONE
-        if exits is not None and exits.active:
-            per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
-            code, per_iter = _agree(exits.local_code(), per_iter, engine.device)
-            # the next batches' size: a larger batch takes longer per iteration
-            per_iter *= batch_at(state.consumed_train_samples) / segment_batch
-            check_every = _check_every(cfg, per_iter)
-        # at the end of the run (or of a finetuning epoch) the caller's own end follows:
-        # its evaluation, score and save; the request is acted on at the next check
-        if code != ExitRequests.NONE and it < train_iters:
-            saved = tr.save and _save_checked(cfg, groups, engine, optimizer, scheduler,
-                                              state, monitor)
-            print_rank_last(f"stopped at iteration {it}: {exits.describe(code)}"
-                            + (f", checkpoint saved to {tr.save}" if saved else
-                               ", no checkpoint (no --save)" if not tr.save else
-                               ", no checkpoint saved"))
-            result.exited_early = True
-            break
-        # evaluation and saves are not training time: the log line after them would
-        # count them in its time per iteration (Megatron-LM leaves them out too)
-        # (and not in result.seconds_per_iteration either: ``off_clock``)
-        t_off = time.perf_counter()
-        if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
-            with logger.paused():
-                losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
-                                            it, logger, samples=state.consumed_train_samples)
-            state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size
-            if losses:
-                result.eval_losses[it] = losses
-        if tr.save and tr.save_interval and it % tr.save_interval == 0:
-            with logger.paused():
-                _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
-        off_clock += time.perf_counter() - t_off
-        if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
-            if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
-                _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
-            print_rank_last(f"exiting at iteration {it} (--exit-interval {tr.exit_interval})")
-            result.exited_early = True
-            break
+    # --profile: the window's edges are steps (on_step), so nothing drains for it
+    with profiler:
+        while state.iteration < train_iters:
+            stop = _segment_end(cfg, state, train_iters, valid_iter is not None, check_every,
+                                monitor, scaler, batch_sizes)
+            segment_batch = batch_at(state.consumed_train_samples)
+            if batch_sizes is not None:  # a segment trains batches of one size
+                engine.set_num_microbatches(segment_batch // samples_per_microbatch)
+            t_segment, first = time.perf_counter(), state.iteration
+            engine.train_batches(train_iter, stop - state.iteration,
+                                 lr_provider=scheduler.get_lr, on_step=on_step)
+            it = state.iteration
+            # Identical on every rank (agreed step reports): all stop here, none saves.
+            if monitor.reason is not None:
+                logger.close()
+                raise NonFiniteError(monitor.reason)
+            code = ExitRequests.NONE
+            if exits is not None and exits.active:
+                per_iter = (time.perf_counter() - t_segment) / max(1, it - first)
+                code, per_iter = _agree(exits.local_code(), per_iter, engine.device)
+                # the next batches' size: a larger batch takes longer per iteration
+                per_iter *= batch_at(state.consumed_train_samples) / segment_batch
+                check_every = _check_every(cfg, per_iter)
+            # at the end of the run (or of a finetuning epoch) the caller's own end follows:
+            # its evaluation, score and save; the request is acted on at the next check
+            if code != ExitRequests.NONE and it < train_iters:
+                saved = tr.save and _save_checked(cfg, groups, engine, optimizer, scheduler,
+                                                  state, monitor)
+                print_rank_last(f"stopped at iteration {it}: {exits.describe(code)}"
+                                + (f", checkpoint saved to {tr.save}" if saved else
+                                   ", no checkpoint (no --save)" if not tr.save else
+                                   ", no checkpoint saved"))
+                result.exited_early = True
+                break
+            # evaluation and saves are not training time: the log line after them would
+            # count them in its time per iteration (Megatron-LM leaves them out too)
+            # (and not in result.seconds_per_iteration either: ``off_clock``)
+            t_off = time.perf_counter()
+            if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
+                with logger.paused():
+                    losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
+                                                it, logger, samples=state.consumed_train_samples)
+                state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size
+                if losses:
+                    result.eval_losses[it] = losses
+            if tr.save and tr.save_interval and it % tr.save_interval == 0:
+                with logger.paused():
+                    _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
+            off_clock += time.perf_counter() - t_off
+            if tr.exit_interval and it % tr.exit_interval == 0 and it < train_iters:
+                if tr.save and not (tr.save_interval and it % tr.save_interval == 0):
+                    _save_checked(cfg, groups, engine, optimizer, scheduler, state, monitor)
+                print_rank_last(f"exiting at iteration {it} (--exit-interval {tr.exit_interval})")
+                result.exited_early = True
+                break
     engine.finish_sums()
     done = state.iteration - start_iteration
     if done:
