@@ -159,6 +159,10 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
         measure_memory_interval=args.measure_memory_interval,
         host_malloc_tuning=args.host_malloc_tuning)
     training.tensorboard = _tensorboard_options(args)
+    if getattr(args, "manual_gc", False):
+        training.manual_gc = True
+        training.manual_gc_interval = args.manual_gc_interval
+        training.manual_gc_eval = args.manual_gc_eval
     if getattr(args, "profile", False):  # an entry point's own parser may lack it
         training.profile = ProfileOptions(
             start=args.profile_step_start, end=args.profile_step_end,

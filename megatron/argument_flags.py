@@ -473,8 +473,9 @@ def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_profile_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("profiling",
-                                  "Megatron-LM's profiler window (megatron/profiling.py)")
+    g = parser.add_argument_group("profiling and jitter",
+                                  "Megatron-LM's profiler window (megatron/profiling.py) and "
+                                  "manual garbage collection")
     g.add_argument("--profile", action="store_true",
                    help="Profile batches --profile-step-start to --profile-step-end - 1 on "
                         "--profile-ranks: with --use-pytorch-profiler, torch.profiler writes "
@@ -495,6 +496,16 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
                    help="Where --use-pytorch-profiler writes its traces (default: "
                         "--tensorboard-dir, Megatron-LM's place; this one needs no "
                         "tensorboard package).")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Turn Python's automatic garbage collection off while training and "
+                        "collect at the same iterations on every rank instead "
+                        "(--manual-gc-interval, evaluations), so no rank stalls a pipeline "
+                        "with a collection of its own.")
+    g.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
+                   help="With --manual-gc: collect after every N iterations (0: only around "
+                        "evaluations).")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="With --manual-gc: do not collect before and after each evaluation.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

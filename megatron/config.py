@@ -489,6 +489,13 @@ class TrainingConfig:
     batch of each training segment; the counts of later batches are replayed, exactly)."""
     profile: Optional[ProfileOptions] = None
     """--profile: the profiled batches and ranks; None: no profiling."""
+    manual_gc: bool = False
+    """Python's automatic garbage collection off while training; collections at the same
+    iterations on every rank instead (``megatron.manual_gc``)."""
+    manual_gc_interval: int = 0
+    """With manual_gc: a full collection after every this many iterations (0: none)."""
+    manual_gc_eval: bool = True
+    """With manual_gc: collect before and after each evaluation."""
     host_malloc_tuning: bool = True
     """CPU ranks: glibc's malloc keeps freed memory for reuse (megatron.initialize.
     tune_host_malloc); False leaves glibc's defaults."""

@@ -147,9 +147,6 @@ FLAGS: Tuple[CompatFlag, ...] = (
     CompatFlag("--use-legacy-models", "ignored", "this trainer's own model classes are used"),
     CompatFlag("--empty-unused-memory-level", "ignored",
                "torch's caching allocator is left alone", nargs=None),
-    CompatFlag("--manual-gc", "ignored", "Python's garbage collector is left alone"),
-    CompatFlag("--manual-gc-interval", "ignored", "Python's garbage collector is left alone",
-               nargs=None),
     CompatFlag("--mmap-warmup", "ignored", "dataset files are memory-mapped, not read ahead"),
     CompatFlag("--no-mmap-bin-files", "ignored", "dataset .bin files are always memory-mapped"),
     CompatFlag("--recompute-modules", "ignored",
@@ -258,6 +255,19 @@ PROFILE_FLAGS: Tuple[Tuple[str, str, str], ...] = (
 )
 """Megatron-LM's profiler flags, which this parser honours (``megatron/profiling.py``):
 (flag, default, effect) for docs/megatron_lm_flags.md."""
+
+GC_FLAGS: Tuple[Tuple[str, str, str], ...] = (
+    ("--manual-gc", "off",
+     "Python's automatic garbage collection is off while the run trains (restored after); "
+     "every rank collects at the same iterations instead, so no rank pauses in the "
+     "middle of a pipeline's batch on its own"),
+    ("--manual-gc-interval N", "0", "with `--manual-gc`: a full collection after every N "
+     "iterations (0: none between evaluations); must be >= 0"),
+    ("--no-manual-gc-eval", "collects", "with `--manual-gc`: no full collection before each "
+     "evaluation and young-generation one after it"),
+)
+"""Megatron-LM's manual garbage-collection flags, which this parser honours
+(``megatron.training_loop``): (flag, default, effect) for docs/megatron_lm_flags.md."""
 
 _BY_NAME = {f.name: f for f in FLAGS}
 assert len(_BY_NAME) == len(FLAGS), "a Megatron-LM flag is listed twice"
@@ -424,6 +434,12 @@ def markdown() -> str:
               "its trace's `ProfilerStep#k` count from the resumed run's first batch.", "",
               "| flag | default | effect |", "|---|---|---|"]
     lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in PROFILE_FLAGS]
+    lines += ["", "## Garbage collection (as Megatron-LM)", "",
+              "Flags of this parser with Megatron-LM's meaning and defaults. The training "
+              "steps themselves leave no cyclic garbage here, so a run with "
+              "`--manual-gc-interval 0` does not grow.", "",
+              "| flag | default | effect |", "|---|---|---|"]
+    lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in GC_FLAGS]
     for kind, title in (("ignored", "Accepted, no effect here"),
                         ("refused", "Refused: not built here")):
         lines += ["", f"## {title}", "", "| flag | values | why |", "|---|---|---|"]

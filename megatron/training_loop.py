@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from megatron.config import MegatronConfig
 from megatron.parallel_state import ParallelGroups
 from megatron.pipeline.engine import PipelineEngine
 from megatron.pipeline.update import StepReport
+from megatron.manual_gc import ManualGC
 from megatron.profiling import StepProfiler
 from megatron.training_checkpoint import save
 from megatron.training_exits import ExitRequests, NonFiniteError, SkipMonitor, check_weights_finite
@@ -187,10 +188,11 @@ def _segment_end(cfg: MegatronConfig, state: TrainState, train_iters: int, do_ev
 def _step_callback(cfg: MegatronConfig, scheduler, state: TrainState, result: TrainingResult,
                    logger: TrainingLogger, monitor: SkipMonitor,
                    batch_at: Callable[[int], int],
-                   profiler: StepProfiler) -> Callable[[StepReport], None]:
+                   after_step: Sequence[Callable[[int], None]]) -> Callable[[StepReport], None]:
     """The engine's ``on_step``: after each agreed optimizer step, move the LR schedule
     (unless the step was skipped), the iteration and sample counters, record the report
-    in ``result``, log it, show it to the skip monitor and tell the profiler."""
+    in ``result``, log it, show it to the skip monitor, then call each of ``after_step``
+    (the profiler's window, manual garbage collection) with the batch's iteration."""
     decoupled = cfg.optimizer.decoupled_lr is not None
     # a weight decay that changes (the scheduler's, after a resume that may adopt the
     # checkpoint's): the log line shows it
@@ -210,7 +212,8 @@ def _step_callback(cfg: MegatronConfig, scheduler, state: TrainState, result: Tr
             result.losses[report.iteration + 1] = report.losses
         logger.on_step(report, state, size, decoupled_lr, weight_decay)
         monitor.update(report)
-        profiler.on_step(report.iteration)
+        for hook in after_step:
+            hook(report.iteration)
 
     return on_step
 
@@ -230,8 +233,9 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     monitor = SkipMonitor.from_config(cfg)
 
     profiler = StepProfiler(tr.profile, groups.rank, state.iteration, engine.device)
+    manual_gc = ManualGC(tr)
     on_step = _step_callback(cfg, scheduler, state, result, logger, monitor, batch_at,
-                             profiler)
+                             (profiler.on_step, manual_gc.after_step))
 
     start_iteration = state.iteration
     t0 = time.perf_counter()
@@ -239,7 +243,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     check_every = _check_every(cfg, 0.0)
     scaler = getattr(optimizer, "scaler", None)
     # --profile: the window's edges are steps (on_step), so nothing drains for it
-    with profiler:
+    with profiler, manual_gc:
         while state.iteration < train_iters:
             stop = _segment_end(cfg, state, train_iters, valid_iter is not None, check_every,
                                 monitor, scaler, batch_sizes)
@@ -277,7 +281,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             # (and not in result.seconds_per_iteration either: ``off_clock``)
             t_off = time.perf_counter()
             if valid_iter is not None and tr.eval_interval and it % tr.eval_interval == 0:
-                with logger.paused():
+                with logger.paused(), manual_gc.around_evaluation():
                     losses = evaluate_and_print(engine, valid_iter, tr.eval_iters, "validation",
                                                 it, logger, samples=state.consumed_train_samples)
                 state.consumed_valid_samples += tr.eval_iters * tr.global_batch_size

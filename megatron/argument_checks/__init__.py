@@ -28,7 +28,7 @@ from megatron.argument_checks.data import check_data, check_tokenizer
 from megatron.argument_checks.model import check_model, check_recompute
 from megatron.argument_checks.optimizer import check_optimizer, check_precision
 from megatron.argument_checks.parallel import check_batches, check_parallel
-from megatron.argument_checks.profiling import check_profile
+from megatron.argument_checks.profiling import check_manual_gc, check_profile
 from megatron.argument_checks.errors import ArgumentError, flag_of, require, require_positive
 
 
@@ -110,4 +110,5 @@ def validate_args(args: argparse.Namespace, world_size: int,
     check_recompute(args)
     check_checkpoint_and_logging(args)
     check_profile(args, world_size)
+    check_manual_gc(args)
     return args

@@ -1,4 +1,5 @@
-"""--profile and its window: Megatron-LM's flags, checked before any rank waits."""
+"""--profile and its window, --manual-gc: Megatron-LM's flags, checked before any rank
+waits."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,19 @@ from megatron.argument_checks.errors import require
 
 _WINDOW_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end",
                  "--profile-ranks", "--profile-dir")
+
+
+def check_manual_gc(args: argparse.Namespace) -> None:
+    if not hasattr(args, "manual_gc"):  # an entry point's own parser may lack the flags
+        return
+    given = getattr(args, "flags_given", ())
+    if not args.manual_gc:
+        for flag in ("--manual-gc-interval", "--no-manual-gc-eval"):
+            require(flag not in given, f"{flag} needs --manual-gc (without it Python's "
+                                       "collector runs on its own)")
+    require(args.manual_gc_interval >= 0,
+            f"--manual-gc-interval must be >= 0 (0: no collection between evaluations), "
+            f"got {args.manual_gc_interval}")
 
 
 def check_profile(args: argparse.Namespace, world_size: int) -> None:
