@@ -237,7 +237,10 @@ def read_full_state(root: str, iteration: Optional[int] = None, *,
     optimizer = None
     if all(p.get("optimizer") is not None for p in ckpt.payloads.values()):
         optimizer = _merge_optimizer(ckpt)
-    skip = {"model", "model_shadow", "optimizer", "layout", "iteration", "rng_state"}
+    # (model_predicted: a --2bw-mitigation predict run's newest buffer, per shard; the
+    # converted checkpoint goes without it, and a resume predicts again from "model")
+    skip = {"model", "model_shadow", "model_predicted", "optimizer", "layout", "iteration",
+            "rng_state"}
     common = {k: v for k, v in first.items() if k not in skip}
     return FullState(iteration=ckpt.iteration, model=model, shadow=shadow,
                      optimizer=optimizer, common=common,

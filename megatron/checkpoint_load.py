@@ -77,8 +77,9 @@ def check_model_payload(payload: Any, stem: str, resume: bool = False) -> Dict[s
     problems = []
     if not _state_dict_like(payload.get("model")):
         problems.append("'model' mapping parameter names to tensors")
-    if payload.get("model_shadow") is not None and not _state_dict_like(payload["model_shadow"]):
-        problems.append("'model_shadow' mapping parameter names to tensors, or null")
+    for key in ("model_shadow", "model_predicted"):  # (2BW's older version; predict's P(W))
+        if payload.get(key) is not None and not _state_dict_like(payload[key]):
+            problems.append(f"{key!r} mapping parameter names to tensors, or null")
     for key in ("iteration", "consumed_train_samples", "consumed_valid_samples"):
         if (key in payload or resume) and (type(payload.get(key)) is not int
                                            or payload[key] < 0):

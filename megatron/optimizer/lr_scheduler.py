@@ -50,7 +50,7 @@ A checkpoint of the other unit is converted on load with its own samples per ite
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -163,6 +163,9 @@ class OptimizerParamScheduler:
         by (1 in samples, 1 / the global batch size in iterations).  Not saved: it
         follows this run's batch size, as Megatron-LM's sample counts do."""
         self.num_steps = 0
+        self.load_notes: List[str] = []
+        """After ``load_state_dict``: each field the checkpoint and this run differ on, with
+        the value kept (--override/--use-checkpoint-opt_param-scheduler), for the log."""
 
     @classmethod
     def from_config(cls, opt_cfg: Any, train_iters: Optional[int],
@@ -313,6 +316,8 @@ class OptimizerParamScheduler:
                 f"--use-checkpoint-opt_param-scheduler pass --decoupled-lr "
                 f"{sd['decoupled_lr']!r}"
                 + (f" --decoupled-min-lr {floor!r}" if floor is not None else ""))
+        self.load_notes = []
+        differ = []
         for name in _HPARAMS + _DECOUPLED + ("warmup_init",):
             ours, theirs = getattr(self, name), sd[name]
             moot = ((constant and name == "decay_steps")
@@ -321,16 +326,31 @@ class OptimizerParamScheduler:
                     # where neither side warms up, nothing starts from it
                     or (name == "warmup_init" and self.warmup_steps == 0
                         and sd["warmup_steps"] == 0))
+            if ours != theirs and not moot:
+                self._note(name, ours, theirs, use_checkpoint)
             if use_checkpoint:
                 setattr(self, name, theirs)
             elif not override and ours != theirs and not moot:
-                raise ValueError(
-                    f"lr scheduler: checkpoint has {name}={theirs!r} but this run has "
-                    f"{name}={ours!r}{f' ({self.unit})' if name in _STEP_FIELDS else ''}; "
-                    "pass --override-opt_param-scheduler to keep this run's value or "
-                    "--use-checkpoint-opt_param-scheduler to take the checkpoint's")
+                differ.append(f"({flag_text(name, self.unit)}): checkpoint has "
+                              f"{name}={theirs!r} but this run has {name}={ours!r}"
+                              f"{f' ({self.unit})' if name in _STEP_FIELDS else ''}")
+        if differ:  # every field that differs, in one line
+            raise ValueError(
+                f"lr scheduler {', and '.join(differ)}; pass --override-opt_param-scheduler "
+                "to keep this run's value or --use-checkpoint-opt_param-scheduler to take "
+                "the checkpoint's")
         self._load_wd(sd, override, use_checkpoint)
         self.num_steps = int(sd["num_steps"])
+
+    def _note(self, name: str, ours: Any, theirs: Any, use_checkpoint: bool) -> None:
+        """Record in ``load_notes`` a field whose value the checkpoint and this run differ
+        on, and whose value the loaded schedule keeps (read after a load that did not
+        raise: with --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler)."""
+        unit = f" {self.unit}" if name in _STEP_FIELDS else ""
+        kept, other = (theirs, ours) if use_checkpoint else (ours, theirs)
+        self.load_notes.append(f"{name} {kept!r}{unit} ({flag_text(name, self.unit)}; "
+                               f"{'this run' if use_checkpoint else 'the checkpoint'} has "
+                               f"{other!r})")
 
     def _load_wd(self, sd: Dict[str, Any], override: bool, use_checkpoint: bool) -> None:
         """The weight-decay schedule of ``load_state_dict`` (its rules, see ``_WD``)."""
@@ -342,6 +362,8 @@ class OptimizerParamScheduler:
         constant = self.wd_incr_style == theirs["wd_incr_style"] == "constant"
         for name in _WD:
             ours = getattr(self, name)
+            if ours != theirs[name] and not (constant and name == "wd_incr_steps"):
+                self._note(name, ours, theirs[name], use_checkpoint)
             if use_checkpoint:
                 setattr(self, name, theirs[name])
             elif (not override and ours != theirs[name]
@@ -394,6 +416,27 @@ def _wd_from_config(opt_cfg: Any, train_iters: Optional[int],
     return dict(start_wd=wd if start is None else start, end_wd=wd if end is None else end,
                 wd_incr_steps=steps,
                 wd_incr_style=getattr(opt_cfg, "weight_decay_incr_style", "constant"))
+
+
+_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "decay_style": "--lr-decay-style",
+          "wsd_decay_style": "--lr-wsd-decay-style", "decoupled_lr": "--decoupled-lr",
+          "decoupled_min_lr": "--decoupled-min-lr", "warmup_init": "--lr-warmup-init",
+          "start_wd": "--start-weight-decay, by default --weight-decay",
+          "end_wd": "--end-weight-decay, by default --weight-decay",
+          "wd_incr_style": "--weight-decay-incr-style"}
+_STEP_FLAGS = {"warmup_steps": ("--lr-warmup-iters or --lr-warmup-fraction",
+                                "--lr-warmup-samples or --lr-warmup-fraction"),
+               "decay_steps": ("--lr-decay-iters, by default --train-iters",
+                               "--lr-decay-samples, by default --train-samples"),
+               "wsd_decay_steps": ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples"),
+               "wd_incr_steps": ("--train-iters", "--train-samples")}
+
+
+def flag_text(name: str, unit: str) -> str:
+    """The flag(s) that set schedule field ``name`` in a schedule counted in ``unit``."""
+    if name in _STEP_FLAGS:
+        return _STEP_FLAGS[name][unit == "samples"]
+    return _FLAGS.get(name, name)
 
 
 _STEP_FIELDS = ("warmup_steps", "decay_steps", "wsd_decay_steps", "wd_incr_steps", "num_steps")

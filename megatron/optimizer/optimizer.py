@@ -78,7 +78,8 @@ from megatron.optimizer.param_groups import GroupLayout
 from megatron.optimizer.sharded_state import UnshardedFormat
 from megatron.optimizer.sharding import OptimizerShard, Piece, WeightGather, copy_all
 from megatron.optimizer.staleness import WeightPrediction, delay_compensate_, true_weights
-from megatron.optimizer.state_checks import check_saved_meta, check_saved_tensors
+from megatron.optimizer.state_checks import (check_saved_meta, check_saved_tensors,
+                                             group_flag_values, kept_from_checkpoint)
 
 _NUM_STATS = 6  # the agreement: sum of squares, non-finite tensors, zeros, extra flag,
 # the weights' sum of squares (--log-params-norm) and the tokens the loss summed over
@@ -191,6 +192,9 @@ class MegatronOptimizer:
         # 2BW staleness mitigations (megatron.optimizer.staleness), off by default.
         self.prediction: Optional[WeightPrediction] = None
         self.dc_lambda = 0.0
+        self.load_notes: List[str] = []
+        """After ``load_state_dict``: the flags whose values came from the checkpoint's
+        state instead of this run's (``state_checks.kept_from_checkpoint``)."""
         # the new weights' all-gathers (the distributed optimizer; None otherwise)
         self.gather: Optional[WeightGather] = (
             WeightGather(shard, self._format.pieces_by_bucket) if shard is not None else None)
@@ -215,6 +219,19 @@ class MegatronOptimizer:
         """Context in which ``latest`` holds the un-predicted latest weights."""
         return true_weights(self.prediction, latest,
                             self.main_params if self.use_masters else None)
+
+    def predict_latest(self, latest: Sequence[nn.Parameter]) -> None:
+        """``--2bw-mitigation predict``, after a resume that loaded the true newest weights
+        into ``latest`` and this optimizer's state: ``latest`` := their prediction, made as
+        the step that wrote them made it (from the fp32 masters where there are some),
+        with the learning rate and weight decay of the checkpoint's last step."""
+        pred = self.prediction
+        if pred is None:
+            return
+        self.wait_gathers()
+        source = ([m.data for m in self.main_params] if self.use_masters
+                  else [p.data for p in latest])
+        pred.predict_(latest, source, pred.last_lr, pred.last_decoupled_lr)
 
     # -- loss scaling ------------------------------------------------------------------
     @property
@@ -527,8 +544,11 @@ class MegatronOptimizer:
         torch_state = self.layout.from_saved(sd["optimizer"])
         check_saved_tensors(torch_state, sd.get("fp32_masters") if self.use_masters else None,
                             self.layout.members, self._shapes)
+        ours = group_flag_values(self.optimizer.param_groups)
         self.optimizer.load_state_dict(self._format.local(torch_state)
                                        if self._format is not None else torch_state)
+        self.load_notes = kept_from_checkpoint(ours,
+                                               group_flag_values(self.optimizer.param_groups))
         if self.use_masters:
             with torch.no_grad():
                 saved = sd["fp32_masters"]

@@ -89,3 +89,28 @@ def _first_difference(saved: List[tuple], ours: List[tuple]) -> str:
         if a != b:
             return f"(parameter {i}: saved {a}, here {b})"
     return ""
+
+
+_GROUP_FLAGS = (("betas", 0, "--adam-beta1"), ("betas", 1, "--adam-beta2"),
+                ("eps", None, "--adam-eps"), ("momentum", None, "--sgd-momentum"))
+"""Hyper-parameters torch's ``load_state_dict`` takes from the saved param groups (the
+learning rate and weight decay are set again at every step), and their flags."""
+
+
+def group_flag_values(groups: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """{flag: value} of the ``_GROUP_FLAGS`` the optimizer's param groups hold (every
+    group is built from the same flags: the first that holds the key gives it)."""
+    out: Dict[str, Any] = {}
+    for key, index, flag in _GROUP_FLAGS:
+        group = next((g for g in groups if key in g), None)
+        if group is not None:
+            value = group[key]
+            out[flag] = float(value[index] if index is not None else value)
+    return out
+
+
+def kept_from_checkpoint(ours: Dict[str, Any], loaded: Dict[str, Any]) -> List[str]:
+    """The flags whose value the loaded state replaced, each with both values: as in
+    Megatron-LM, a resumed optimizer keeps the checkpoint's betas, eps and momentum."""
+    return [f"{flag} {loaded[flag]!r} (this run gives {ours[flag]!r})"
+            for flag in ours if flag in loaded and loaded[flag] != ours[flag]]
