@@ -144,9 +144,10 @@ def _world_size_from_env() -> int:
 
 
 PER_RANK_DESTS = frozenset({"launcher_local_rank", "debug", "flags_given",
-                            "megatron_lm_notes", "megatron_lm_conflicts"})
+                            "megatron_lm_notes", "megatron_lm_conflicts", "data_cache_path"})
 """What may differ between the ranks of one job: the legacy launcher's --local-rank,
---debug, and the parser's bookkeeping."""
+--debug, the parser's bookkeeping, and --data-cache-path (every rank builds or reads the
+index caches itself, so a node may keep them on its own disk under its own path)."""
 
 _FLAG_NAMES: dict = {}
 """dest -> the flag that sets it (its first --long name), filled by every parse_args."""

@@ -55,7 +55,9 @@ def test_different_flags_on_two_nodes_stop_every_rank_with_one_error():
 
 
 def test_same_flags_with_per_rank_local_rank_pass():
-    argv = [TINY + ["--tensor-model-parallel-size", "2", "--local-rank", str(r % 2)]
+    # and a --data-cache-path of each node's own (node-local disks mounted elsewhere)
+    argv = [TINY + ["--tensor-model-parallel-size", "2", "--local-rank", str(r % 2),
+                    "--data-cache-path", f"/tmp/cache-of-node-{r}"]
             for r in range(2)]
     results = run_distributed(_initialize, world_size=2, args=(argv,), timeout=60)
     assert [r.get("error") for r in results] == [None, None], results
