@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-import torch
-
 from megatron.checkpoint_load import load_for_run
 from megatron.checkpoint_shape import check_state_fits
 from megatron.checkpointing import TrainState, save_checkpoint
@@ -50,14 +48,9 @@ def model_states(engine: PipelineEngine
     predicted = None
     if getattr(engine.optimizer, "prediction", None) is not None:
         predicted = latest
+        # the context puts the buffer's bits back after: saving leaves the run untouched
         with engine.optimizer.true_weights(w.params(engine.latest_buffer)):
             latest = _module_state(engine)
-        # the round trip W -> P(W) may change the last bit without fp32 masters: put the
-        # buffer back as it was, so saving leaves the run's weights untouched
-        with torch.no_grad():
-            for name, p in engine.model.named_parameters():
-                if name in predicted:
-                    p.copy_(predicted[name])
     shadow = None
     if w.num_buffers == 2:
         w.install(engine.shadow_buffer)

@@ -284,20 +284,31 @@ def delay_compensate_(grads: List[Optional[torch.Tensor]], stale: Sequence[nn.Pa
 def true_weights(prediction: Optional[WeightPrediction], buf: Sequence[nn.Parameter],
                  masters: Optional[Sequence[nn.Parameter]]) -> Iterator[None]:
     """Inside: ``buf`` holds the true latest weights (for evaluation); after: the
-    prediction again.  With fp32 masters this is exact; otherwise the round trip
-    (P(W) + a) / c * c - a may differ from P(W) in the last bit."""
+    prediction again, bit for bit.  With fp32 masters the true weights are the masters'
+    and the prediction is made from them again (exact).  Without (an fp32 run, whose
+    main parameters are the buffer) the true weights are the inverted prediction, and the
+    prediction's own bits are kept aside meanwhile (one copy of the stage's weights): made
+    again from the inversion, (P(W) + a) / c * c - a could differ from P(W) in the last
+    bit, and a run that evaluates would drift from one that does not."""
     if prediction is None:
         yield
         return
+    kept = None
     with torch.no_grad():
         if masters is not None:
             for p, m in zip(buf, masters):
                 p.data.copy_(m.data)
         else:
+            kept = [p.data.clone() for p in buf]
             prediction.restore_(buf)
     try:
         yield
     finally:
-        # per parameter: P(W) is computed into a temporary of one tensor's size
-        source = [m.data for m in masters] if masters is not None else [p.data for p in buf]
-        prediction.predict_(buf, source, prediction.last_lr, prediction.last_decoupled_lr)
+        with torch.no_grad():
+            if kept is not None:
+                for p, k in zip(buf, kept):
+                    p.data.copy_(k)
+            else:
+                # per parameter: P(W) is computed into a temporary of one tensor's size
+                prediction.predict_(buf, [m.data for m in masters], prediction.last_lr,
+                                    prediction.last_decoupled_lr)
