@@ -431,13 +431,18 @@ def markdown() -> str:
               "Flags of this parser with Megatron-LM's meaning and defaults "
               "(`megatron/profiling.py`). The window flags without `--profile` are an error "
               "(they would do nothing). A resumed run profiles what is left of the window; "
-              "its trace's `ProfilerStep#k` count from the resumed run's first batch.", "",
+              "its trace's `ProfilerStep#k` count from the resumed run's first batch. A run "
+              "that stops inside the window (--train-iters, --exit-interval, SIGTERM) ends its "
+              "trace with its last trained batch, before the stop's checkpoint save. "
+              "Finetuning (tasks/main.py) profiles one window across its epochs: one trace "
+              "per profiled rank, the scores between epochs in it.", "",
               "| flag | default | effect |", "|---|---|---|"]
     lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in PROFILE_FLAGS]
     lines += ["", "## Garbage collection (as Megatron-LM)", "",
               "Flags of this parser with Megatron-LM's meaning and defaults. The training "
               "steps themselves leave no cyclic garbage here, so a run with "
-              "`--manual-gc-interval 0` does not grow.", "",
+              "`--manual-gc-interval 0` does not grow. Finetuning keeps the collector off "
+              "across its epochs and treats each epoch's score as an evaluation.", "",
               "| flag | default | effect |", "|---|---|---|"]
     lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in GC_FLAGS]
     for kind, title in (("ignored", "Accepted, no effect here"),

@@ -15,7 +15,15 @@ The window's edges are optimizer steps (``on_step`` follows each applied batch),
 pipeline is never drained for it: under 2BW the profiled stretch starts while the
 forward passes of the first profiled batch may already be in flight, as a steady-state
 profile should.  Batch numbers are the log's 0-based iterations; a resumed run whose
-first batch is past the window profiles nothing, one inside it profiles the rest.
+first batch is past the window profiles nothing (and says so), one inside it profiles the
+rest.
+
+A run that ends before the window does (``run_end``: --train-iters, or the first
+--exit-interval stop) is stopped after its last batch.  The training loop tells the
+profiler where each segment of batches ends (``segment_end``): the next
+``ProfilerStep`` is opened only when the next segment starts (``next_segment``), so a
+run stopped between segments (SIGTERM, --exit-duration-in-mins) leaves no step in the
+trace for a batch it never trained, and its checkpoint save is not profiled.
 """
 from __future__ import annotations
 
@@ -35,13 +43,19 @@ class StepProfiler:
     """One rank's profiler window; inert on ranks outside --profile-ranks."""
 
     def __init__(self, options: Optional[ProfileOptions], rank: int, first_iteration: int,
-                 device: torch.device) -> None:
+                 device: torch.device, run_end: Optional[int] = None) -> None:
         self.options = options
         self.rank = rank
         self.device = device
         self.first_iteration = first_iteration
         self.enabled = (options is not None and rank in options.ranks
                         and first_iteration < options.end)
+        self._stop_at = None if options is None else (
+            options.end if run_end is None else min(options.end, run_end))
+        """Batches done when the window closes: its end, or the run's when that is first."""
+        self.segment_end: Optional[int] = None
+        """Batches done at the end of the segment now training (set by the loop)."""
+        self._step_pending = False
         self.trace_path: Optional[str] = None
         """The trace file this rank wrote (torch.profiler), once written."""
         self._prof = None
@@ -53,6 +67,11 @@ class StepProfiler:
     def start(self) -> None:
         """Before the first batch of the run (or of the resumed run)."""
         if not self.enabled:
+            if (self.options is not None and self.rank in self.options.ranks
+                    and self.first_iteration >= self.options.end):
+                self._say(f"nothing profiled: this run starts at iteration "
+                          f"{self.first_iteration}, past the window (batches "
+                          f"{self.options.start}..{self.options.end - 1})")
             return
         opts = self.options
         first_profiled = max(opts.start, self.first_iteration)
@@ -78,17 +97,31 @@ class StepProfiler:
         self._last_applied = iteration
         done = iteration + 1
         if self._prof is not None:
-            self._prof.step()
             if done >= self.options.end:
+                self._prof.step()  # the schedule's last active step: the trace is written
                 self.stop()
-        elif done == self.options.start:
+            elif done >= self._stop_at:
+                self.stop()  # the run ends first: no step is opened for a batch not run
+            elif done == self.segment_end:
+                self._step_pending = True  # opened if and when the next segment starts
+            else:
+                self._prof.step()
+        elif done == self.options.start and done < self._stop_at:
             self._open_cuda_window()
-        elif done >= self.options.end:
+        elif done >= self._stop_at:
             self.stop()
+
+    def next_segment(self) -> None:
+        """The run goes on after a segment's end: the next batch's step opens now."""
+        if self._step_pending:
+            self._step_pending = False
+            if self._prof is not None:
+                self._prof.step()
 
     def stop(self) -> None:
         """At the window's end, or wherever the run stops first (what was recorded is
         written).  Safe to call again."""
+        self._step_pending = False
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()

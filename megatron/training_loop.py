@@ -8,6 +8,7 @@ validation and test sets.  Both fill this rank's ``TrainingResult``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,18 @@ SIGNAL_CHECK_SECONDS_FLUSH = 1.0
 all-reduce and one segment start, no pipeline fill: a flushing schedule drains anyway)."""
 NAN_CHECK_BATCHES_2BW = 100
 """2BW: drain at least this often to stop a run that keeps skipping steps."""
+
+
+def profiled_run_end(cfg: MegatronConfig, first_iteration: int,
+                     train_iters: Optional[int] = None) -> int:
+    """Batches done when a run starting at ``first_iteration`` stops by its flags:
+    --train-iters, or the first --exit-interval multiple before it (where the profiler
+    window closes at the latest)."""
+    tr = cfg.training
+    end = (tr.train_iters or 0) if train_iters is None else train_iters
+    if tr.exit_interval:
+        end = min(end, (first_iteration // tr.exit_interval + 1) * tr.exit_interval)
+    return end
 
 
 def _check_every(cfg: MegatronConfig, seconds_per_iteration: float) -> int:
@@ -220,7 +233,13 @@ def _step_callback(cfg: MegatronConfig, scheduler, state: TrainState, result: Tr
 
 def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, optimizer,
           scheduler, state: TrainState, train_iter, valid_iter, logger: TrainingLogger,
-          result: TrainingResult, exits: Optional[ExitRequests] = None) -> TrainingResult:
+          result: TrainingResult, exits: Optional[ExitRequests] = None,
+          profiler: Optional[StepProfiler] = None,
+          manual_gc: Optional[ManualGC] = None) -> TrainingResult:
+    """Train until --train-iters (or an early stop).  ``profiler`` and ``manual_gc``: a
+    caller that trains in several calls (finetuning's epochs) passes its own, entered
+    around all of them, so that one profiler window and one collector setting span the
+    calls; otherwise this call makes and enters its own."""
     tr = cfg.training
     train_iters = tr.train_iters or 0
     batch_sizes = tr.batch_sizes()  # built once: batch_size_at runs every step
@@ -232,8 +251,13 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     samples_per_microbatch = tr.micro_batch_size * groups.dp_size
     monitor = SkipMonitor.from_config(cfg)
 
-    profiler = StepProfiler(tr.profile, groups.rank, state.iteration, engine.device)
-    manual_gc = ManualGC(tr)
+    own_hooks = contextlib.ExitStack()
+    if profiler is None:
+        profiler = own_hooks.enter_context(StepProfiler(
+            tr.profile, groups.rank, state.iteration, engine.device,
+            run_end=profiled_run_end(cfg, state.iteration)))
+    if manual_gc is None:
+        manual_gc = own_hooks.enter_context(ManualGC(tr))
     on_step = _step_callback(cfg, scheduler, state, result, logger, monitor, batch_at,
                              (profiler.on_step, manual_gc.after_step))
 
@@ -243,10 +267,12 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
     check_every = _check_every(cfg, 0.0)
     scaler = getattr(optimizer, "scaler", None)
     # --profile: the window's edges are steps (on_step), so nothing drains for it
-    with profiler, manual_gc:
+    with own_hooks:
         while state.iteration < train_iters:
             stop = _segment_end(cfg, state, train_iters, valid_iter is not None, check_every,
                                 monitor, scaler, batch_sizes)
+            profiler.next_segment()  # (finetuning's next epoch)
+            profiler.segment_end = stop
             segment_batch = batch_at(state.consumed_train_samples)
             if batch_sizes is not None:  # a segment trains batches of one size
                 engine.set_num_microbatches(segment_batch // samples_per_microbatch)
@@ -268,6 +294,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
             # at the end of the run (or of a finetuning epoch) the caller's own end follows:
             # its evaluation, score and save; the request is acted on at the next check
             if code != ExitRequests.NONE and it < train_iters:
+                profiler.stop()  # the trace ends with the last batch, not with the save
                 saved = tr.save and _save_checked(cfg, groups, engine, optimizer, scheduler,
                                                   state, monitor)
                 print_rank_last(f"stopped at iteration {it}: {exits.describe(code)}"
@@ -276,6 +303,7 @@ def train(cfg: MegatronConfig, groups: ParallelGroups, engine: PipelineEngine, o
                                    ", no checkpoint saved"))
                 result.exited_early = True
                 break
+            profiler.next_segment()
             # evaluation and saves are not training time: the log line after them would
             # count them in its time per iteration (Megatron-LM leaves them out too)
             # (and not in result.seconds_per_iteration either: ``off_clock``)

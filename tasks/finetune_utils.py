@@ -298,7 +298,9 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
     from megatron.errors import UserError, alike_on_every_rank
     from megatron.initialize import barrier_with_message
     from megatron.training_exits import ExitRequests, NonFiniteError
-    from megatron.training_loop import TrainingResult, _save_checked, train
+    from megatron.manual_gc import ManualGC
+    from megatron.profiling import StepProfiler
+    from megatron.training_loop import TrainingResult, _save_checked, profiled_run_end, train
     from megatron.training_setup import setup_model_and_optimizer
     from megatron.training_checkpoint import maybe_load
     from megatron.training_log import TrainingLogger, print_rank_last
@@ -335,9 +337,14 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
     with logger.paused():  # waiting for the slowest rank's set-up is no iteration's time
         barrier_with_message(f"start of {task.name} finetuning")
 
+    # one profiler window and one --manual-gc setting over all the epochs (each epoch is
+    # a train() call): a window across an epoch's end is one trace, and the scores
+    # between epochs are evaluations, with --manual-gc's collections around them
+    manual_gc = ManualGC(tr)
+
     def score(epoch: int, when: str = "") -> None:
         when = when or f"epoch {epoch}"
-        with logger.paused():  # scoring between epochs is not training time
+        with logger.paused(), manual_gc.around_evaluation():  # not training time
             _score(epoch, when)
 
     def _score(epoch: int, when: str) -> None:
@@ -362,36 +369,40 @@ def _finetune(task: FinetuneTask, args, cfg, groups, device, train_ds,
         logger.total_iterations = total  # 'iteration i/N': the run's end, not the epoch's
         exits = ExitRequests(cfg)  # SIGTERM / --exit-duration-in-mins, as in pretraining
         exits.install()
+        profiler = StepProfiler(tr.profile, groups.rank, state.iteration, device,
+                                run_end=profiled_run_end(cfg, state.iteration, total))
         try:
-            for epoch in range(state.iteration // per_epoch, epochs):
-                skip = state.iteration - epoch * per_epoch
-                order = epoch_order(len(train_ds), per_epoch, gbs, tr.micro_batch_size,
-                                    tr.seed + epoch)
-                epoch_ds = train_ds
-                if per_epoch * gbs > len(train_ds):   # --keep-last
-                    last = order[(per_epoch - 1) * gbs:]
-                    last = last[last < len(train_ds)]
-                    epoch_ds = _Padded(train_ds, per_epoch * gbs, last, gbs / len(last))
-                order = order[skip * gbs:]
-                train_iter = microbatches(epoch_ds, order, tr.micro_batch_size,
-                                          groups.dp_rank, groups.dp_size)
-                tr.train_iters = min((epoch + 1) * per_epoch, total)
-                train(cfg, groups, engine, optimizer, scheduler, state, train_iter, None,
-                      logger, result.training, exits)
-                if result.training.exited_early:
-                    break
-                score(epoch + 1)
-                it = state.iteration
-                if tr.exit_interval and it % tr.exit_interval == 0 and it < total:
-                    # train() acts on --exit-interval only before its end, the epoch's
-                    # here: stop after the epoch's score, saved as train() saves
-                    if (tr.save and result.training.nonfinite_ending is None
-                            and not (tr.save_interval and it % tr.save_interval == 0)):
-                        _save_checked(cfg, groups, engine, optimizer, scheduler, state)
-                    print_rank_last(f"exiting at iteration {it} (--exit-interval "
-                                    f"{tr.exit_interval})")
-                    result.training.exited_early = True
-                    break
+            with profiler, manual_gc:  # (restored before the final save)
+                for epoch in range(state.iteration // per_epoch, epochs):
+                    skip = state.iteration - epoch * per_epoch
+                    order = epoch_order(len(train_ds), per_epoch, gbs, tr.micro_batch_size,
+                                        tr.seed + epoch)
+                    epoch_ds = train_ds
+                    if per_epoch * gbs > len(train_ds):   # --keep-last
+                        last = order[(per_epoch - 1) * gbs:]
+                        last = last[last < len(train_ds)]
+                        epoch_ds = _Padded(train_ds, per_epoch * gbs, last, gbs / len(last))
+                    order = order[skip * gbs:]
+                    train_iter = microbatches(epoch_ds, order, tr.micro_batch_size,
+                                              groups.dp_rank, groups.dp_size)
+                    tr.train_iters = min((epoch + 1) * per_epoch, total)
+                    train(cfg, groups, engine, optimizer, scheduler, state, train_iter, None,
+                          logger, result.training, exits, profiler=profiler,
+                          manual_gc=manual_gc)
+                    if result.training.exited_early:
+                        break
+                    score(epoch + 1)
+                    it = state.iteration
+                    if tr.exit_interval and it % tr.exit_interval == 0 and it < total:
+                        # train() acts on --exit-interval only before its end, the epoch's
+                        # here: stop after the epoch's score, saved as train() saves
+                        if (tr.save and result.training.nonfinite_ending is None
+                                and not (tr.save_interval and it % tr.save_interval == 0)):
+                            _save_checked(cfg, groups, engine, optimizer, scheduler, state)
+                        print_rank_last(f"exiting at iteration {it} (--exit-interval "
+                                        f"{tr.exit_interval})")
+                        result.training.exited_early = True
+                        break
             tr.train_iters = total
             if result.training.nonfinite_ending is not None:
                 # the last epoch ended on steps skipped for inf/nan: fail, save nothing

@@ -35,7 +35,7 @@ from megatron.pipeline.actions import Action, Op
 from megatron.pipeline.memory import StashTracker, tensor_bytes
 from megatron.pipeline.p2p import P2PCommunicator, available_cores, prepost_pays
 from megatron.pipeline.param_gather import gather_hooks
-from megatron.pipeline.stage_plan import StagePlan, StagePlans
+from megatron.pipeline.stage_plan import PlanKey, StagePlan, StagePlans
 from megatron.pipeline.update import StepReport, Updater
 from megatron.pipeline.weights import WeightBuffers
 
@@ -340,7 +340,7 @@ class PipelineEngine:
                 raise  # a bad token id or file is the user's to fix: no schedule grid
             except Exception as exc:
                 raise PipelineError(self._report_failure(plan.full_schedule(), index, action,
-                                                         exc)) from exc
+                                                         exc, plan.key)) from exc
             if self.trace_enabled:
                 self._trace(action, seg, start, time.perf_counter(),
                             time.thread_time() - cpu_start)
@@ -356,7 +356,15 @@ class PipelineEngine:
         process groups go): ``Updater.finish_sums``."""
         self.updater.finish_sums()
 
-    def _report_failure(self, actions, index: int, action: Action, exc: Exception) -> str:
+    def _report_failure(self, actions, index: int, action: Action, exc: Exception,
+                        key: Optional[PlanKey] = None) -> str:
+        """``key``: the failing segment's shape, which the header names (the flush
+        warm-up of --2bw-mitigation warmup, and an evaluation's microbatches, differ from
+        the run's schedule and its training m)."""
+        name, m, what = self.schedule_name, self.num_microbatches, ""
+        if key is not None:
+            name, _, m, _, forward_only = key
+            what = ", forward only" if forward_only else ""
         try:
             from megatron.pipeline.schedules import format_grid
             # A window of 12 time units either side of the failing action: the full grid
@@ -373,8 +381,7 @@ class PipelineEngine:
             Op.RECV_ACT: p2p.prev_rank, Op.SEND_GRAD: p2p.prev_rank}.get(action.op)
         msg = (f"[rank {self.groups.rank}] pipeline stage {self.stage} failed at action "
                f"#{index} {action}{'' if peer is None else f' (with rank {peer})'} "
-               f"({self.schedule_name}, d={self.num_stages}, "
-               f"m={self.num_microbatches}, iteration {self.iteration}): "
+               f"({name}{what}, d={self.num_stages}, m={m}, iteration {self.iteration}): "
                f"{type(exc).__name__}: {exc}\n{grid}")
         print(msg, file=sys.stderr, flush=True)
         return msg
