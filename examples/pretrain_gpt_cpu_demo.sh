@@ -9,6 +9,9 @@
 #                                                       # SwiGLU, GQA, no biases, untied
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# BLOCK_FLAGS; a mistyped BLOCK stops here, before the set-up and before the previous
+# run's checkpoints are removed
+source examples/demo_block_flags.sh
 PY=${PYTHON:-python3}
 bash scripts/setup_env.sh
 OUT=${DEMO_DIR:-demo}
@@ -36,7 +39,6 @@ if [ -e "$OUT/checkpoints" ]; then
   echo "[demo] removing the checkpoints of the previous demo run ($OUT/checkpoints)"
   rm -rf "$OUT/checkpoints"
 fi
-source examples/demo_block_flags.sh  # BLOCK_FLAGS
 echo "[demo] pretraining GPT (${BLOCK:-gpt2} block): 4 ranks, --pipeline-schedule 2bw, d=2, w=2"
 OMP_NUM_THREADS=1 $PY -m torch.distributed.run --standalone --nproc-per-node 4 pretrain_gpt.py \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
