@@ -498,9 +498,9 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
                         "tensorboard package).")
     g.add_argument("--manual-gc", action="store_true",
                    help="Turn Python's automatic garbage collection off while training and "
-                        "collect at the same iterations on every rank instead "
-                        "(--manual-gc-interval, evaluations), so no rank stalls a pipeline "
-                        "with a collection of its own.")
+                        "collect after the same iterations on every rank instead "
+                        "(--manual-gc-interval, evaluations), not whenever one rank's "
+                        "allocation counters say.")
     g.add_argument("--manual-gc-interval", type=int, default=0, metavar="N",
                    help="With --manual-gc: collect after every N iterations (0: only around "
                         "evaluations).")

@@ -259,8 +259,9 @@ PROFILE_FLAGS: Tuple[Tuple[str, str, str], ...] = (
 GC_FLAGS: Tuple[Tuple[str, str, str], ...] = (
     ("--manual-gc", "off",
      "Python's automatic garbage collection is off while the run trains (restored after); "
-     "every rank collects at the same iterations instead, so no rank pauses in the "
-     "middle of a pipeline's batch on its own"),
+     "every rank collects after the same iterations instead (each stage after its own "
+     "step of that iteration: under 2BW, which does not drain, the stages' pauses "
+     "overlap only in part), not whenever its own allocation counters say"),
     ("--manual-gc-interval N", "0", "with `--manual-gc`: a full collection after every N "
      "iterations (0: none between evaluations); must be >= 0"),
     ("--no-manual-gc-eval", "collects", "with `--manual-gc`: no full collection before each "

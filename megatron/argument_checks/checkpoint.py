@@ -146,7 +146,9 @@ def check_checkpoint_and_logging(args: argparse.Namespace) -> None:
         _check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
         require(importlib.util.find_spec("tensorboard") is not None,
                 f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package, "
-                "which is not installed: pip install tensorboard (or drop the flag)")
+                "which is not installed: pip install tensorboard (or drop the flag"
+                + ("; --use-pytorch-profiler writes its traces to --profile-dir without it)"
+                   if getattr(args, "use_pytorch_profiler", False) else ")"))
     require(args.max_consecutive_skipped_steps >= 0,
             f"--max-consecutive-skipped-steps must be >= 0 (0 disables the limit), got "
             f"{args.max_consecutive_skipped_steps}")

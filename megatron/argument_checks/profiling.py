@@ -34,6 +34,8 @@ def check_profile(args: argparse.Namespace, world_size: int) -> None:
         require(not given, f"{given[0] if given else ''} needs --profile (without it "
                            "nothing is profiled)")
         return
+    require(not args.skip_train, "--profile profiles training batches, and --skip-train "
+                                 "trains none: drop one of them")
     start, end = args.profile_step_start, args.profile_step_end
     require(start >= 0, f"--profile-step-start must be >= 0 (a 0-based iteration), got {start}")
     require(end > start, f"--profile-step-end ({end}) must be greater than "
@@ -59,7 +61,7 @@ def check_profile(args: argparse.Namespace, world_size: int) -> None:
                 "--profile without --use-pytorch-profiler marks the window for nsys "
                 "(cudaProfilerStart/Stop), which needs ranks on CUDA devices; add "
                 "--use-pytorch-profiler to profile these CPU ranks with torch.profiler")
-    if args.train_iters is not None and not args.skip_train:
+    if args.train_iters is not None:
         require(start < args.train_iters,
                 f"--profile-step-start {start} is past the run's last iteration "
                 f"(--train-iters {args.train_iters}): nothing would be profiled")

@@ -139,3 +139,30 @@ def test_a_training_run_writes_its_window(tmp_path):
         "ProfilerStep#1", "ProfilerStep#2"]
     assert any(n.startswith("aten::") for n in names)
     assert "wrote the torch.profiler trace of batches 1..2" in err.getvalue()
+
+
+def test_profile_with_skip_train_is_refused(capsys, monkeypatch, tmp_path):
+    """--skip-train trains no batch: the window would record nothing, silently."""
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(BASE + ["--profile", "--use-pytorch-profiler", "--profile-dir", "x",
+                                  "--skip-train"],
+                          "--profile profiles training batches, and --skip-train trains none",
+                          capsys, monkeypatch)
+
+
+def test_tensorboard_missing_names_profile_dir_for_profiler_runs(capsys, monkeypatch, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here: the error does not arise")
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(BASE + ["--profile", "--use-pytorch-profiler", "--tensorboard-dir",
+                                  "tb"], "--tensorboard-dir tb needs the tensorboard package",
+                          capsys, monkeypatch)
+    from megatron.arguments import parse_and_validate
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        parse_and_validate(BASE + ["--profile", "--use-pytorch-profiler", "--tensorboard-dir",
+                                   "tb"])
+    assert "--use-pytorch-profiler writes its traces to --profile-dir" in capsys.readouterr().err
