@@ -387,6 +387,13 @@ def verdicts(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
     return ignored, refused
 
 
+def _honoured_table(title: str, intro: str,
+                    rows: Tuple[Tuple[str, str, str], ...]) -> List[str]:
+    """A section of Megatron-LM flags this parser honours: (flag, default, effect) rows."""
+    return (["", f"## {title}", "", intro, "", "| flag | default | effect |", "|---|---|---|"]
+            + [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in rows])
+
+
 def markdown() -> str:
     """The tables of docs/megatron_lm_flags.md."""
     lines = ["# Megatron-LM flags in this trainer", "",
@@ -419,33 +426,30 @@ def markdown() -> str:
                  "reads them only with one) |")
     lines.append(f"| `{' / '.join(LAUNCHER_FLAGS)}` | accepted from `torch.distributed.launch`; "
                  "the rank comes from `LOCAL_RANK` |")
-    lines += ["", "## TensorBoard scalars (as Megatron-LM selects them)", "",
-              "These are flags of this parser with Megatron-LM's meaning and defaults "
-              "(`megatron/training_log.py`). Always written with `--tensorboard-dir`: the "
-              "losses (`lm loss`), `grad-norm` (none for a skipped iteration, as Megatron-LM's "
-              "optimizer returns none), `num-zeros` and `params-norm` with their flags, "
-              "`weight-decay` when it ramps, each with its ` vs samples` twin, and "
-              "`lm loss validation` at each evaluation.", "",
-              "| flag | default | effect |", "|---|---|---|"]
-    lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in TENSORBOARD_FLAGS]
-    lines += ["", "## Profiling (as Megatron-LM)", "",
-              "Flags of this parser with Megatron-LM's meaning and defaults "
-              "(`megatron/profiling.py`). The window flags without `--profile` are an error "
-              "(they would do nothing). A resumed run profiles what is left of the window; "
-              "its trace's `ProfilerStep#k` count from the resumed run's first batch. A run "
-              "that stops inside the window (--train-iters, --exit-interval, SIGTERM) ends its "
-              "trace with its last trained batch, before the stop's checkpoint save. "
-              "Finetuning (tasks/main.py) profiles one window across its epochs: one trace "
-              "per profiled rank, the scores between epochs in it.", "",
-              "| flag | default | effect |", "|---|---|---|"]
-    lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in PROFILE_FLAGS]
-    lines += ["", "## Garbage collection (as Megatron-LM)", "",
-              "Flags of this parser with Megatron-LM's meaning and defaults. The training "
-              "steps themselves leave no cyclic garbage here, so a run with "
-              "`--manual-gc-interval 0` does not grow. Finetuning keeps the collector off "
-              "across its epochs and treats each epoch's score as an evaluation.", "",
-              "| flag | default | effect |", "|---|---|---|"]
-    lines += [f"| `{flag}` | {default} | {effect} |" for flag, default, effect in GC_FLAGS]
+    lines += _honoured_table(
+        "TensorBoard scalars (as Megatron-LM selects them)",
+        "These are flags of this parser with Megatron-LM's meaning and defaults "
+        "(`megatron/training_log.py`). Always written with `--tensorboard-dir`: the "
+        "losses (`lm loss`), `grad-norm` (none for a skipped iteration, as Megatron-LM's "
+        "optimizer returns none), `num-zeros` and `params-norm` with their flags, "
+        "`weight-decay` when it ramps, each with its ` vs samples` twin, and "
+        "`lm loss validation` at each evaluation.", TENSORBOARD_FLAGS)
+    lines += _honoured_table(
+        "Profiling (as Megatron-LM)",
+        "Flags of this parser with Megatron-LM's meaning and defaults "
+        "(`megatron/profiling.py`). The window flags without `--profile` are an error "
+        "(they would do nothing). A resumed run profiles what is left of the window; "
+        "its trace's `ProfilerStep#k` count from the resumed run's first batch. A run "
+        "that stops inside the window (--train-iters, --exit-interval, SIGTERM) ends its "
+        "trace with its last trained batch, before the stop's checkpoint save. "
+        "Finetuning (tasks/main.py) profiles one window across its epochs: one trace "
+        "per profiled rank, the scores between epochs in it.", PROFILE_FLAGS)
+    lines += _honoured_table(
+        "Garbage collection (as Megatron-LM)",
+        "Flags of this parser with Megatron-LM's meaning and defaults. The training "
+        "steps themselves leave no cyclic garbage here, so a run with "
+        "`--manual-gc-interval 0` does not grow. Finetuning keeps the collector off "
+        "across its epochs and treats each epoch's score as an evaluation.", GC_FLAGS)
     for kind, title in (("ignored", "Accepted, no effect here"),
                         ("refused", "Refused: not built here")):
         lines += ["", f"## {title}", "", "| flag | values | why |", "|---|---|---|"]
