@@ -29,13 +29,20 @@ from megatron.training_exits import ExitRequests, NonFiniteError, SkipMonitor, c
 from megatron.training_log import TrainingLogger, print_rank_last
 
 
+STEPS_KEPT = 100_000
+"""Iterations whose step reports and losses a ``TrainingResult`` keeps (the newest): about
+0.7 KB each, so a run of millions of iterations does not grow by gigabytes per rank."""
+
+
 @dataclass
 class TrainingResult:
     """What pretrain() returns on each rank (used by tests and benches)."""
 
     iteration: int = 0
     losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    """Last stage: the losses of the newest ``STEPS_KEPT`` iterations, by iteration."""
     reports: List[StepReport] = field(default_factory=list)
+    """The newest ``STEPS_KEPT`` step reports, oldest first."""
     eval_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
     test_losses: Dict[int, Dict[str, float]] = field(default_factory=dict)
     """The test split's losses at the end of training (last stage; --test-data-path or
@@ -223,6 +230,11 @@ def _step_callback(cfg: MegatronConfig, scheduler, state: TrainState, result: Tr
         result.reports.append(report)
         if report.losses:
             result.losses[report.iteration + 1] = report.losses
+        if len(result.reports) >= 2 * STEPS_KEPT:  # trimmed in halves: amortised O(1)
+            del result.reports[:-STEPS_KEPT]
+            first_kept = result.reports[0].iteration + 1
+            for k in [k for k in result.losses if k < first_kept]:
+                del result.losses[k]
         logger.on_step(report, state, size, decoupled_lr, weight_decay)
         monitor.update(report)
         for hook in after_step:
