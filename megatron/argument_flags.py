@@ -389,8 +389,8 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeline-file", type=str, default=None,
                    help="Write traced pipeline actions as JSON (one file per rank) for "
                         "tools/draw_timeline.py: every action of the run, kept in memory "
-                        "until its end (about 2.3 KB per microbatch and rank), so meant for "
-                        "short runs; --profile traces a window of a long one.")
+                        "until its end, so meant for short runs; --profile traces a window "
+                        "of a long one.")
     g.add_argument("--measure-memory-interval", type=int, default=0,
                    help="Count stashed activations with saved-tensor hooks on every batch "
                         "divisible by this (1: every batch); default 0: only the first batch "

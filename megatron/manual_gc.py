@@ -8,8 +8,7 @@ stalls every stage after it.  With --manual-gc the ranks collect after every
 one before, the young generation after; not with --no-manual-gc-eval).  A stage collects
 right after its own optimizer step of that iteration: under the flushing schedules the
 stages take it within one batch's drain, under 2BW (no drain) at their own moments a few
-microbatches apart, so their pauses overlap only in part there (a full collection took
-about 38 ms per rank on the CPU test models).  The training
+microbatches apart, so their pauses overlap only in part there.  The training
 steps leave no cyclic garbage here (a collection after each of 12 flush or 2BW steps
 finds nothing: tests/unit/test_manual_gc.py), so --manual-gc-interval 0 does not make a
 run grow.  The collector's state before the run is restored when training ends.

@@ -30,8 +30,9 @@ from megatron.training_log import TrainingLogger, print_rank_last
 
 
 STEPS_KEPT = 100_000
-"""Iterations whose step reports and losses a ``TrainingResult`` keeps (the newest): about
-0.7 KB each, so a run of millions of iterations does not grow by gigabytes per rank."""
+"""Iterations whose step reports and losses a ``TrainingResult`` keeps (the newest): a
+report and its loss dict take a few hundred bytes, so a run of millions of iterations
+would otherwise grow by gigabytes per node."""
 
 
 @dataclass

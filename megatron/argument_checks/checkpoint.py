@@ -88,7 +88,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
                  + (f"; not taken: {', '.join(left)}" if left else ""))
 
 
-def _check_writable_dir(flag: str, path: str) -> None:
+def check_writable_dir(flag: str, path: str) -> None:
     """An unwritable --save is found now rather than after hours of training: a probe
     file is written (then deleted) in ``path``, or, when ``path`` does not exist yet, in
     the nearest directory above it that does (the run creates ``path`` when it starts
@@ -140,10 +140,10 @@ def _check_save_holds_no_other_run(args: argparse.Namespace) -> None:
 
 def check_checkpoint_and_logging(args: argparse.Namespace) -> None:
     if args.save is not None:
-        _check_writable_dir("--save", args.save)
+        check_writable_dir("--save", args.save)
         _check_save_holds_no_other_run(args)
     if args.tensorboard_dir is not None:
-        _check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
+        check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
         require(importlib.util.find_spec("tensorboard") is not None,
                 f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package, "
                 "which is not installed: pip install tensorboard (or drop the flag"

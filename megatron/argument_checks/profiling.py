@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.argument_checks.checkpoint import check_writable_dir
 from megatron.argument_checks.errors import require
 
 _WINDOW_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end",
@@ -49,9 +50,7 @@ def check_profile(args: argparse.Namespace, world_size: int) -> None:
                 "--use-pytorch-profiler writes each profiled rank's trace under "
                 "--profile-dir, else --tensorboard-dir (Megatron-LM's place): give one")
         if args.profile_dir is not None:
-            from megatron.argument_checks.checkpoint import _check_writable_dir
-
-            _check_writable_dir("--profile-dir", args.profile_dir)
+            check_writable_dir("--profile-dir", args.profile_dir)
     else:
         require(args.profile_dir is None, "--profile-dir is where --use-pytorch-profiler "
                                           "writes its traces: add --use-pytorch-profiler")

@@ -4,8 +4,9 @@ A training run asks for the same segments over and over: the training loop ends 
 segment at every drain point (2BW: every 100 batches by default; flush/gpipe/none: every
 10, where the skip monitor could first stop the run), and every evaluation runs the same
 forward-only schedule.  ``build_schedule`` makes every stage's list and, for 2BW, places
-the optimizer steps by simulating them: at d=8, m=64 a 100-batch 2BW segment took about
-1 s of CPU on each rank before its first action (``bench/segment_setup.py``).  The
+the optimizer steps by simulating them: a 100-batch 2BW segment took 1.2 s of CPU on
+each rank at d=8, m=64 and 6.1 s at d=16, m=128 before its first action
+(``bench/segment_setup.py``, bench/results/segment_setup.json).  The
 schedule of a segment depends only on (schedule, d, m, batches, forward-only), and its
 actions are immutable with batch-relative indices, so the executor keeps this stage's
 list of the last few shapes (``StagePlans``) and builds each shape once.  Only this
